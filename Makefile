@@ -1,0 +1,35 @@
+# kvstore: `make demo` sets up and runs the demo; `make test` sets up and runs the tests.
+PY := .venv/bin/python
+STAMP := .venv/.setup-stamp
+
+.PHONY: setup demo test test-all test-slow lint bench proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m benchmarks.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+test-all: setup
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: setup
+	.venv/bin/ruff check .
+
+bench: setup
+	$(PY) -m benchmarks.tier_throughput
+
+proto: setup
+	PATH=.venv/bin:$$PATH kvstore/proto/generate.sh
+
+clean:
+	rm -rf .data .pytest_cache .ruff_cache

@@ -1,0 +1,84 @@
+"""`KVClient`: the synchronous facade over `AsyncKVClient`, for engines without an event loop.
+
+The async client runs on a private event loop in a daemon thread; every call keeps the async
+client's contract (a miss within the deadline, never an exception for a daemon problem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from client.aio import AsyncKVClient, Tokens
+from kvstore.layout import KVLayout
+from kvstore.proto import kvstore_pb2 as pb
+
+T = TypeVar("T")
+
+
+class KVClient:
+    """Synchronous kvstore client. Use as a context manager, or call `close()`."""
+
+    def __init__(self, target: str, layout: KVLayout, **kwargs: Any) -> None:
+        self._aio = AsyncKVClient(target, layout, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._aio.layout
+
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("KVClient is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            # The coroutine enforces the deadline itself; this bound only guards against a
+            # wedged loop (a copy of gigabytes counts against it too).
+            return future.result(timeout=self._aio.deadline_s * 4 + 5)
+        except TimeoutError:
+            future.cancel()
+            return miss
+
+    def keys(self, tokens: Tokens) -> list[bytes]:
+        return self._aio.keys(tokens)
+
+    def lookup(self, tokens: Tokens) -> int:
+        return self._run(self._aio.lookup(tokens), 0)
+
+    def fetch(self, tokens: Tokens, into: torch.Tensor | None = None,
+              ) -> tuple[int, torch.Tensor | None]:
+        return self._run(self._aio.fetch(tokens, into), (0, None))
+
+    def publish(self, tokens: Tokens, kv: torch.Tensor) -> int:
+        return self._run(self._aio.publish(tokens, kv), 0)
+
+    def stats(self) -> pb.StatsReply | None:
+        return self._run(self._aio.stats(), None)
+
+    def clear(self, *, all_namespaces: bool = False) -> int:
+        return self._run(self._aio.clear(all_namespaces=all_namespaces), 0)
+
+    def ping(self) -> bool:
+        return self._run(self._aio.ping(), False)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._aio.close(), self._loop).result(timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

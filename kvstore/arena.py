@@ -1,0 +1,47 @@
+"""The shared-memory arena file: created by the daemon's host tier, mapped by same-node clients.
+
+Data between an engine and the daemon on one machine crosses no socket: the client copies
+into or out of the mapping at offsets the daemon hands out under a lease.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+
+class Arena:
+    """A file-backed shared mapping exposed as a flat `uint8` tensor."""
+
+    def __init__(self, path: Path, size: int, *, create: bool) -> None:
+        self.path = path
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(f"arena {path} is smaller than the {size} bytes announced")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8) if size else torch.empty(
+            0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, directory: str | Path, size: int) -> Arena:
+        path = Path(directory) / f"kvstore-{os.getpid()}-{secrets.token_hex(6)}.arena"
+        return cls(path, size, create=True)
+
+    @classmethod
+    def attach(cls, path: str | Path, size: int) -> Arena:
+        return cls(Path(path), size, create=False)
+
+    def unlink(self) -> None:
+        """Remove the file; existing mappings stay valid until released."""
+        self.path.unlink(missing_ok=True)

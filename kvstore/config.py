@@ -1,0 +1,146 @@
+"""The daemon's typed, validated configuration.
+
+Every option is a field of `ServerConfig` with its documentation, unit and bounds in the field's
+metadata; `docs/CONFIG.md` is generated from them. Sources, lowest precedence first: defaults,
+a TOML file (`--config`), `KVSTORE_*` environment variables, command-line flags. Only entry
+points read files and the environment (`load_config`); library code takes a `ServerConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, option: str = "size") -> int:
+    """Bytes from `1048576`, `"64GiB"`, `"512 MiB"` or `"1.5GB"`; raises `ConfigError`."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{option}: expected a size, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(f"{option}: a size cannot be negative ({value})")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{option}: cannot parse size {value!r} (try 1048576, 512MiB or 64GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _opt(default: Any, doc: str, *, unit: str = "", lo: float | None = None,
+         hi: float | None = None, choices: tuple[str, ...] = (), secret: bool = False) -> Any:
+    meta = {"doc": doc, "unit": unit, "min": lo, "max": hi, "choices": choices, "secret": secret}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of `kvstore-server`. Sizes accept units (`64GiB`)."""
+
+    data_dir: str = _opt(".data/kvstore", "Directory for the disk tier and runtime files.")
+    socket: str = _opt("", "Unix socket path to listen on (mode 0600). Default: DATA_DIR/kv.sock.")
+    listen: str = _opt("", "TCP HOST:PORT to listen on as well; requires `token`. Empty: none.")
+    token: str = _opt("", "Shared secret TCP clients must present (bearer token).", secret=True)
+    host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
+                           lo=0, hi=1 << 44)
+    disk_bytes: int = _opt(8 << 30, "Disk tier capacity: payload bytes in the data file.",
+                           unit="bytes", lo=0, hi=1 << 50)
+    disk_sync: str = _opt("always", "When disk writes are made durable: `always` (fdatasync "
+                          "before the index entry), `never` (leave it to the OS).",
+                          choices=("always", "never"))
+    shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
+    metrics_port: int = _opt(0, "Prometheus metrics HTTP port on 127.0.0.1; 0 disables.", lo=0,
+                             hi=65535)
+    max_message_bytes: int = _opt(64 << 20, "Largest gRPC message accepted or sent.",
+                                  unit="bytes", lo=1 << 20, hi=1 << 30)
+    max_concurrent_rpcs: int = _opt(256, "Concurrent RPCs before RESOURCE_EXHAUSTED.", lo=1,
+                                    hi=100_000)
+    lease_timeout_s: float = _opt(30.0, "A fetch or publish lease not released in this time is "
+                                  "reclaimed.", unit="seconds", lo=0.1, hi=3600)
+    max_blocks_per_call: int = _opt(4096, "Most keys one Lookup/Fetch/Publish may name.", lo=1,
+                                    hi=1 << 20)
+    drain_grace_s: float = _opt(5.0, "On SIGTERM, how long in-flight calls may finish.",
+                                unit="seconds", lo=0, hi=600)
+    log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_format: str = _opt("text", "Log line format.", choices=("text", "json"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            meta = f.metadata
+            if meta["choices"] and value not in meta["choices"]:
+                raise ConfigError(f"{f.name}: {value!r} is not one of {list(meta['choices'])}")
+            if meta["min"] is not None and value < meta["min"]:
+                raise ConfigError(f"{f.name}: {value} is below the minimum {meta['min']}")
+            if meta["max"] is not None and value > meta["max"]:
+                raise ConfigError(f"{f.name}: {value} is above the maximum {meta['max']}")
+        if self.listen:
+            host, _, port = self.listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
+            if not self.token:
+                raise ConfigError("listen: a TCP listener requires `token` (clients authenticate)")
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else Path(self.data_dir) / "kv.sock"
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective configuration, secrets replaced, for `--print-config` and logs."""
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata["secret"] and out[f.name]:
+                out[f.name] = "***"
+        return out
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    f = {f.name: f for f in dataclasses.fields(ServerConfig)}.get(name)
+    if f is None:
+        raise ConfigError(f"unknown option {name!r}")
+    if f.metadata["unit"] == "bytes":
+        return parse_size(raw, name)
+    kind = type(f.default)
+    try:
+        if kind is bool:
+            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def load_config(
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    """Merge defaults < TOML file < `KVSTORE_*` environment < `overrides` (flags)."""
+    values: dict[str, Any] = {}
+    if file:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {file}: {e}") from None
+        data = data.get("server", data)
+        for k, v in data.items():
+            values[k.replace("-", "_")] = _coerce(k.replace("-", "_"), v)
+    for k, v in (env or {}).items():
+        if k.startswith("KVSTORE_") and k != "KVSTORE_CONFIG":
+            name = k.removeprefix("KVSTORE_").lower()
+            values[name] = _coerce(name, v)
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            values[k] = _coerce(k, v)
+    return ServerConfig(**values)

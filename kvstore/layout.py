@@ -1,0 +1,148 @@
+"""`KVLayout`: everything that decides the bytes of a KV-cache block.
+
+A block's payload is one contiguous buffer `[num_layers, kv, block_tokens, num_kv_heads,
+head_dim]` (kv = 2 for K and V, 1 for an MLA latent). Two layouts that differ in any field
+produce different bytes, so the layout's digest is part of every key's namespace and of every
+framed payload: a block is never read back under another layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import InvalidArgumentError, LayoutMismatchError
+
+# Only dtypes with a stable, engine-independent byte representation.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+MAX_BLOCK_BYTES = 1 << 30  # 1 GiB: far above any real model's block; guards absurd layouts.
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """Canonical name of a supported dtype (`torch.bfloat16` or `"bfloat16"` -> `"bfloat16"`)."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPES:
+            raise InvalidArgumentError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
+        return name
+    if dtype not in _DTYPE_NAMES:
+        raise InvalidArgumentError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+    return _DTYPE_NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and identity of the KV cache of one model shard.
+
+    `model` and `model_revision` identify the weights: blocks of two revisions never mix.
+    `kv_kind` is "kv" (separate K and V) or "mla" (one latent per token, `num_kv_heads == 1`).
+    `tp_rank`/`tp_size` and `pp_rank`/`pp_size` identify the shard whose heads/layers these are.
+    """
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype | str = torch.bfloat16
+    block_tokens: int = 256
+    model_revision: str = ""
+    kv_kind: str = "kv"
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPES[dtype_name(self.dtype)])
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidArgumentError("KVLayout.model must be a non-empty string")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size",
+                     "pp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            r, s = getattr(self, rank), getattr(self, size)
+            if not isinstance(r, int) or not 0 <= r < s:
+                raise InvalidArgumentError(f"KVLayout.{rank} must be in [0, {size}), got {r!r}")
+        if self.kv_kind not in ("kv", "mla"):
+            raise InvalidArgumentError(f"KVLayout.kv_kind must be 'kv' or 'mla', got {self.kv_kind!r}")
+        if self.kv_kind == "mla" and self.num_kv_heads != 1:
+            raise InvalidArgumentError("an MLA layout has num_kv_heads == 1 (one latent per token)")
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise InvalidArgumentError(
+                f"a block of this layout would be {self.block_bytes} bytes, over the "
+                f"{MAX_BLOCK_BYTES}-byte limit; lower block_tokens")
+
+    @property
+    def kv_count(self) -> int:
+        """2 for K and V, 1 for an MLA latent."""
+        return 2 if self.kv_kind == "kv" else 1
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()  # type: ignore[arg-type]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_count * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_tokens
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """`[num_layers, kv, block_tokens, num_kv_heads, head_dim]`."""
+        return (self.num_layers, self.kv_count, self.block_tokens, self.num_kv_heads, self.head_dim)
+
+    def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape of a prompt's KV for `num_tokens` tokens, as clients pass it."""
+        return (self.num_layers, self.kv_count, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["dtype"] = dtype_name(self.dtype)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise InvalidArgumentError(f"unknown KVLayout fields: {sorted(unknown)}")
+        return cls(**d)
+
+    def digest(self) -> bytes:
+        """32-byte SHA-256 of the canonical JSON of every field: equal iff the bytes agree."""
+        return _digest(json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")))
+
+    def check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
+        """Raise `LayoutMismatchError` naming what differs if `kv` is not this layout's KV."""
+        if not isinstance(kv, torch.Tensor):
+            raise LayoutMismatchError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != self.dtype:
+            raise LayoutMismatchError(f"kv dtype is {kv.dtype}, the layout says {self.dtype}")
+        want = self.kv_shape(num_tokens)
+        if tuple(kv.shape) != want:
+            raise LayoutMismatchError(
+                f"kv shape is {tuple(kv.shape)}, expected {want} "
+                "([num_layers, kv, num_tokens, num_kv_heads, head_dim])")
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()

@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STREAM: _ClassVar[Transfer]
+    TRANSFER_SHM: _ClassVar[Transfer]
+TRANSFER_STREAM: Transfer
+TRANSFER_SHM: Transfer
+
+class Layout(_message.Message):
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "model_revision", "kv_kind", "tp_rank", "tp_size", "pp_rank", "pp_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    KV_KIND_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_tokens: int
+    model_revision: str
+    kv_kind: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., model_revision: _Optional[str] = ..., kv_kind: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("version", "arena_path", "arena_bytes", "max_message_bytes", "max_blocks_per_call", "arena_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    arena_path: str
+    arena_bytes: int
+    max_message_bytes: int
+    max_blocks_per_call: int
+    arena_id: str
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_call: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("hits", "tiers")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("offset", "length", "tier")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    tier: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("namespace", "layout", "keys", "transfer")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    layout: Layout
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    transfer: Transfer
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    lease_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    block_index: int
+    chunk_offset: int
+    data: bytes
+    arena_id: str
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ...) -> None: ...
+
+class PublishChunk(_message.Message):
+    __slots__ = ("namespace", "layout", "keys", "block_index", "chunk_offset", "data")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    layout: Layout
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_index: int
+    chunk_offset: int
+    data: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ("stored", "present")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    present: int
+    def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace", "layout", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    layout: Layout
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("lease_id", "needed", "blocks", "arena_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    needed: _containers.RepeatedScalarFieldContainer[bool]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
+    arena_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., needed: _Optional[_Iterable[bool]] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., arena_id: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    def __init__(self, stored: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "evictions", "hits", "bytes_read", "bytes_written")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    pinned_blocks: int
+    evictions: int
+    hits: int
+    bytes_read: int
+    bytes_written: int
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    integrity_failures: int
+    active_leases: int
+    demotions: int
+    promotions: int
+    stored_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace", "all")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    all: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class ClearReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The kvstore daemon: gRPC service over the tiered store."""

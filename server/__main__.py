@@ -1,0 +1,69 @@
+"""`kvstore-server` / `python -m server`: parse flags, load the configuration, run the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+
+from kvstore.config import ServerConfig, load_config
+from kvstore.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore-server", description="kvstore storage daemon")
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective configuration (secrets redacted) and exit")
+    import dataclasses
+
+    for f in dataclasses.fields(ServerConfig):
+        meta = f.metadata
+        unit = f" [{meta['unit']}]" if meta["unit"] else ""
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                       help=f"{meta['doc']}{unit} (default: {f.default!r})")
+    return p
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    if fmt == "json":
+        class JsonFormatter(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return json.dumps({"ts": self.formatTime(record), "level": record.levelname,
+                                   "logger": record.name, "msg": record.getMessage()})
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    else:
+        logging.basicConfig(level=level.upper(), force=True,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+    try:
+        config = load_config(args.config or os.environ.get("KVSTORE_CONFIG"), os.environ, flags)
+    except ConfigError as e:
+        print(f"kvstore-server: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(config.redacted(), indent=2))
+        return 0
+    setup_logging(config.log_level, config.log_format)
+    from server.app import Daemon
+
+    try:
+        daemon = Daemon(config)
+    except ConfigError as e:
+        print(f"kvstore-server: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(daemon.run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

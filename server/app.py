@@ -1,0 +1,128 @@
+"""Start, serve and drain the daemon.
+
+One process: a `grpc.aio` server on a Unix socket (mode 0600), optionally a second one on TCP
+guarded by a token, the gRPC health service on both, Prometheus metrics on loopback. SIGTERM or
+SIGINT turns health to NOT_SERVING, lets in-flight calls finish within the grace period, releases
+leases, closes the tiers (flushing the disk index) and removes the arena file and socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.config import ServerConfig
+from kvstore.errors import ConfigError
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from server.auth import TokenInterceptor
+from server.metrics import Metrics
+from server.service import KVStoreService
+from server.store import TieredStore
+from tiers.disk import DiskTier
+from tiers.host import HostTier
+
+log = logging.getLogger("kvstore.server")
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _lock_data_dir(data_dir: Path) -> int:
+    """Hold an exclusive lock so two daemons never share one data directory."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"data_dir: {data_dir} is in use by another kvstore-server") from None
+    return fd
+
+
+class Daemon:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.data_dir = Path(config.data_dir)
+        self._lock_fd = _lock_data_dir(self.data_dir)
+        disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync)
+                if config.disk_bytes > 0 else None)
+        self.store = TieredStore(HostTier(config.host_bytes, config.shm_dir), disk,
+                                 config.lease_timeout_s)
+        self.metrics = Metrics(self.store)
+        self.health = health.aio.HealthServicer()
+        self.servers: list[grpc.aio.Server] = []
+        self._stopping = asyncio.Event()
+
+    def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            interceptors=interceptors, options=_grpc_options(self.config),
+            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+        service = KVStoreService(self.store, self.metrics, self.config.max_blocks_per_call,
+                                 self.config.max_message_bytes)
+        pb_grpc.add_KVStoreServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.servers.append(server)
+        return server
+
+    async def start(self) -> None:
+        sock = self.config.socket_path
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)
+        unix = self._make_server([])
+        old_umask = os.umask(0o177)  # the socket is created 0600: no window where others connect
+        try:
+            unix.add_insecure_port(f"unix:{sock}")
+        finally:
+            os.umask(old_umask)
+        await unix.start()
+        os.chmod(sock, 0o600)
+        if self.config.listen:
+            tcp = self._make_server([TokenInterceptor(self.config.token)])
+            tcp.add_insecure_port(self.config.listen)
+            await tcp.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvstore-server listening on unix:%s%s; host %d B, disk %d B, arena %s", sock,
+                 f" and tcp:{self.config.listen}" if self.config.listen else "",
+                 self.store.host.capacity_bytes,
+                 self.store.disk.capacity_bytes if self.store.disk else 0,
+                 self.store.host.arena.path)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self.start()
+        reaper = asyncio.create_task(self.store.reaper())
+        print(f"READY {self.config.socket_path}", flush=True)  # tests and scripts wait for this
+        await self._stopping.wait()
+        reaper.cancel()
+        await self.drain()
+
+    async def drain(self) -> None:
+        log.info("draining: health NOT_SERVING, %.1f s grace", self.config.drain_grace_s)
+        await self.health.enter_graceful_shutdown()
+        await asyncio.gather(*(s.stop(self.config.drain_grace_s) for s in self.servers))
+        self.store.close()
+        self.config.socket_path.unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        log.info("stopped")

@@ -1,0 +1,72 @@
+"""Prometheus metrics. Store and tier figures are read at scrape time, so the hot path only
+keeps plain integer counters; RPC latencies are histograms observed per call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.store import TieredStore
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: TieredStore, connected: dict[str, int]) -> None:
+        self.store = store
+        self.connected = connected
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.store.counters
+        for name, value, doc in (
+            ("kvstore_lookups", c.lookups, "Lookup calls."),
+            ("kvstore_hit_blocks", c.hit_blocks, "Blocks served by Fetch."),
+            ("kvstore_miss_blocks", c.miss_blocks, "Blocks asked for by Fetch and not served."),
+            ("kvstore_integrity_failures", c.integrity_failures,
+             "Stored payloads that failed verification (served as misses, then deleted)."),
+            ("kvstore_demotions", c.demotions, "Blocks written down a tier on eviction."),
+            ("kvstore_promotions", c.promotions, "Blocks copied up a tier on a hit."),
+            ("kvstore_stored_blocks", c.stored_blocks, "Blocks published."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        hits = CounterMetricFamily("kvstore_tier_hits", "Fetched blocks by the tier that held "
+                                   "them.", labels=["tier"])
+        moved = CounterMetricFamily("kvstore_tier_bytes", "Bytes moved per tier and direction.",
+                                    labels=["tier", "direction"])
+        evictions = CounterMetricFamily("kvstore_tier_evictions", "Blocks evicted per tier.",
+                                        labels=["tier"])
+        used = GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes held per tier.",
+                                 labels=["tier"])
+        cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier.",
+                                labels=["tier"])
+        blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held per tier.", labels=["tier"])
+        for tier in self.store.tiers:
+            s = tier.stats()
+            hits.add_metric([s.name], c.tier_hits.get(s.name, 0))
+            moved.add_metric([s.name, "read"], c.bytes_read.get(s.name, 0))
+            moved.add_metric([s.name, "write"], c.bytes_written.get(s.name, 0))
+            evictions.add_metric([s.name], s.evictions)
+            used.add_metric([s.name], s.used_bytes)
+            cap.add_metric([s.name], s.capacity_bytes)
+            blocks.add_metric([s.name], s.blocks)
+        yield from (hits, moved, evictions, used, cap, blocks)
+        yield GaugeMetricFamily("kvstore_active_leases", "Open fetch and publish leases.",
+                                value=len(self.store.leases))
+        yield GaugeMetricFamily("kvstore_inflight_rpcs", "RPCs being served.",
+                                value=self.connected.get("inflight", 0))
+
+
+class Metrics:
+    def __init__(self, store: TieredStore) -> None:
+        self.registry = CollectorRegistry()
+        self.gauges: dict[str, int] = {"inflight": 0}
+        self.registry.register(StoreCollector(store, self.gauges))
+        self.latency = Histogram(
+            "kvstore_rpc_seconds", "RPC latency by method and outcome.", ["method", "code"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+
+    def serve(self, port: int) -> None:
+        """Expose /metrics on 127.0.0.1:`port` (loopback only: put a proxy in front to share)."""
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)

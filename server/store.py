@@ -1,0 +1,303 @@
+"""`TieredStore`: the daemon's blocks across tiers, with leases, demotion and promotion.
+
+The host tier is where clients meet the store: same-node clients copy straight from and into
+its shared arena under a lease, remote clients stream from and into it. The disk tier sits
+below: host victims are demoted to it (written, then dropped from host), disk hits are promoted
+(read into host, verified, kept on disk as well).
+
+All bookkeeping runs on the event-loop thread, so it needs no locks; byte movement runs in
+worker threads on entries that are pinned or reserved, so nothing moves under a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from kvstore.errors import CapacityError, IntegrityError, NotFoundError
+from tiers.base import BlockEntry, Tier
+from tiers.disk import DiskTier
+from tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Lease:
+    """Host entries a client holds: pinned for a fetch, reserved for a publish."""
+
+    id: int
+    kind: Literal["fetch", "publish"]
+    expires: float
+    entries: list[BlockEntry] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
+    needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    integrity_failures: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    stored_blocks: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    bytes_read: dict[str, int] = field(default_factory=dict)
+    bytes_written: dict[str, int] = field(default_factory=dict)
+
+    def add(self, table: dict[str, int], tier: str, n: int) -> None:
+        table[tier] = table.get(tier, 0) + n
+
+
+class TieredStore:
+    def __init__(self, host: HostTier, disk: DiskTier | None, lease_timeout_s: float = 30.0,
+                 io_threads: int = 4) -> None:
+        self.host = host
+        self.disk = disk
+        self.tiers: list[Tier] = [host] + ([disk] if disk is not None else [])
+        self.lease_timeout_s = lease_timeout_s
+        self.leases: dict[int, Lease] = {}
+        self.counters = StoreCounters()
+        self._ids = itertools.count(1)
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
+
+    async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
+        """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
+        finish before unwinding: its buffers are about to be freed and must not be in use."""
+        fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    # ---- lookup
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier names of the longest prefix of `keys` held anywhere."""
+        self.counters.lookups += 1
+        found: list[str] = []
+        for key in keys:
+            tier = next((t for t in self.tiers if t.contains(key)), None)
+            if tier is None:
+                break
+            found.append(tier.name)
+        self._touch(keys[: len(found)])
+        return found
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            tier.touch_chain(list(keys))
+
+    # ---- fetch
+    async def fetch(self, keys: Sequence[bytes], layout_digest: bytes) -> Lease:
+        """Pin the longest cached prefix in host memory (promoting disk hits) under a lease."""
+        lease = self._new_lease("fetch")
+        try:
+            for key in keys:
+                tier = await self._stage(key, layout_digest, lease)
+                if tier is None:
+                    break
+                lease.tiers.append(tier)
+        except BaseException:
+            self.release(lease.id)
+            raise
+        served = len(lease.entries)
+        self.counters.hit_blocks += served
+        self.counters.miss_blocks += len(keys) - served
+        for name in lease.tiers:
+            self.counters.add(self.counters.tier_hits, name, 1)
+        self._touch(keys[:served])
+        return lease
+
+    async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease) -> str | None:
+        """Pin `key` in host memory for `lease`; returns the tier it was found in, or None."""
+        entry = self.host.get(key)
+        if entry is not None:
+            if entry.layout_digest != layout_digest:
+                return None
+            lease.entries.append(self.host.prepare_load(key))
+            return self.host.name
+        if self.disk is None:
+            return None
+        src = self.disk.get(key)
+        if src is None or src.layout_digest != layout_digest:
+            return None
+        self.disk.prepare_load(key)
+        try:
+            dst = await self._reserve_host(key, src.namespace, src.layout_digest, src.length)
+        except BaseException as e:
+            self.disk.complete_load(src)
+            if isinstance(e, CapacityError):
+                return None
+            raise
+        failure: Exception | None = None
+        try:
+            await self._run_io(self.disk.read_into, src, self.host.view(dst).numpy().data)
+        except (IntegrityError, OSError) as e:
+            failure = e
+        except BaseException:
+            self.host.abort_store(dst)
+            raise
+        finally:
+            self.disk.complete_load(src)
+        if failure is not None:
+            self.host.abort_store(dst)
+            self._integrity_failure(self.disk, src, failure)
+            return None
+        self.host.complete_store(dst)
+        self.counters.promotions += 1
+        self.counters.add(self.counters.bytes_read, self.disk.name, src.length)
+        lease.entries.append(self.host.prepare_load(key))
+        return self.disk.name
+
+    def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
+        self.counters.integrity_failures += 1
+        log.warning("integrity failure in %s tier, block %s: %s; deleting it", tier.name,
+                    entry.key.hex()[:16], error)
+        tier.remove(entry.key)  # a no-op while another reader pins it; it fails verification too
+
+    # ---- publish (two-phase)
+    def present(self, key: bytes) -> bool:
+        return any(key in t.entries for t in self.tiers)  # committed or being written
+
+    async def reserve(self, namespace: bytes, layout_digest: bytes, keys: Sequence[bytes],
+                      length: int) -> Lease:
+        """Reserve host space for the keys not yet stored, stopping at the first that fails.
+
+        A block after a hole would be unreachable (lookups stop at the hole), so the lease
+        covers a prefix: `needed[i]` is False for blocks already there and the list ends where
+        space ran out.
+        """
+        lease = self._new_lease("publish")
+        try:
+            for key in keys:
+                if self.present(key):
+                    lease.needed.append(False)
+                    continue
+                try:
+                    entry = await self._reserve_host(key, namespace, layout_digest, length)
+                except CapacityError as e:
+                    log.info("publish stops at a full host tier: %s", e)
+                    break
+                lease.entries.append(entry)
+                lease.needed.append(True)
+        except BaseException:
+            self.release(lease.id)
+            raise
+        return lease
+
+    def commit(self, lease_id: int) -> int:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None or lease.kind != "publish":
+            raise NotFoundError(f"no publish lease {lease_id} (expired or already ended)")
+        for entry in lease.entries:
+            self.host.complete_store(entry)
+        self.host.touch_chain([e.key for e in lease.entries])
+        n = len(lease.entries)
+        self.counters.stored_blocks += n
+        self.counters.add(self.counters.bytes_written, self.host.name,
+                          sum(e.length for e in lease.entries))
+        return n
+
+    async def _reserve_host(self, key: bytes, namespace: bytes, layout_digest: bytes,
+                            length: int) -> BlockEntry:
+        """Reserve host space, demoting least recently used blocks until it fits."""
+        while True:
+            entry = self.host.prepare_store(key, namespace, layout_digest, length)
+            if entry is not None:
+                return entry
+            victim = self.host.next_victim()
+            if victim is None:
+                raise CapacityError("host tier is full of pinned or in-flight blocks")
+            await self._demote(victim)
+
+    async def _demote(self, key: bytes) -> None:
+        """Move a host block to disk (unless it is there already), then drop it from host."""
+        entry = self.host.prepare_load(key)  # pinned while it is written out
+        try:
+            if self.disk is not None and key not in self.disk.entries:
+                await self._write_disk(self.disk, entry)
+        finally:
+            self.host.complete_load(entry)
+        self.host.evict(key)
+
+    async def _write_disk(self, disk: DiskTier, src: BlockEntry) -> None:
+        try:
+            while (dst := disk.prepare_store(src.key, src.namespace, src.layout_digest,
+                                             src.length)) is None:
+                victim = disk.next_victim()
+                if victim is None:
+                    return  # disk full of in-flight blocks: drop rather than block
+                disk.evict(victim)
+        except CapacityError:
+            return  # larger than the whole disk tier
+        try:
+            await self._run_io(disk.write, dst, self.host.view(src).numpy().data)
+        except OSError as e:
+            log.warning("demotion to disk failed: %s", e)
+            disk.abort_store(dst)
+            return
+        except BaseException:
+            disk.abort_store(dst)
+            raise
+        disk.complete_store(dst)
+        self.counters.demotions += 1
+        self.counters.add(self.counters.bytes_written, disk.name, src.length)
+
+    # ---- leases
+    def _new_lease(self, kind: Literal["fetch", "publish"]) -> Lease:
+        lease = Lease(next(self._ids), kind, time.monotonic() + self.lease_timeout_s)
+        self.leases[lease.id] = lease
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        """End a fetch lease (unpin) or abandon a publish reservation (free its space)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for entry in lease.entries:
+            if lease.kind == "fetch":
+                self.host.complete_load(entry)
+            else:
+                self.host.abort_store(entry)
+        return True
+
+    def reap_expired(self) -> int:
+        now = time.monotonic()
+        expired = [i for i, lease in self.leases.items() if lease.expires <= now]
+        for lease_id in expired:
+            log.info("lease %d expired; reclaiming its blocks", lease_id)
+            self.release(lease_id)
+        return len(expired)
+
+    async def reaper(self, period_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.reap_expired()
+
+    # ---- admin
+    def clear(self, namespace: bytes | None) -> int:
+        """Remove the unpinned blocks of a namespace (all when None) from every tier."""
+        removed = 0
+        for tier in self.tiers:
+            for key in list(tier.keys(namespace)):
+                removed += tier.remove(key)
+        return removed
+
+    def close(self) -> None:
+        for lease_id in list(self.leases):
+            self.release(lease_id)
+        self._io.shutdown(wait=True)
+        for tier in self.tiers:
+            with contextlib.suppress(Exception):
+                tier.close()

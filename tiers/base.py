@@ -1,0 +1,169 @@
+"""The tier interface and the block bookkeeping all tiers share.
+
+Lifecycle, as vLLM's offload API: a block is written with `prepare_store` (space reserved,
+invisible to readers, not evictable) then `complete_store` (visible) or `abort_store` (space
+returned); it is read between `prepare_load` (pinned: cannot be evicted or removed under the
+reader) and `complete_load`. Tiers move bytes; which blocks to keep is `kvstore.tiering`'s call.
+All bookkeeping runs on the daemon's event-loop thread; only byte movement runs in workers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.errors import CapacityError, InvalidArgumentError
+from kvstore.extents import ExtentAllocator
+from kvstore.tiering import TierPolicy
+
+PAGE = 4096  # allocation unit: page-aligned blocks allow O_DIRECT and aligned vector copies
+
+
+@dataclass
+class BlockEntry:
+    """Where one block lives in a tier, and what it is bound to."""
+
+    key: bytes
+    namespace: bytes
+    layout_digest: bytes
+    length: int  # payload bytes
+    unit: int  # first allocation unit
+    units: int  # allocation units held
+    committed: bool = False
+    checksum: bytes = b""  # xxh3-128 of the payload, where the tier keeps one
+
+    @property
+    def offset(self) -> int:
+        return self.unit * PAGE
+
+
+@dataclass
+class TierStats:
+    name: str
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    pinned_blocks: int
+    evictions: int
+
+
+class Tier(ABC):
+    """Blocks in fixed-capacity, page-allocated space, with the two-phase lifecycle."""
+
+    name: str = "tier"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise InvalidArgumentError(f"{self.name}: capacity must be >= 0")
+        self.capacity_bytes = capacity_bytes - capacity_bytes % PAGE
+        self.policy = TierPolicy(self.name, self.capacity_bytes)
+        self.alloc = ExtentAllocator(self.capacity_bytes // PAGE)
+        self.entries: dict[bytes, BlockEntry] = {}
+
+    # ---- sizes
+    def units_for(self, length: int) -> int:
+        """Allocation units a payload of `length` bytes takes in this tier."""
+        return -(-length // PAGE)
+
+    # ---- queries
+    def contains(self, key: bytes) -> bool:
+        e = self.entries.get(key)
+        return e is not None and e.committed
+
+    def get(self, key: bytes) -> BlockEntry | None:
+        e = self.entries.get(key)
+        return e if e is not None and e.committed else None
+
+    def keys(self, namespace: bytes | None = None) -> Iterator[bytes]:
+        """Committed keys, of one namespace when given."""
+        for k, e in list(self.entries.items()):
+            if e.committed and (namespace is None or e.namespace == namespace):
+                yield k
+
+    # ---- store
+    def prepare_store(self, key: bytes, namespace: bytes, layout_digest: bytes,
+                      length: int) -> BlockEntry | None:
+        """Reserve space for a block; None when the caller must evict first (`next_victim`).
+
+        Raises `CapacityError` when the block could never fit, and `InvalidArgumentError` when
+        the key is already present or being written.
+        """
+        if key in self.entries:
+            raise InvalidArgumentError(f"{self.name}: block already present or being written")
+        units = self.units_for(length)
+        if units > self.alloc.total:
+            raise CapacityError(f"{self.name}: a {length}-byte block exceeds the tier's "
+                                f"{self.capacity_bytes}-byte capacity")
+        if not self.policy.fits(units * PAGE):
+            return None
+        unit = self.alloc.allocate(units)
+        if unit is None:
+            return None
+        entry = BlockEntry(key, namespace, layout_digest, length, unit, units)
+        self.entries[key] = entry
+        self.policy.add(key, units * PAGE)
+        self.policy.pin(key)  # in flight: not evictable
+        return entry
+
+    def complete_store(self, entry: BlockEntry) -> None:
+        entry.committed = True
+        self.policy.unpin(entry.key)
+
+    def abort_store(self, entry: BlockEntry) -> None:
+        if self.entries.get(entry.key) is entry:
+            self._drop(entry)
+
+    # ---- load
+    def prepare_load(self, key: bytes) -> BlockEntry:
+        entry = self.get(key)
+        if entry is None:
+            raise InvalidArgumentError(f"{self.name}: no committed block to load")
+        self.policy.pin(key)
+        return entry
+
+    def complete_load(self, entry: BlockEntry) -> None:
+        if self.entries.get(entry.key) is entry:
+            self.policy.unpin(entry.key)
+
+    # ---- eviction and removal
+    def next_victim(self) -> bytes | None:
+        """The least recently used committed, unpinned block, or None."""
+        for key in self.policy.lru_order():
+            return key
+        return None
+
+    def remove(self, key: bytes) -> bool:
+        """Forget a committed, unpinned block; False when absent or pinned."""
+        entry = self.entries.get(key)
+        if entry is None or not entry.committed or self.policy.is_pinned(key):
+            return False
+        self._drop(entry)
+        return True
+
+    def evict(self, key: bytes) -> bool:
+        removed = self.remove(key)
+        if removed:
+            self.policy.count_eviction()
+        return removed
+
+    def _drop(self, entry: BlockEntry) -> None:
+        del self.entries[entry.key]
+        self.policy.remove(entry.key)
+        self.alloc.free(entry.unit, entry.units)
+        self._on_drop(entry)
+
+    def _on_drop(self, entry: BlockEntry) -> None:  # noqa: B027 - optional hook
+        """Hook for tiers with persistent state (the disk index)."""
+
+    def touch_chain(self, keys: list[bytes]) -> None:
+        self.policy.touch_chain(keys)
+
+    def stats(self) -> TierStats:
+        s = self.policy.stats()
+        return TierStats(self.name, sum(1 for e in self.entries.values() if e.committed),
+                         s.used_bytes, s.capacity_bytes, s.pinned_blocks, s.evictions)
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the tier's resources (memory, files)."""
