@@ -230,35 +230,53 @@ class AsyncKVClient:
 
     async def _fetch(self, keys: list[bytes], into: torch.Tensor | None,
                      ) -> tuple[int, torch.Tensor | None]:
+        out = into
+        done = 0
+        while done < len(keys):
+            n, more, out = await self._fetch_some(keys, done, out)
+            done += n
+            if not more or n == 0:
+                break
+        if done == 0 or out is None:
+            return 0, None
+        tokens = done * self.layout.block_tokens
+        return tokens, out[:, :, :tokens]
+
+    async def _fetch_some(self, keys: list[bytes], start: int, out: torch.Tensor | None,
+                          ) -> tuple[int, bool, torch.Tensor | None]:
+        """Fetch from block `start` on, into `out` (allocated for all keys on first need)."""
         shm = self.transfer != "stream"
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys,
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
                               transfer=pb.TRANSFER_SHM if shm else pb.TRANSFER_STREAM)
         call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
         head = await anext(stream)
         n = head.hits
         if n == 0:
-            return 0, None
-        out = into if into is not None else torch.empty(
-            self.layout.kv_shape(n * self.layout.block_tokens), dtype=self.layout.dtype)
+            return 0, False, out
+        if out is None:
+            # Sized for every block asked for: the rest may still come in later rounds.
+            out = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
+                              dtype=self.layout.dtype)  # type: ignore[arg-type]
         if shm:
             try:
                 arena = await self._arena_for(head.arena_id)
                 if arena is None:
-                    return 0, None
-                await asyncio.to_thread(self._copy_out, arena, list(head.blocks), out)
+                    return 0, False, out
+                await asyncio.to_thread(self._copy_out, arena, list(head.blocks), out, start)
             finally:
                 await self._unary("Release", pb.ReleaseRequest(lease_id=head.lease_id))
         else:
-            await self._receive(stream, n, out)
-        return n * self.layout.block_tokens, out[:, :, : n * self.layout.block_tokens]
+            await self._receive(stream, n, out, start)
+        return n, head.more, out
 
-    def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor) -> None:
+    def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
+                  start: int) -> None:
         for i, ref in enumerate(refs):
-            out[:, :, self._tokens_slice(i)].copy_(self._block_view(arena, ref))
+            out[:, :, self._tokens_slice(start + i)].copy_(self._block_view(arena, ref))
 
     async def _receive(self, stream: AsyncIterator[pb.FetchChunk], n: int,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, start: int) -> None:
         size = self.layout.block_bytes
         staging = np.empty(size, dtype=np.uint8)
         block, filled = 0, 0
@@ -269,7 +287,8 @@ class AsyncKVClient:
             filled += len(chunk.data)
             if filled == size:
                 view = torch.from_numpy(staging).view(self.layout.dtype)  # type: ignore[arg-type]
-                out[:, :, self._tokens_slice(block)].copy_(view.view(self.layout.block_shape))
+                out[:, :, self._tokens_slice(start + block)].copy_(
+                    view.view(self.layout.block_shape))
                 block, filled = block + 1, 0
         if block != n:
             raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
@@ -277,21 +296,33 @@ class AsyncKVClient:
     async def _publish(self, keys: list[bytes], kv: torch.Tensor) -> int:
         if self.transfer == "stream":
             return await self._publish_stream(keys, kv)
+        done = 0
+        while done < len(keys):
+            n, more = await self._publish_some(keys, done, kv)
+            done += n
+            if not more or n == 0:
+                break
+        return done
+
+    async def _publish_some(self, keys: list[bytes], start: int, kv: torch.Tensor,
+                            ) -> tuple[int, bool]:
+        """Reserve, write and commit from block `start` on; returns (blocks covered, more)."""
         reply: pb.ReserveReply = await self._unary(
-            "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb, keys=keys))
+            "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
+                                         keys=keys[start:]))
         committed = False
         try:
             arena = await self._arena_for(reply.arena_id)
             if arena is None:
-                return 0
-            todo = [i for i, needed in enumerate(reply.needed) if needed]
+                return 0, False
+            todo = [start + i for i, needed in enumerate(reply.needed) if needed]
             await asyncio.to_thread(self._copy_in, arena, todo, list(reply.blocks), kv)
             await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
             committed = True
         finally:
             if not committed and reply.blocks:
                 await self._unary("Release", pb.ReleaseRequest(lease_id=reply.lease_id))
-        return len(reply.needed)
+        return len(reply.needed), reply.more
 
     def _copy_in(self, arena: Arena, todo: list[int], refs: list[pb.BlockRef],
                  kv: torch.Tensor) -> None:

@@ -73,6 +73,9 @@ class ServerConfig:
                                     hi=1 << 20)
     drain_grace_s: float = _opt(5.0, "On SIGTERM, how long in-flight calls may finish.",
                                 unit="seconds", lo=0, hi=600)
+    shutdown_flush_s: float = _opt(10.0, "On SIGTERM, seconds spent writing host-only blocks to "
+                                   "disk (most recent first) so a restart keeps them; 0 disables.",
+                                   unit="seconds", lo=0, hi=3600)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "Log line format.", choices=("text", "json"))
 

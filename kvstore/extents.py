@@ -44,6 +44,8 @@ class ExtentAllocator:
 
     def reserve(self, start: int, n: int) -> None:
         """Mark `[start, start+n)` used; it must be free (used to rebuild state at start-up)."""
+        if n <= 0:  # an empty run would split a free run in two without using any of it
+            raise InvalidArgumentError(f"reservation size must be positive, got {n}")
         i = bisect.bisect_right(self._starts, start) - 1
         if i < 0:
             raise InvalidArgumentError(f"run [{start}, {start + n}) is not free")

@@ -93,6 +93,8 @@ def chain_keys(
         ns = namespace
         if block_tokens is None:
             raise InvalidArgumentError("block_tokens is required with a raw namespace digest")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise InvalidArgumentError(f"block_tokens must be a positive int, got {block_tokens!r}")
     if len(ns) != KEY_BYTES:
         raise InvalidArgumentError(f"a namespace digest is {KEY_BYTES} bytes, got {len(ns)}")
     arr = tokens_to_array(tokens)

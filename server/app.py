@@ -122,6 +122,11 @@ class Daemon:
         log.info("draining: health NOT_SERVING, %.1f s grace", self.config.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(self.config.drain_grace_s) for s in self.servers))
+        for lease_id in list(self.store.leases):
+            self.store.release(lease_id)
+        flushed = await self.store.flush(self.config.shutdown_flush_s)
+        if flushed:
+            log.info("flushed %d host blocks to disk", flushed)
         self.store.close()
         self.config.socket_path.unlink(missing_ok=True)
         os.close(self._lock_fd)

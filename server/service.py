@@ -22,7 +22,7 @@ from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from server.metrics import Metrics
-from server.store import TieredStore
+from server.store import Lease, TieredStore
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK = 4 << 20  # bytes per streamed data message
@@ -120,9 +120,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if request.transfer == pb.TRANSFER_SHM:
                 lease_id = 0  # the client releases it after copying
                 yield pb.FetchChunk(hits=len(refs), lease_id=lease.id, blocks=refs,
-                                    arena_id=self.store.host.arena.path.name)
+                                    arena_id=self.store.host.arena.path.name, more=lease.more)
                 return
-            yield pb.FetchChunk(hits=len(refs), blocks=refs)
+            yield pb.FetchChunk(hits=len(refs), blocks=refs, more=lease.more)
             for i, entry in enumerate(lease.entries):
                 data = self.store.host.view(entry).numpy()
                 for off in range(0, entry.length, STREAM_CHUNK):
@@ -139,43 +139,51 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     async def Publish(self, request_iterator: Any, context: Any) -> pb.PublishReply:
+        """Blocks arrive in order; each is reserved when its first chunk comes and committed
+        when its last does, so a stream needs host space for one block, not all of them."""
         first = await anext(aiter(request_iterator), None)
         if first is None:
             raise InvalidArgumentError("empty Publish stream: the first message names the blocks")
         layout = layout_from_proto(first.layout)
         keys = self._keys(first.keys)
         ns = self._namespace(first.namespace)
-        length = layout.block_bytes
-        lease = await self.store.reserve(ns, layout.digest(), keys, length)
+        digest, length = layout.digest(), layout.block_bytes
+        stored = present = 0
+        block, filled = -1, 0
+        lease: Lease | None = None
+        target: np.ndarray | None = None
         try:
-            targets: dict[int, np.ndarray] = {}
-            it = iter(lease.entries)
-            for i, needed in enumerate(lease.needed):
-                if needed:
-                    targets[i] = self.store.host.view(next(it)).numpy()
-            filled = dict.fromkeys(targets, 0)
             async for msg in _chain(first, request_iterator):
                 if not msg.data:
                     continue
                 i, off = msg.block_index, msg.chunk_offset
-                if i >= len(keys):
-                    raise InvalidArgumentError(f"block_index {i} is past the {len(keys)} keys")
-                if off + len(msg.data) > length:
-                    raise InvalidArgumentError(f"block {i}: data past the block's {length} bytes")
-                if i not in targets:
-                    continue  # already stored, or past where space ran out
-                if off != filled[i]:
-                    raise InvalidArgumentError(f"block {i}: chunk at {off}, expected {filled[i]}")
-                targets[i][off : off + len(msg.data)] = np.frombuffer(msg.data, np.uint8)
-                filled[i] += len(msg.data)
-            short = [i for i, n in filled.items() if n != length]
-            if short:
-                raise InvalidArgumentError(f"blocks {short[:8]} did not receive all {length} bytes")
-            stored = self.store.commit(lease.id)
-        except BaseException:
-            self.store.release(lease.id)
-            raise
-        return pb.PublishReply(stored=stored, present=lease.needed.count(False))
+                if i >= len(keys) or i < block:
+                    raise InvalidArgumentError(f"block_index {i} out of order or past the "
+                                               f"{len(keys)} keys")
+                if i != block:
+                    if block >= 0 and filled != length:
+                        raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
+                    block, filled = i, 0
+                    lease = await self.store.reserve(ns, digest, [keys[i]], length)
+                    target = (self.store.host.view(lease.entries[0]).numpy() if lease.entries
+                              else None)
+                    present += not lease.needed[0] if lease.needed else 0
+                if off != filled or off + len(msg.data) > length:
+                    raise InvalidArgumentError(f"block {i}: chunk at {off}+{len(msg.data)}, "
+                                               f"expected offset {filled} within {length} bytes")
+                if target is not None:
+                    target[off : off + len(msg.data)] = np.frombuffer(msg.data, np.uint8)
+                filled += len(msg.data)
+                if filled == length and lease is not None:
+                    stored += self.store.commit(lease.id) if lease.entries else 0
+                    self.store.release(lease.id)
+                    lease, target = None, None
+            if block >= 0 and filled != length:
+                raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
+        finally:
+            if lease is not None:
+                self.store.release(lease.id)
+        return pb.PublishReply(stored=stored, present=present)
 
     @rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
@@ -185,7 +193,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes)
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]
         return pb.ReserveReply(lease_id=lease.id, needed=lease.needed, blocks=refs,
-                               arena_id=self.store.host.arena.path.name)
+                               arena_id=self.store.host.arena.path.name, more=lease.more)
 
     @rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:

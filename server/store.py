@@ -40,6 +40,7 @@ class Lease:
     entries: list[BlockEntry] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
     needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
+    more: bool = False  # stopped for lack of host space, not for a miss
 
 
 @dataclass
@@ -137,6 +138,9 @@ class TieredStore:
             dst = await self._reserve_host(key, src.namespace, src.layout_digest, src.length)
         except BaseException as e:
             self.disk.complete_load(src)
+            if isinstance(e, CapacityError) and lease.entries:
+                lease.more = True  # the client copies these, releases, and asks again
+                return None
             if isinstance(e, CapacityError):
                 return None
             raise
@@ -187,7 +191,8 @@ class TieredStore:
                 try:
                     entry = await self._reserve_host(key, namespace, layout_digest, length)
                 except CapacityError as e:
-                    log.info("publish stops at a full host tier: %s", e)
+                    log.debug("publish stops at a full host tier: %s", e)
+                    lease.more = bool(lease.entries)
                     break
                 lease.entries.append(entry)
                 lease.needed.append(True)
@@ -253,6 +258,27 @@ class TieredStore:
         disk.complete_store(dst)
         self.counters.demotions += 1
         self.counters.add(self.counters.bytes_written, disk.name, src.length)
+
+    async def flush(self, budget_s: float) -> int:
+        """Write host-only blocks to disk, most recent first, for up to `budget_s` seconds, so
+        a planned restart keeps them. Returns how many were written."""
+        if self.disk is None or budget_s <= 0:
+            return 0
+        end = time.monotonic() + budget_s
+        written = 0
+        for key in reversed(list(self.host.policy.lru_order())):
+            if time.monotonic() >= end:
+                break
+            if key in self.disk.entries or not self.host.contains(key):
+                continue
+            entry = self.host.prepare_load(key)
+            try:
+                before = self.counters.demotions
+                await self._write_disk(self.disk, entry)
+                written += self.counters.demotions - before
+            finally:
+                self.host.complete_load(entry)
+        return written
 
     # ---- leases
     def _new_lease(self, kind: Literal["fetch", "publish"]) -> Lease:

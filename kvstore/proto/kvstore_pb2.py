@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\nkvstore.v1\"\xe5\x01\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x16\n\x0emodel_revision\x18\x07 \x01(\t\x12\x0f\n\x07kv_kind\x18\x08 \x01(\t\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07pp_rank\x18\x0b \x01(\r\x12\x0f\n\x07pp_size\x18\x0c \x01(\r\"\r\n\x0bInfoRequest\"\x8f\x01\n\tInfoReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13max_blocks_per_call\x18\x05 \x01(\r\x12\x10\n\x08\x61rena_id\x18\x06 \x01(\t\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"8\n\x08\x42lockRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\"{\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12&\n\x08transfer\x18\x04 \x01(\x0e\x32\x14.kvstore.v1.Transfer\"\x9d\x01\n\nFetchChunk\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12$\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x10\n\x08\x61rena_id\x18\x07 \x01(\t\"\x8c\x01\n\x0cPublishChunk\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"/\n\x0cPublishReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\"U\n\x0eReserveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"h\n\x0cReserveReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0e\n\x06needed\x18\x02 \x03(\x08\x12$\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x10\n\x08\x61rena_id\x18\x04 \x01(\t\"!\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x1d\n\x0b\x43ommitReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb8\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x12\n\nbytes_read\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\"\x80\x02\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x12\n\nhit_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmiss_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12integrity_failures\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x11\n\tdemotions\x18\t \x01(\x04\x12\x12\n\npromotions\x18\n \x01(\x04\x12\x15\n\rstored_blocks\x18\x0b \x01(\x04\".\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\"\x1d\n\nClearReply\x12\x0f\n\x07removed\x18\x01 \x01(\x04*1\n\x08Transfer\x12\x13\n\x0fTRANSFER_STREAM\x10\x00\x12\x10\n\x0cTRANSFER_SHM\x10\x01\x32\xb3\x04\n\x07KVStore\x12\x36\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x15.kvstore.v1.InfoReply\x12<\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x17.kvstore.v1.LookupReply\x12;\n\x05\x46\x65tch\x12\x18.kvstore.v1.FetchRequest\x1a\x16.kvstore.v1.FetchChunk0\x01\x12?\n\x07Publish\x12\x18.kvstore.v1.PublishChunk\x1a\x18.kvstore.v1.PublishReply(\x01\x12?\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x18.kvstore.v1.ReserveReply\x12<\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x17.kvstore.v1.CommitReply\x12?\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x18.kvstore.v1.ReleaseReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12\x39\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x16.kvstore.v1.ClearReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvstore/proto/kvstore.proto\x12\nkvstore.v1\"\xe5\x01\n\x06Layout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x16\n\x0emodel_revision\x18\x07 \x01(\t\x12\x0f\n\x07kv_kind\x18\x08 \x01(\t\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07pp_rank\x18\x0b \x01(\r\x12\x0f\n\x07pp_size\x18\x0c \x01(\r\"\r\n\x0bInfoRequest\"\x8f\x01\n\tInfoReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13max_blocks_per_call\x18\x05 \x01(\r\x12\x10\n\x08\x61rena_id\x18\x06 \x01(\t\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x0bLookupReply\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"8\n\x08\x42lockRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0c\n\x04tier\x18\x03 \x01(\t\"{\n\x0c\x46\x65tchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12&\n\x08transfer\x18\x04 \x01(\x0e\x32\x14.kvstore.v1.Transfer\"\xab\x01\n\nFetchChunk\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12$\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x10\n\x08\x61rena_id\x18\x07 \x01(\t\x12\x0c\n\x04more\x18\x08 \x01(\x08\"\x8c\x01\n\x0cPublishChunk\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x13\n\x0b\x62lock_index\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"/\n\x0cPublishReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\"U\n\x0eReserveRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"v\n\x0cReserveReply\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0e\n\x06needed\x18\x02 \x03(\x08\x12$\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x14.kvstore.v1.BlockRef\x12\x10\n\x08\x61rena_id\x18\x04 \x01(\t\x12\x0c\n\x04more\x18\x05 \x01(\x08\"!\n\rCommitRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x1d\n\x0b\x43ommitReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb8\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x12\n\nbytes_read\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\"\x80\x02\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x12\n\nhit_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bmiss_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12integrity_failures\x18\x07 \x01(\x04\x12\x15\n\ractive_leases\x18\x08 \x01(\x04\x12\x11\n\tdemotions\x18\t \x01(\x04\x12\x12\n\npromotions\x18\n \x01(\x04\x12\x15\n\rstored_blocks\x18\x0b \x01(\x04\".\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\"\x1d\n\nClearReply\x12\x0f\n\x07removed\x18\x01 \x01(\x04*1\n\x08Transfer\x12\x13\n\x0fTRANSFER_STREAM\x10\x00\x12\x10\n\x0cTRANSFER_SHM\x10\x01\x32\xb3\x04\n\x07KVStore\x12\x36\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x15.kvstore.v1.InfoReply\x12<\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x17.kvstore.v1.LookupReply\x12;\n\x05\x46\x65tch\x12\x18.kvstore.v1.FetchRequest\x1a\x16.kvstore.v1.FetchChunk0\x01\x12?\n\x07Publish\x12\x18.kvstore.v1.PublishChunk\x1a\x18.kvstore.v1.PublishReply(\x01\x12?\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x18.kvstore.v1.ReserveReply\x12<\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x17.kvstore.v1.CommitReply\x12?\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x18.kvstore.v1.ReleaseReply\x12\x39\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x16.kvstore.v1.StatsReply\x12\x39\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x16.kvstore.v1.ClearReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.proto.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFER']._serialized_start=1935
-  _globals['_TRANSFER']._serialized_end=1984
+  _globals['_TRANSFER']._serialized_start=1963
+  _globals['_TRANSFER']._serialized_end=2012
   _globals['_LAYOUT']._serialized_start=44
   _globals['_LAYOUT']._serialized_end=273
   _globals['_INFOREQUEST']._serialized_start=275
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHREQUEST']._serialized_start=588
   _globals['_FETCHREQUEST']._serialized_end=711
   _globals['_FETCHCHUNK']._serialized_start=714
-  _globals['_FETCHCHUNK']._serialized_end=871
-  _globals['_PUBLISHCHUNK']._serialized_start=874
-  _globals['_PUBLISHCHUNK']._serialized_end=1014
-  _globals['_PUBLISHREPLY']._serialized_start=1016
-  _globals['_PUBLISHREPLY']._serialized_end=1063
-  _globals['_RESERVEREQUEST']._serialized_start=1065
-  _globals['_RESERVEREQUEST']._serialized_end=1150
-  _globals['_RESERVEREPLY']._serialized_start=1152
-  _globals['_RESERVEREPLY']._serialized_end=1256
-  _globals['_COMMITREQUEST']._serialized_start=1258
-  _globals['_COMMITREQUEST']._serialized_end=1291
-  _globals['_COMMITREPLY']._serialized_start=1293
-  _globals['_COMMITREPLY']._serialized_end=1322
-  _globals['_RELEASEREQUEST']._serialized_start=1324
-  _globals['_RELEASEREQUEST']._serialized_end=1358
-  _globals['_RELEASEREPLY']._serialized_start=1360
-  _globals['_RELEASEREPLY']._serialized_end=1392
-  _globals['_STATSREQUEST']._serialized_start=1394
-  _globals['_STATSREQUEST']._serialized_end=1408
-  _globals['_TIERSTATS']._serialized_start=1411
-  _globals['_TIERSTATS']._serialized_end=1595
-  _globals['_STATSREPLY']._serialized_start=1598
-  _globals['_STATSREPLY']._serialized_end=1854
-  _globals['_CLEARREQUEST']._serialized_start=1856
-  _globals['_CLEARREQUEST']._serialized_end=1902
-  _globals['_CLEARREPLY']._serialized_start=1904
-  _globals['_CLEARREPLY']._serialized_end=1933
-  _globals['_KVSTORE']._serialized_start=1987
-  _globals['_KVSTORE']._serialized_end=2550
+  _globals['_FETCHCHUNK']._serialized_end=885
+  _globals['_PUBLISHCHUNK']._serialized_start=888
+  _globals['_PUBLISHCHUNK']._serialized_end=1028
+  _globals['_PUBLISHREPLY']._serialized_start=1030
+  _globals['_PUBLISHREPLY']._serialized_end=1077
+  _globals['_RESERVEREQUEST']._serialized_start=1079
+  _globals['_RESERVEREQUEST']._serialized_end=1164
+  _globals['_RESERVEREPLY']._serialized_start=1166
+  _globals['_RESERVEREPLY']._serialized_end=1284
+  _globals['_COMMITREQUEST']._serialized_start=1286
+  _globals['_COMMITREQUEST']._serialized_end=1319
+  _globals['_COMMITREPLY']._serialized_start=1321
+  _globals['_COMMITREPLY']._serialized_end=1350
+  _globals['_RELEASEREQUEST']._serialized_start=1352
+  _globals['_RELEASEREQUEST']._serialized_end=1386
+  _globals['_RELEASEREPLY']._serialized_start=1388
+  _globals['_RELEASEREPLY']._serialized_end=1420
+  _globals['_STATSREQUEST']._serialized_start=1422
+  _globals['_STATSREQUEST']._serialized_end=1436
+  _globals['_TIERSTATS']._serialized_start=1439
+  _globals['_TIERSTATS']._serialized_end=1623
+  _globals['_STATSREPLY']._serialized_start=1626
+  _globals['_STATSREPLY']._serialized_end=1882
+  _globals['_CLEARREQUEST']._serialized_start=1884
+  _globals['_CLEARREQUEST']._serialized_end=1930
+  _globals['_CLEARREPLY']._serialized_start=1932
+  _globals['_CLEARREPLY']._serialized_end=1961
+  _globals['_KVSTORE']._serialized_start=2015
+  _globals['_KVSTORE']._serialized_end=2578
 # @@protoc_insertion_point(module_scope)

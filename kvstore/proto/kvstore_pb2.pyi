@@ -101,7 +101,7 @@ class FetchRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id")
+    __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id", "more")
     HITS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class FetchChunk(_message.Message):
     CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     hits: int
     lease_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
@@ -116,7 +117,8 @@ class FetchChunk(_message.Message):
     chunk_offset: int
     data: bytes
     arena_id: str
-    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
     __slots__ = ("namespace", "layout", "keys", "block_index", "chunk_offset", "data")
@@ -153,16 +155,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("lease_id", "needed", "blocks", "arena_id")
+    __slots__ = ("lease_id", "needed", "blocks", "arena_id", "more")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NEEDED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     needed: _containers.RepeatedScalarFieldContainer[bool]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     arena_id: str
-    def __init__(self, lease_id: _Optional[int] = ..., needed: _Optional[_Iterable[bool]] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., arena_id: _Optional[str] = ...) -> None: ...
+    more: bool
+    def __init__(self, lease_id: _Optional[int] = ..., needed: _Optional[_Iterable[bool]] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., arena_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -1,0 +1,247 @@
+"""The spine end to end: a real daemon in its own process, the client, real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from client import KVClient
+from kvstore import InvalidArgumentError
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from tests.conftest import random_kv, same_bytes, small_layout
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("transfer", ["shm", "stream"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_is_byte_identical(daemon, dtype, transfer):
+    layout = small_layout(dtype)
+    tokens = list(range(100, 100 + 5 * 16 + 7))  # 5 full blocks and a partial one
+    kv = random_kv(layout, len(tokens))
+    with KVClient(daemon.target, layout, transfer=transfer) as c:
+        assert c.lookup(tokens) == 0
+        assert c.fetch(tokens) == (0, None)
+        assert c.publish(tokens, kv) == 80
+        assert c.lookup(tokens) == 80
+        n, kv2 = c.fetch(tokens)
+        assert n == 80
+        assert same_bytes(kv2, kv[:, :, :80])
+        # token tensors and lists are the same prompt
+        assert c.lookup(torch.tensor(tokens)) == 80
+
+
+def test_shared_prefix_and_isolation(daemon):
+    layout = small_layout()
+    a = list(range(64))  # 4 blocks
+    b = a[:32] + [9999] * 32  # shares 2 blocks, then diverges
+    with KVClient(daemon.target, layout) as c:
+        c.publish(a, random_kv(layout, 64))
+        assert c.lookup(b) == 32
+        n, kv = c.fetch(b)
+        assert n == 32 and kv is not None
+    for other in (small_layout(model="other"), small_layout(torch.float16),
+                  small_layout(num_layers=3)):
+        with KVClient(daemon.target, other) as c:
+            assert c.lookup(a) == 0
+    with KVClient(daemon.target, layout, salt="tenant-b") as c:
+        assert c.lookup(a) == 0
+        assert c.fetch(a) == (0, None)
+
+
+def test_publish_skips_blocks_already_stored(daemon):
+    layout = small_layout()
+    tokens = list(range(48))
+    kv = random_kv(layout, 48)
+    with KVClient(daemon.target, layout) as c:
+        c.publish(tokens[:32], kv[:, :, :32])
+        before = c.stats().stored_blocks
+        assert c.publish(tokens, kv) == 48
+        assert c.stats().stored_blocks == before + 1
+        assert same_bytes(c.fetch(tokens)[1], kv)
+
+
+def test_demotion_to_disk_keeps_hits_and_disk_within_capacity(daemon_factory):
+    # 8 KiB blocks + page rounding: host holds 8 blocks, disk holds ~30 (12 KiB per record)
+    d = daemon_factory("--host-bytes", "64KiB", "--disk-bytes", "384KiB").start()
+    layout = small_layout()
+    prompts = [[p * 1000 + t for t in range(64)] for p in range(6)]  # 6 x 4 blocks = 24 blocks
+    kvs = [random_kv(layout, 64, seed=p) for p in range(6)]
+    with KVClient(d.target, layout) as c:
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            assert c.publish(tokens, kv) == 64
+        stats = c.stats()
+        host, disk = (next(t for t in stats.tiers if t.name == n) for n in ("host", "disk"))
+        assert stats.demotions > 0 and disk.blocks > 0
+        assert host.used_bytes <= host.capacity_bytes
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            n, got = c.fetch(tokens)
+            assert n == 64 and same_bytes(got, kv)
+        assert c.stats().promotions > 0
+    data = Path(d.data_dir) / "disk" / "blocks.dat"
+    assert data.stat().st_size <= 384 * 1024 + layout.block_bytes
+
+
+def test_sigkill_restart_keeps_disk_blocks(daemon_factory):
+    d = daemon_factory("--host-bytes", "32KiB", "--disk-bytes", "1MiB").start()
+    layout = small_layout()
+    tokens = list(range(128))  # 8 blocks; host holds 4
+    kv = random_kv(layout, 128)
+    with KVClient(d.target, layout) as c:
+        assert c.publish(tokens, kv) == 128
+        on_disk = next(t for t in c.stats().tiers if t.name == "disk").blocks
+    assert on_disk > 0
+    d.kill()
+    d.start()
+    with KVClient(d.target, layout) as c:
+        # only demoted blocks survive a crash; they form a prefix only if the first did
+        stats = c.stats()
+        assert next(t for t in stats.tiers if t.name == "disk").blocks == on_disk
+        keys = c.keys(tokens)
+        survivors = [k for k in keys if c.lookup(tokens[: (keys.index(k) + 1) * 16]) > 0]
+        assert survivors, "no block survived the restart"
+    # the first blocks were demoted first (LRU leaf-first means parents are freshest...):
+    # whatever survived must come back byte-identical
+    with KVClient(d.target, layout) as c:
+        n, got = c.fetch(tokens)
+        if n:
+            assert same_bytes(got, kv[:, :, :n])
+
+
+def test_corrupt_disk_value_is_a_counted_miss(daemon_factory):
+    d = daemon_factory("--host-bytes", "16KiB", "--disk-bytes", "1MiB").start()
+    layout = small_layout()
+    tokens = list(range(16))
+    kv = random_kv(layout, 16)
+    with KVClient(d.target, layout) as c:
+        c.publish(tokens, kv)
+        c.publish(list(range(500, 516)), random_kv(layout, 16, seed=1))  # evicts the first
+        c.publish(list(range(600, 616)), random_kv(layout, 16, seed=2))
+        disk = next(t for t in c.stats().tiers if t.name == "disk")
+        assert disk.blocks >= 1
+    d.stop()
+    data = Path(d.data_dir) / "disk" / "blocks.dat"
+    raw = bytearray(data.read_bytes())
+    raw[4096 + 100] ^= 0xFF  # inside the first record's payload
+    data.write_bytes(raw)
+    d.start()
+    with KVClient(d.target, layout) as c:
+        results = [c.fetch(t) for t in (tokens, list(range(500, 516)))]
+        stats = c.stats()
+    assert stats.integrity_failures == 1
+    for (n, got), want in zip(results, (kv, random_kv(layout, 16, seed=1)), strict=True):
+        assert n == 0 or same_bytes(got, want)  # never the corrupt bytes
+    assert sum(n for n, _ in results) == 16  # the intact one is still a hit
+
+
+def test_daemon_down_is_a_quick_miss(tmp_path):
+    layout = small_layout()
+    tokens = list(range(32))
+    with KVClient(f"unix://{tmp_path}/nobody.sock", layout, deadline_s=0.5) as c:
+        t0 = time.monotonic()
+        assert c.lookup(tokens) == 0
+        assert c.fetch(tokens) == (0, None)
+        assert c.publish(tokens, random_kv(layout, 32)) == 0
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_daemon_killed_then_back(daemon_factory):
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "0").start()
+    layout = small_layout()
+    tokens = list(range(32))
+    kv = random_kv(layout, 32)
+    with KVClient(d.target, layout, deadline_s=0.5) as c:
+        c.publish(tokens, kv)
+        d.kill()
+        t0 = time.monotonic()
+        assert c.fetch(tokens) == (0, None)
+        assert c.lookup(tokens) == 0
+        assert time.monotonic() - t0 < 1.2
+        d.start()
+        deadline = time.monotonic() + 5
+        while not c.ping() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.publish(tokens, kv) == 32  # a new arena: the client remaps
+        n, got = c.fetch(tokens)
+        assert n == 32 and same_bytes(got, kv)
+
+
+def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
+    layout = small_layout()
+    tokens = list(range(32))
+    kv = random_kv(layout, 32)
+    with KVClient(daemon.target, layout) as c:
+        with pytest.raises(InvalidArgumentError, match="dtype"):
+            c.publish(tokens, kv.to(torch.float16))
+        with pytest.raises(InvalidArgumentError, match="shape"):
+            c.publish(tokens, kv[:, :, :16])
+        with pytest.raises(InvalidArgumentError, match="not an int"):
+            c.lookup([1, 2, "x"])
+        with pytest.raises(InvalidArgumentError, match="integers"):
+            c.lookup(torch.tensor([1.0, 2.0]))
+        assert c.publish(tokens, kv) == 32
+    channel = grpc.insecure_channel(daemon.target)
+    stub = pb_grpc.KVStoreStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Lookup(pb.LookupRequest(keys=[b"short"]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "32" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Lookup(pb.LookupRequest(keys=[b"k" * 32] * 5000), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Lookup(pb.LookupRequest(keys=[b"k" * 32] * 3_000_000), timeout=10)  # ~100 MB
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    bad = pb.Layout(model="tiny", num_layers=0, num_kv_heads=2, head_dim=16, dtype="float32",
+                    block_tokens=16)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Fetch(pb.FetchRequest(layout=bad, keys=[b"k" * 32]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_layers" in e.value.details()
+    channel.close()
+    with KVClient(daemon.target, layout) as c:  # still serving
+        assert c.lookup(tokens) == 32
+
+
+def test_socket_mode_and_clean_sigterm(daemon):
+    mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
+    assert mode & 0o077 == 0, oct(mode)
+    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(f"kvstore-{daemon.proc.pid}-")}
+    assert arenas_before
+    assert daemon.stop() == 0
+    assert not any(p.startswith(f"kvstore-{daemon.proc.pid}-") for p in os.listdir("/dev/shm"))
+    assert not os.path.exists(daemon.socket)
+
+
+def test_tcp_requires_token_and_streams(daemon_factory):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret").start()
+    layout = small_layout()
+    tokens = list(range(48))
+    kv = random_kv(layout, 48)
+    with KVClient(f"127.0.0.1:{port}", layout, token="s3cret") as c:
+        assert c.publish(tokens, kv) == 48
+        n, got = c.fetch(tokens)
+        assert n == 48 and same_bytes(got, kv)
+    with KVClient(f"127.0.0.1:{port}", layout, token="wrong", deadline_s=0.5) as c:
+        assert c.lookup(tokens) == 0  # UNAUTHENTICATED is a miss for the engine...
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    with pytest.raises(grpc.RpcError) as e:  # ...and a clear status on the wire
+        pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+
+
+def test_listen_without_token_refuses_to_start(daemon_factory):
+    d = daemon_factory("--listen", "127.0.0.1:1")
+    with pytest.raises(RuntimeError, match="token"):
+        d.start(timeout=10)
