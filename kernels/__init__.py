@@ -1,0 +1,34 @@
+"""Block copies between an engine's paged KV cache and kvstore's staging buffers.
+
+``gather``/``scatter`` move whole kvstore blocks, all layers in one launch, in
+the canonical layout ``[layers, kv, block_tokens, heads, head_dim]`` per block.
+CUDA tensors go through a kernel compiled at run time (kv_copy.cu, NVRTC via
+cupy); CPU tensors through its pure-torch twin (reference.py).
+"""
+
+from kernels.api import gather, scatter
+from kernels.errors import (
+    BlockIdError,
+    DeviceError,
+    DTypeError,
+    KernelArgumentError,
+    KernelUnavailableError,
+    ShapeError,
+    StrideError,
+)
+from kernels.layouts import EngineKV, EngineLayout, staging_shape
+
+__all__ = [
+    "BlockIdError",
+    "DTypeError",
+    "DeviceError",
+    "EngineKV",
+    "EngineLayout",
+    "KernelArgumentError",
+    "KernelUnavailableError",
+    "ShapeError",
+    "StrideError",
+    "gather",
+    "scatter",
+    "staging_shape",
+]

@@ -1,0 +1,1 @@
+"""Tests of the copy kernels (kernels/): compile, host-shim, layouts, API, GPU."""
