@@ -27,11 +27,17 @@ class Arena:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"arena {path} is smaller than the {size} bytes announced")
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # mmap refuses an empty mapping; a zero-byte arena is a valid (useless) tier.
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        except BaseException:
+            if create:  # do not leave a stray file in /dev/shm
+                path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8) if size else torch.empty(
-            0, dtype=torch.uint8)
+        self.tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
+                       else torch.empty(0, dtype=torch.uint8))
 
     @classmethod
     def create(cls, directory: str | Path, size: int) -> Arena:
@@ -41,6 +47,21 @@ class Arena:
     @classmethod
     def attach(cls, path: str | Path, size: int) -> Arena:
         return cls(Path(path), size, create=False)
+
+    @staticmethod
+    def remove_stale(directory: str | Path) -> int:
+        """Delete arena files left by daemons that died without cleaning up (SIGKILL, OOM)."""
+        removed = 0
+        for path in Path(directory).glob("kvstore-*-*.arena"):
+            try:
+                pid = int(path.name.split("-")[1])
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                path.unlink(missing_ok=True)
+                removed += 1
+            except (ValueError, PermissionError):
+                continue  # not ours to judge: malformed name, or another user's live daemon
+        return removed
 
     def unlink(self) -> None:
         """Remove the file; existing mappings stay valid until released."""

@@ -9,6 +9,7 @@ points read files and the environment (`load_config`); library code takes a `Ser
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -29,6 +30,8 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a size, got {value!r}")
     if isinstance(value, int | float):
+        if not math.isfinite(value):  # TOML has inf and nan; int() of them is not a ConfigError
+            raise ConfigError(f"{option}: a size must be finite, got {value!r}")
         if value < 0:
             raise ConfigError(f"{option}: a size cannot be negative ({value})")
         return int(value)
@@ -85,6 +88,8 @@ class ServerConfig:
             meta = f.metadata
             if meta["choices"] and value not in meta["choices"]:
                 raise ConfigError(f"{f.name}: {value!r} is not one of {list(meta['choices'])}")
+            if isinstance(value, float) and math.isnan(value):  # passes every bound check
+                raise ConfigError(f"{f.name}: expected a number, got nan")
             if meta["min"] is not None and value < meta["min"]:
                 raise ConfigError(f"{f.name}: {value} is below the minimum {meta['min']}")
             if meta["max"] is not None and value > meta["max"]:

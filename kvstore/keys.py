@@ -61,8 +61,8 @@ def tokens_to_array(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> np.nda
             seq = list(tokens)
         except TypeError:
             raise InvalidArgumentError(
-                f"tokens must be a list of ints or a 1-D integer tensor, got {type(tokens).__name__}"
-            ) from None
+                "tokens must be a list of ints or a 1-D integer tensor, "
+                f"got {type(tokens).__name__}") from None
         for i, t in enumerate(seq):
             if isinstance(t, bool) or not isinstance(t, int | np.integer):
                 raise InvalidArgumentError(f"tokens[{i}] is {t!r} ({type(t).__name__}), not an int")

@@ -80,7 +80,8 @@ class KVLayout:
             if not isinstance(r, int) or not 0 <= r < s:
                 raise InvalidArgumentError(f"KVLayout.{rank} must be in [0, {size}), got {r!r}")
         if self.kv_kind not in ("kv", "mla"):
-            raise InvalidArgumentError(f"KVLayout.kv_kind must be 'kv' or 'mla', got {self.kv_kind!r}")
+            raise InvalidArgumentError(
+                f"KVLayout.kv_kind must be 'kv' or 'mla', got {self.kv_kind!r}")
         if self.kv_kind == "mla" and self.num_kv_heads != 1:
             raise InvalidArgumentError("an MLA layout has num_kv_heads == 1 (one latent per token)")
         if self.block_bytes > MAX_BLOCK_BYTES:
@@ -99,7 +100,8 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.kv_count * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        per_layer = self.kv_count * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * per_layer
 
     @property
     def block_bytes(self) -> int:

@@ -180,6 +180,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     lease, target = None, None
             if block >= 0 and filled != length:
                 raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
+            # Blocks were committed one by one; rank the chain as a whole (parents freshest).
+            self.store.touch_chain(keys[: block + 1])
         finally:
             if lease is not None:
                 self.store.release(lease.id)

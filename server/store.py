@@ -40,6 +40,7 @@ class Lease:
     entries: list[BlockEntry] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
     needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
+    keys: list[bytes] = field(default_factory=list)  # publish: the chain `needed` covers
     more: bool = False  # stopped for lack of host space, not for a miss
 
 
@@ -92,10 +93,10 @@ class TieredStore:
             if tier is None:
                 break
             found.append(tier.name)
-        self._touch(keys[: len(found)])
+        self.touch_chain(keys[: len(found)])
         return found
 
-    def _touch(self, keys: Sequence[bytes]) -> None:
+    def touch_chain(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
             tier.touch_chain(list(keys))
 
@@ -117,7 +118,7 @@ class TieredStore:
         self.counters.miss_blocks += len(keys) - served
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
-        self._touch(keys[:served])
+        self.touch_chain(keys[:served])
         return lease
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease) -> str | None:
@@ -144,6 +145,9 @@ class TieredStore:
             if isinstance(e, CapacityError):
                 return None
             raise
+        if dst is None:  # another call is promoting or publishing it right now: a miss here
+            self.disk.complete_load(src)
+            return None
         failure: Exception | None = None
         try:
             await self._run_io(self.disk.read_into, src, self.host.view(dst).numpy().data)
@@ -194,8 +198,12 @@ class TieredStore:
                     log.debug("publish stops at a full host tier: %s", e)
                     lease.more = bool(lease.entries)
                     break
+                if entry is None:  # another publisher reserved it while we made room
+                    lease.needed.append(False)
+                    continue
                 lease.entries.append(entry)
                 lease.needed.append(True)
+            lease.keys = list(keys[: len(lease.needed)])
         except BaseException:
             self.release(lease.id)
             raise
@@ -207,7 +215,9 @@ class TieredStore:
             raise NotFoundError(f"no publish lease {lease_id} (expired or already ended)")
         for entry in lease.entries:
             self.host.complete_store(entry)
-        self.host.touch_chain([e.key for e in lease.entries])
+        # The whole chain, blocks that were already present included: touching only the new
+        # ones would leave their parents older than them, so LRU would evict parents first.
+        self.touch_chain(lease.keys)
         n = len(lease.entries)
         self.counters.stored_blocks += n
         self.counters.add(self.counters.bytes_written, self.host.name,
@@ -215,9 +225,15 @@ class TieredStore:
         return n
 
     async def _reserve_host(self, key: bytes, namespace: bytes, layout_digest: bytes,
-                            length: int) -> BlockEntry:
-        """Reserve host space, demoting least recently used blocks until it fits."""
+                            length: int) -> BlockEntry | None:
+        """Reserve host space, demoting least recently used blocks until it fits.
+
+        None when another call reserved `key` meanwhile: demotions await disk writes, and
+        other calls run during them.
+        """
         while True:
+            if key in self.host.entries:
+                return None
             entry = self.host.prepare_store(key, namespace, layout_digest, length)
             if entry is not None:
                 return entry
@@ -236,46 +252,53 @@ class TieredStore:
             self.host.complete_load(entry)
         self.host.evict(key)
 
-    async def _write_disk(self, disk: DiskTier, src: BlockEntry) -> None:
+    async def _write_disk(self, disk: DiskTier, src: BlockEntry, seq: int | None = None) -> bool:
+        """Copy a pinned host block to disk, evicting disk blocks as needed; True if written."""
         try:
             while (dst := disk.prepare_store(src.key, src.namespace, src.layout_digest,
                                              src.length)) is None:
                 victim = disk.next_victim()
                 if victim is None:
-                    return  # disk full of in-flight blocks: drop rather than block
+                    return False  # disk full of in-flight blocks: drop rather than block
                 disk.evict(victim)
         except CapacityError:
-            return  # larger than the whole disk tier
+            return False  # larger than the whole disk tier
         try:
-            await self._run_io(disk.write, dst, self.host.view(src).numpy().data)
+            await self._run_io(disk.write, dst, self.host.view(src).numpy().data, seq)
         except OSError as e:
             log.warning("demotion to disk failed: %s", e)
             disk.abort_store(dst)
-            return
+            return False
         except BaseException:
             disk.abort_store(dst)
             raise
         disk.complete_store(dst)
         self.counters.demotions += 1
         self.counters.add(self.counters.bytes_written, disk.name, src.length)
+        return True
 
     async def flush(self, budget_s: float) -> int:
         """Write host-only blocks to disk, most recent first, for up to `budget_s` seconds, so
-        a planned restart keeps them. Returns how many were written."""
+        a planned restart keeps them. Returns how many were written.
+
+        They are written hottest first (the budget may run out) but ranked so that, after a
+        restart, the hottest is the most recently used and parents stay ahead of children.
+        """
         if self.disk is None or budget_s <= 0:
             return 0
         end = time.monotonic() + budget_s
+        todo = [k for k in reversed(list(self.host.policy.lru_order()))
+                if k not in self.disk.entries and self.host.contains(k)]
+        top = self.disk.reserve_seqs(len(todo)) + len(todo) - 1
         written = 0
-        for key in reversed(list(self.host.policy.lru_order())):
+        for rank, key in enumerate(todo):
             if time.monotonic() >= end:
                 break
             if key in self.disk.entries or not self.host.contains(key):
                 continue
             entry = self.host.prepare_load(key)
             try:
-                before = self.counters.demotions
-                await self._write_disk(self.disk, entry)
-                written += self.counters.demotions - before
+                written += await self._write_disk(self.disk, entry, seq=top - rank)
             finally:
                 self.host.complete_load(entry)
         return written
@@ -314,11 +337,12 @@ class TieredStore:
     # ---- admin
     def clear(self, namespace: bytes | None) -> int:
         """Remove the unpinned blocks of a namespace (all when None) from every tier."""
-        removed = 0
+        removed: set[bytes] = set()
         for tier in self.tiers:
             for key in list(tier.keys(namespace)):
-                removed += tier.remove(key)
-        return removed
+                if tier.remove(key):
+                    removed.add(key)
+        return len(removed)
 
     def close(self) -> None:
         for lease_id in list(self.leases):

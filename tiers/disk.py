@@ -42,6 +42,8 @@ class DiskTier(Tier):
         self._wopts.sync = self.sync
         self._seq = 0
         self.dropped_at_open = self._load_index()
+        if self.file_bytes > self.capacity_bytes:  # capacity lowered since the file was written
+            os.ftruncate(self._fd, self.capacity_bytes)  # every kept record lies below it
 
     def units_for(self, length: int) -> int:
         return 1 + -(-length // PAGE)  # header page + payload
@@ -79,8 +81,17 @@ class DiskTier(Tier):
         return dropped
 
     # ---- byte movement: called from worker threads, on pinned / reserved entries only
-    def write(self, entry: BlockEntry, payload: memoryview) -> None:
-        """Write a reserved record and its index entry (in that order, durable per `sync`)."""
+    def reserve_seqs(self, n: int) -> int:
+        """Claim `n` consecutive write sequence numbers (the LRU order a restart rebuilds);
+        returns the first. Lets a caller write blocks in one order and rank them in another."""
+        first = self._seq + 1
+        self._seq += n
+        return first
+
+    def write(self, entry: BlockEntry, payload: memoryview, seq: int | None = None) -> None:
+        """Write a reserved record and its index entry (in that order, durable per `sync`).
+
+        `seq` ranks the block for the LRU order rebuilt at start (default: newest)."""
         if len(payload) != entry.length:
             raise InvalidArgumentError(f"payload is {len(payload)} bytes, reserved {entry.length}")
         csum = checksum([payload])
@@ -91,9 +102,10 @@ class DiskTier(Tier):
             raise OSError(f"short write: {written} of {PAGE + entry.length} bytes")
         if self.sync:
             os.fdatasync(self._fd)
-        self._seq += 1
+        if seq is None:
+            seq = self.reserve_seqs(1)
         entry.checksum = csum
-        self._db.put(entry.key, _INDEX.pack(self._seq, entry.unit, entry.length, entry.namespace,
+        self._db.put(entry.key, _INDEX.pack(seq, entry.unit, entry.length, entry.namespace,
                                             entry.layout_digest, csum), self._wopts)
 
     def read_into(self, entry: BlockEntry, dst: memoryview) -> None:

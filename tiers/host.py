@@ -21,6 +21,9 @@ class HostTier(SlabTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int, shm_dir: str | Path = "/dev/shm") -> None:
+        stale = Arena.remove_stale(shm_dir)
+        if stale:
+            log.info("removed %d arena files of dead daemons from %s", stale, shm_dir)
         self.arena = Arena.create(shm_dir, max(capacity_bytes, 0))
         super().__init__(capacity_bytes, self.arena.tensor)
         self.pinned = self._register_pinned()

@@ -46,7 +46,8 @@ def test_shared_prefix_and_isolation(daemon):
         c.publish(a, random_kv(layout, 64))
         assert c.lookup(b) == 32
         n, kv = c.fetch(b)
-        assert n == 32 and kv is not None
+        assert n == 32
+        assert kv is not None
     for other in (small_layout(model="other"), small_layout(torch.float16),
                   small_layout(num_layers=3)):
         with KVClient(daemon.target, other) as c:
@@ -79,11 +80,13 @@ def test_demotion_to_disk_keeps_hits_and_disk_within_capacity(daemon_factory):
             assert c.publish(tokens, kv) == 64
         stats = c.stats()
         host, disk = (next(t for t in stats.tiers if t.name == n) for n in ("host", "disk"))
-        assert stats.demotions > 0 and disk.blocks > 0
+        assert stats.demotions > 0
+        assert disk.blocks > 0
         assert host.used_bytes <= host.capacity_bytes
         for tokens, kv in zip(prompts, kvs, strict=True):
             n, got = c.fetch(tokens)
-            assert n == 64 and same_bytes(got, kv)
+            assert n == 64
+            assert same_bytes(got, kv)
         assert c.stats().promotions > 0
     data = Path(d.data_dir) / "disk" / "blocks.dat"
     assert data.stat().st_size <= 384 * 1024 + layout.block_bytes
@@ -170,7 +173,8 @@ def test_daemon_killed_then_back(daemon_factory):
             time.sleep(0.05)
         assert c.publish(tokens, kv) == 32  # a new arena: the client remaps
         n, got = c.fetch(tokens)
-        assert n == 32 and same_bytes(got, kv)
+        assert n == 32
+        assert same_bytes(got, kv)
 
 
 def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
@@ -191,10 +195,12 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
     stub = pb_grpc.KVStoreStub(channel)
     with pytest.raises(grpc.RpcError) as e:
         stub.Lookup(pb.LookupRequest(keys=[b"short"]), timeout=5)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "32" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "32" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.Lookup(pb.LookupRequest(keys=[b"k" * 32] * 5000), timeout=5)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "limit" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         stub.Lookup(pb.LookupRequest(keys=[b"k" * 32] * 3_000_000), timeout=10)  # ~100 MB
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -202,7 +208,8 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
                     block_tokens=16)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Fetch(pb.FetchRequest(layout=bad, keys=[b"k" * 32]), timeout=5))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_layers" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_layers" in e.value.details()
     channel.close()
     with KVClient(daemon.target, layout) as c:  # still serving
         assert c.lookup(tokens) == 32
@@ -211,7 +218,8 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
 def test_socket_mode_and_clean_sigterm(daemon):
     mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
     assert mode & 0o077 == 0, oct(mode)
-    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(f"kvstore-{daemon.proc.pid}-")}
+    prefix = f"kvstore-{daemon.proc.pid}-"
+    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(prefix)}
     assert arenas_before
     assert daemon.stop() == 0
     assert not any(p.startswith(f"kvstore-{daemon.proc.pid}-") for p in os.listdir("/dev/shm"))
@@ -224,14 +232,15 @@ def test_tcp_requires_token_and_streams(daemon_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret").start()
+    daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret").start()
     layout = small_layout()
     tokens = list(range(48))
     kv = random_kv(layout, 48)
     with KVClient(f"127.0.0.1:{port}", layout, token="s3cret") as c:
         assert c.publish(tokens, kv) == 48
         n, got = c.fetch(tokens)
-        assert n == 48 and same_bytes(got, kv)
+        assert n == 48
+        assert same_bytes(got, kv)
     with KVClient(f"127.0.0.1:{port}", layout, token="wrong", deadline_s=0.5) as c:
         assert c.lookup(tokens) == 0  # UNAUTHENTICATED is a miss for the engine...
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

@@ -1,0 +1,50 @@
+"""Helpers shared by the demo and the benchmarks: test models, tables, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def llama_8b_kv_shaped(num_layers: int = 32, vocab: int = 32000, seed: int = 0,
+                       dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A random-weight Llama with Llama-3-8B's KV shape (8 KV heads x 128 dims per layer, so
+    128 KiB of KV per token at 32 layers) and tiny compute, built locally: no model hub."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=256,
+                      num_hidden_layers=num_layers, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                      name_or_path="kvstore-demo/llama-8b-kv-shaped")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    head = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
+    lines = [head, "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+               **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path

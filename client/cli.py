@@ -1,0 +1,111 @@
+"""`kvstore`: operator commands against a running daemon.
+
+    kvstore stats  [--target T] [--json]     tiers, capacity, hit rate, traffic
+    kvstore ping   [--target T]              exit 0 when the daemon answers
+    kvstore clear  (--namespace HEX | --all) remove blocks
+
+Exit codes: 0 success, 1 daemon unreachable or call failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from client.aio import normalize_target
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "unix:.data/kvstore/kv.sock"  # the default data_dir, relative
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_stats(s: pb.StatsReply) -> str:
+    served = s.hit_blocks + s.miss_blocks
+    rate = f"{100 * s.hit_blocks / served:.1f}%" if served else "n/a"
+    lines = [f"kvstore {s.version}  up {s.uptime_s:.0f}s  hit rate {rate} "
+             f"({s.hit_blocks} of {served} blocks fetched)  leases {s.active_leases}",
+             f"{'tier':<6} {'blocks':>8} {'used':>11} {'capacity':>11} {'use':>6} {'hits':>8} "
+             f"{'read':>11} {'written':>11} {'evicted':>8}"]
+    for t in s.tiers:
+        use = f"{100 * t.used_bytes / t.capacity_bytes:.0f}%" if t.capacity_bytes else "-"
+        lines.append(f"{t.name:<6} {t.blocks:>8} {_human(t.used_bytes):>11} "
+                     f"{_human(t.capacity_bytes):>11} {use:>6} {t.hits:>8} "
+                     f"{_human(t.bytes_read):>11} {_human(t.bytes_written):>11} {t.evictions:>8}")
+    lines.append(f"published {s.stored_blocks}  demoted {s.demotions}  promoted {s.promotions}  "
+                 f"integrity failures {s.integrity_failures}")
+    return "\n".join(lines)
+
+
+def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    target, _ = normalize_target(args.target)
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        return getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.")
+    p.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", DEFAULT_TARGET),
+                   help="unix:///path/kv.sock or HOST:PORT (env KVSTORE_TARGET)")
+    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"),
+                   help="bearer token for TCP (env KVSTORE_TOKEN)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("stats", help="tiers, capacity, hit rate, traffic")
+    sub.add_parser("ping", help="check that the daemon answers")
+    clear = sub.add_parser("clear", help="remove blocks of a namespace, or all")
+    group = clear.add_mutually_exclusive_group(required=True)
+    group.add_argument("--namespace", help="namespace digest, 64 hex characters")
+    group.add_argument("--all", action="store_true", help="every block in every namespace")
+    args = p.parse_args(argv)
+
+    try:
+        if args.command == "stats":
+            reply = _call(args, "Stats", pb.StatsRequest())
+            print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True))
+                  if args.json else format_stats(reply))
+        elif args.command == "ping":
+            info = _call(args, "Info", pb.InfoRequest())
+            print(json.dumps({"ok": True, "version": info.version}) if args.json
+                  else f"ok: kvstore {info.version} at {args.target}")
+        else:
+            if args.namespace:
+                try:
+                    ns = bytes.fromhex(args.namespace)
+                except ValueError:
+                    ns = b""
+                if len(ns) != 32:
+                    print("kvstore clear: --namespace takes 64 hex characters", file=sys.stderr)
+                    return 2
+                req = pb.ClearRequest(namespace=ns)
+            else:
+                req = pb.ClearRequest(all=True)
+            reply = _call(args, "Clear", req)
+            print(json.dumps({"removed": reply.removed}) if args.json
+                  else f"removed {reply.removed} blocks")
+    except grpc.RpcError as e:
+        msg = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        print(json.dumps({"ok": False, "error": msg}) if args.json
+              else f"kvstore {args.command}: {msg}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

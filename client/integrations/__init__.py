@@ -1,0 +1,1 @@
+"""Engine integrations: Hugging Face transformers (`hf`) and vLLM (`vllm`)."""

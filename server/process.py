@@ -1,0 +1,63 @@
+"""Run `kvstore-server` in its own process: for tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class DaemonProcess:
+    """`python -m server` in its own process, on a data directory that outlives restarts."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        self.data_dir = Path(data_dir).resolve()  # gRPC wants unix:///absolute/path
+        self.args = list(args)
+        self.proc: subprocess.Popen[str] | None = None
+        self.log = self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    @property
+    def socket(self) -> str:
+        return str(self.data_dir / "kv.sock")
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self, timeout: float = 20.0) -> DaemonProcess:
+        cmd = [sys.executable, "-m", "server", "--data-dir", str(self.data_dir), *self.args]
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=logf,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY"):
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"daemon did not start; log:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return -9
+        return self.proc.returncode

@@ -1,0 +1,191 @@
+"""ServerConfig: sizes, precedence of sources, unknown options, bounds, secrets."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import ServerConfig, load_config, parse_size
+from kvstore.errors import ConfigError, InvalidArgumentError
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (0, 0),
+    (1048576, 1048576),
+    (4096.0, 4096),
+    ("4096", 4096),
+    ("64GiB", 64 * 2**30),
+    ("512 MiB", 512 * 2**20),
+    ("1.5GB", 1_500_000_000),
+    ("1.5 GiB", 3 * 2**29),
+    ("2k", 2000),
+    ("2KiB", 2048),
+    ("3kb", 3000),
+    (" 7 mb ", 7_000_000),
+    ("1TiB", 2**40),
+    ("10b", 10),
+])
+def test_parse_size(value: object, want: int) -> None:
+    assert parse_size(value) == want  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["", "GiB", "12 parsecs", "1e9", "-5MiB", "1.", "5 mibs",
+                                   "0x10", "1,5GB", -1, -0.5, True, float("nan"), float("inf")])
+def test_parse_size_rejects_bad_values_naming_the_option(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^host_bytes: "):
+        parse_size(value, "host_bytes")  # type: ignore[arg-type]
+
+
+def test_config_error_is_an_invalid_argument() -> None:
+    assert issubclass(ConfigError, InvalidArgumentError)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_defaults_are_secure() -> None:
+    c = load_config()
+    assert c == ServerConfig()
+    assert c.listen == ""  # no TCP unless asked for
+    assert c.token == ""
+    assert c.disk_sync == "always"
+    assert c.socket_path == Path(c.data_dir) / "kv.sock"
+    assert ServerConfig(socket="/run/x.sock").socket_path == Path("/run/x.sock")
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "kvstore.toml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
+    f = _toml(tmp_path, 'host_bytes = "2MiB"\ndisk_bytes = "3MiB"\nlog_level = "debug"\n'
+                        "max_concurrent_rpcs = 7\n")
+    base = ServerConfig()
+    only_file = load_config(f)
+    assert only_file.host_bytes == 2 * 2**20
+    assert only_file.disk_bytes == 3 * 2**20
+    assert only_file.log_level == "debug"
+    assert only_file.max_concurrent_rpcs == 7
+    assert only_file.lease_timeout_s == base.lease_timeout_s  # default kept
+
+    env = {"KVSTORE_DISK_BYTES": "5MiB", "KVSTORE_LEASE_TIMEOUT_S": "2.5", "HOME": "/x",
+           "KVSTORE_CONFIG": "/ignored.toml"}
+    with_env = load_config(f, env)
+    assert with_env.host_bytes == 2 * 2**20  # file
+    assert with_env.disk_bytes == 5 * 2**20  # env beats file
+    assert with_env.lease_timeout_s == 2.5  # env beats default
+    assert with_env.log_level == "debug"
+
+    full = load_config(f, env, {"disk_bytes": "9MiB", "log_level": "error", "host_bytes": None})
+    assert full.disk_bytes == 9 * 2**20  # flag beats env
+    assert full.log_level == "error"  # flag beats file
+    assert full.host_bytes == 2 * 2**20  # a None flag is "not given"
+    assert full.lease_timeout_s == 2.5
+
+
+def test_toml_server_table_and_dashed_names(tmp_path: Path) -> None:
+    f = _toml(tmp_path, '[server]\nhost-bytes = 8192\nshm-dir = "/tmp/x"\n')
+    c = load_config(f)
+    assert c.host_bytes == 8192
+    assert c.shm_dir == "/tmp/x"
+
+
+def test_unknown_option_in_toml_named(tmp_path: Path) -> None:
+    f = _toml(tmp_path, 'host_bytes = "1MiB"\nhost_byte = "2MiB"\n')
+    with pytest.raises(ConfigError, match="host_byte'"):
+        load_config(f)
+
+
+def test_unknown_option_in_env_named() -> None:
+    with pytest.raises(ConfigError, match="unknown option 'cache_size'"):
+        load_config(env={"KVSTORE_CACHE_SIZE": "1GiB"})
+
+
+def test_unknown_override_named() -> None:
+    with pytest.raises(ConfigError, match="'nope'"):
+        load_config(overrides={"nope": 1})
+
+
+def test_unreadable_or_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
+        load_config(tmp_path / "missing.toml")
+    bad = _toml(tmp_path, "host_bytes = = 3\n")
+    with pytest.raises(ConfigError, match=r"kvstore\.toml"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(("source", "name", "value", "match"), [
+    ("env", "KVSTORE_HOST_BYTES", "lots", "host_bytes: cannot parse size"),
+    ("env", "KVSTORE_METRICS_PORT", "http", "metrics_port: expected int"),
+    ("env", "KVSTORE_LEASE_TIMEOUT_S", "soon", "lease_timeout_s: expected float"),
+    ("env", "KVSTORE_METRICS_PORT", "70000", "metrics_port: 70000 is above the maximum"),
+    ("env", "KVSTORE_MAX_CONCURRENT_RPCS", "0", "max_concurrent_rpcs: 0 is below the minimum"),
+    ("env", "KVSTORE_LEASE_TIMEOUT_S", "0.01", "lease_timeout_s: 0.01 is below the minimum"),
+    ("env", "KVSTORE_LEASE_TIMEOUT_S", "nan", "lease_timeout_s: expected a number"),
+    ("env", "KVSTORE_DRAIN_GRACE_S", "inf", "drain_grace_s: inf is above the maximum"),
+    ("env", "KVSTORE_MAX_MESSAGE_BYTES", "1KiB", "max_message_bytes: 1024 is below"),
+    ("flag", "host_bytes", "17TiB", "host_bytes: .* is above the maximum"),
+    ("flag", "disk_sync", "sometimes", "disk_sync: 'sometimes' is not one of"),
+    ("flag", "log_level", "trace", "log_level: 'trace' is not one of"),
+    ("flag", "log_format", "xml", "log_format"),
+    ("flag", "listen", "localhost", "listen: expected HOST:PORT"),
+    ("flag", "listen", "localhost:0", "listen: expected HOST:PORT"),
+    ("flag", "listen", ":8080", "listen: expected HOST:PORT"),
+])
+def test_bad_values_name_the_option(source: str, name: str, value: str, match: str) -> None:
+    kwargs = {"env": {name: value}} if source == "env" else {"overrides": {name: value}}
+    with pytest.raises(ConfigError, match=match):
+        load_config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_toml_nan_and_inf_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="host_bytes"):
+        load_config(_toml(tmp_path, "host_bytes = inf\n"))
+    with pytest.raises(ConfigError, match="lease_timeout_s"):
+        load_config(_toml(tmp_path, "lease_timeout_s = nan\n"))
+
+
+def test_bounds_checked_on_direct_construction() -> None:
+    with pytest.raises(ConfigError, match="host_bytes"):
+        ServerConfig(host_bytes=-1)
+    with pytest.raises(ConfigError, match="disk_sync"):
+        ServerConfig(disk_sync="maybe")
+
+
+def test_listen_requires_token() -> None:
+    with pytest.raises(ConfigError, match=r"listen: .*requires `token`"):
+        load_config(overrides={"listen": "127.0.0.1:7070"})
+    c = load_config(env={"KVSTORE_TOKEN": "s3cret"}, overrides={"listen": "127.0.0.1:7070"})
+    assert c.listen == "127.0.0.1:7070"
+    assert c.token == "s3cret"
+    assert ServerConfig(listen="[::1]:7070", token="t").listen == "[::1]:7070"
+
+
+def test_redacted_hides_the_token() -> None:
+    c = ServerConfig(listen="127.0.0.1:7070", token="hunter2-very-secret")
+    red = c.redacted()
+    assert red["token"] == "***"
+    assert "hunter2" not in repr(red)
+    assert red["listen"] == "127.0.0.1:7070"
+    assert set(red) == {f.name for f in dataclasses.fields(ServerConfig)}
+    assert c.token == "hunter2-very-secret"  # the config itself is unchanged
+    assert ServerConfig().redacted()["token"] == ""  # nothing to hide: no placeholder
+
+
+def test_every_option_is_documented() -> None:
+    for f in dataclasses.fields(ServerConfig):
+        assert f.metadata["doc"], f.name
+        default = f.default
+        if f.metadata["min"] is not None:
+            assert f.metadata["min"] <= default, f.name
+        if f.metadata["max"] is not None:
+            assert default <= f.metadata["max"], f.name
+        if f.metadata["choices"]:
+            assert default in f.metadata["choices"], f.name
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServerConfig().token = "x"  # type: ignore[misc]

@@ -1,0 +1,469 @@
+"""TieredStore in-process: publish, fetch, demotion, promotion, integrity, leases, clear.
+
+pytest-asyncio is not a dependency: each test drives its coroutines with `asyncio.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import NotFoundError
+from server.store import Lease, TieredStore
+from tiers.base import PAGE
+from tiers.disk import DiskTier
+from tiers.host import HostTier
+
+NS_A = b"A" * 32
+NS_B = b"B" * 32
+LAYOUT = b"L" * 32
+LENGTH = 5000  # 2 pages in host, 3 (header page + 2) on disk
+
+
+def key(i: int, ns: bytes = NS_A) -> bytes:
+    return ns[:1] + i.to_bytes(31, "big")
+
+
+def payload(k: bytes) -> bytes:
+    g = torch.Generator().manual_seed(int.from_bytes(k[-8:], "big") + k[0])
+    return bytes(torch.randint(0, 256, (LENGTH,), dtype=torch.uint8, generator=g).numpy())
+
+
+def make_store(tmp_path: Path, host_blocks: int, disk_blocks: int | None = 16,
+               lease_timeout_s: float = 30.0) -> TieredStore:
+    host = HostTier(host_blocks * 2 * PAGE, shm_dir=tmp_path)
+    disk = (DiskTier(tmp_path / "disk", disk_blocks * 3 * PAGE, sync="never")
+            if disk_blocks is not None else None)
+    return TieredStore(host, disk, lease_timeout_s=lease_timeout_s, io_threads=2)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TieredStore]:
+    s = make_store(tmp_path, host_blocks=8)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Iterator[TieredStore]:
+    """Room for 3 blocks in host memory, 16 on disk."""
+    s = make_store(tmp_path, host_blocks=3)
+    yield s
+    s.close()
+
+
+async def publish(store: TieredStore, keys: Sequence[bytes], ns: bytes = NS_A) -> Lease:
+    """Reserve, write each reserved block into the arena as a client would, commit."""
+    lease = await store.reserve(ns, LAYOUT, keys, LENGTH)
+    for entry in lease.entries:
+        store.host.view(entry).copy_(torch.frombuffer(bytearray(payload(entry.key)),
+                                                      dtype=torch.uint8))
+    store.commit(lease.id)
+    return lease
+
+
+def fetched_bytes(store: TieredStore, lease: Lease) -> list[bytes]:
+    return [bytes(store.host.view(e).numpy()) for e in lease.entries]
+
+
+def test_publish_then_fetch_byte_identical(store: TieredStore) -> None:
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        pub = await publish(store, keys)
+        assert pub.needed == [True] * 4
+        assert not pub.more
+        assert store.lookup([*keys, key(99)]) == ["host"] * 4
+        lease = await store.fetch([*keys, key(99)], LAYOUT)
+        assert [e.key for e in lease.entries] == keys
+        assert lease.tiers == ["host"] * 4
+        assert fetched_bytes(store, lease) == [payload(k) for k in keys]
+        assert all(store.host.policy.is_pinned(k) for k in keys)
+        assert store.release(lease.id)
+
+    asyncio.run(main())
+    c = store.counters
+    assert (c.stored_blocks, c.hit_blocks, c.miss_blocks) == (4, 4, 1)
+    assert c.tier_hits == {"host": 4}
+    assert c.bytes_written == {"host": 4 * LENGTH}
+
+
+def test_reserved_blocks_are_invisible_until_commit(store: TieredStore) -> None:
+    async def main() -> None:
+        lease = await store.reserve(NS_A, LAYOUT, [key(0), key(1)], LENGTH)
+        assert len(lease.entries) == 2
+        assert store.lookup([key(0)]) == []
+        miss = await store.fetch([key(0)], LAYOUT)
+        assert miss.entries == []
+        store.release(miss.id)
+        again = await store.reserve(NS_A, LAYOUT, [key(0), key(1), key(2)], LENGTH)
+        assert again.needed == [False, False, True]  # being written counts as present
+        store.release(again.id)
+        assert store.commit(lease.id) == 2
+        assert store.lookup([key(0), key(1)]) == ["host", "host"]
+        with pytest.raises(NotFoundError):
+            store.commit(lease.id)  # a lease ends once
+
+    asyncio.run(main())
+
+
+def test_republish_of_present_blocks_reserves_nothing(store: TieredStore) -> None:
+    async def main() -> None:
+        await publish(store, [key(0), key(1)])
+        lease = await publish(store, [key(0), key(1), key(2)])
+        assert lease.needed == [False, False, True]
+        assert [e.key for e in lease.entries] == [key(2)]
+
+    asyncio.run(main())
+    assert store.counters.stored_blocks == 3
+
+
+def test_fetch_under_another_layout_is_a_miss(store: TieredStore) -> None:
+    async def main() -> None:
+        await publish(store, [key(0)])
+        lease = await store.fetch([key(0)], b"X" * 32)
+        assert lease.entries == []
+        assert not store.host.policy.is_pinned(key(0))
+
+    asyncio.run(main())
+    assert store.counters.miss_blocks == 1
+
+
+def test_publish_past_host_capacity_stops_with_more(tiny: TieredStore) -> None:
+    keys = [key(i) for i in range(5)]
+
+    async def main() -> None:
+        lease = await tiny.reserve(NS_A, LAYOUT, keys, LENGTH)
+        assert len(lease.entries) == 3  # everything else in host is in flight
+        assert lease.needed == [True] * 3
+        assert lease.more
+        tiny.release(lease.id)
+        assert tiny.host.stats().used_bytes == 0
+
+    asyncio.run(main())
+
+
+def test_demotion_to_disk_and_promotion_back(tiny: TieredStore) -> None:
+    first = [key(i) for i in range(3)]
+    second = [key(i) for i in range(3, 6)]
+
+    async def main() -> None:
+        await publish(tiny, first)
+        await publish(tiny, second)  # host holds 3: the first chain goes to disk
+        assert tiny.counters.demotions == 3
+        assert tiny.disk is not None
+        for k in first:
+            assert tiny.disk.contains(k)
+            assert not tiny.host.contains(k)
+        assert tiny.lookup(first + second) == ["disk"] * 3 + ["host"] * 3
+        assert tiny.host.stats().evictions == 3
+
+        lease = await tiny.fetch(first, LAYOUT)
+        assert lease.tiers == ["disk"] * 3
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in first]
+        assert tiny.counters.promotions == 3
+        assert all(tiny.host.contains(k) for k in first)
+        assert all(tiny.disk.contains(k) for k in first)  # promotion copies, keeps the disk copy
+        tiny.release(lease.id)
+
+        # The second chain was demoted in its turn, and comes back byte-identical too.
+        lease = await tiny.fetch(second, LAYOUT)
+        assert lease.tiers == ["disk"] * 3
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in second]
+        tiny.release(lease.id)
+
+    asyncio.run(main())
+    c = tiny.counters
+    assert c.demotions == 6
+    assert c.promotions == 6
+    assert c.bytes_read == {"disk": 6 * LENGTH}
+    assert c.tier_hits == {"disk": 6}
+    assert c.integrity_failures == 0
+
+
+def test_demotion_order_is_leaf_first(tiny: TieredStore) -> None:
+    chain = [key(i) for i in range(3)]
+
+    async def main() -> None:
+        await publish(tiny, chain)
+        await publish(tiny, [key(10)])  # one block of room needed: the leaf goes
+        assert tiny.disk is not None
+        assert tiny.disk.contains(key(2))
+        assert tiny.host.contains(key(0))
+        assert tiny.host.contains(key(1))
+
+    asyncio.run(main())
+
+
+def test_partial_republish_keeps_parents_last_in_lru(store: TieredStore) -> None:
+    """A chain extended by a later publish must still lose its leaves before its root."""
+
+    async def main() -> None:
+        await publish(store, [key(0)])
+        await publish(store, [key(0), key(1), key(2)])
+
+    asyncio.run(main())
+    assert list(store.host.policy.lru_order()) == [key(2), key(1), key(0)]
+
+
+def test_fetch_stops_when_host_is_pinned_full(tiny: TieredStore) -> None:
+    keys = [key(i) for i in range(5)]
+
+    async def main() -> None:
+        await publish(tiny, keys[:3])
+        await publish(tiny, keys[3:])  # 0-2 on disk, 3-4 in host
+        lease = await tiny.fetch(keys, LAYOUT)
+        assert len(lease.entries) == 3  # host room for three pinned blocks
+        assert lease.more
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in keys[:3]]
+        tiny.release(lease.id)
+        rest = await tiny.fetch(keys[3:], LAYOUT)  # the client asks again for the rest
+        assert fetched_bytes(tiny, rest) == [payload(k) for k in keys[3:]]
+        tiny.release(rest.id)
+
+    asyncio.run(main())
+
+
+def _flip_disk_byte(store: TieredStore, k: bytes, where: int) -> None:
+    assert store.disk is not None
+    entry = store.disk.get(k)
+    assert entry is not None
+    with open(store.disk.directory / "blocks.dat", "r+b") as f:
+        f.seek(entry.offset + where)
+        b = f.read(1)
+        f.seek(entry.offset + where)
+        f.write(bytes([b[0] ^ 0x04]))
+
+
+@pytest.mark.parametrize("where", [20, PAGE + 17])  # header, payload
+def test_corrupt_disk_record_is_a_counted_miss_and_deleted(tiny: TieredStore, where: int) -> None:
+    chain = [key(i) for i in range(3)]
+
+    async def main() -> None:
+        await publish(tiny, chain)
+        await publish(tiny, [key(i) for i in range(3, 6)])  # demote the chain
+        _flip_disk_byte(tiny, key(1), where)
+        lease = await tiny.fetch(chain, LAYOUT)
+        assert [e.key for e in lease.entries] == [key(0)]  # the prefix stops at the bad block
+        assert fetched_bytes(tiny, lease) == [payload(key(0))]
+        tiny.release(lease.id)
+        assert tiny.counters.integrity_failures == 1
+        assert tiny.disk is not None
+        assert not tiny.disk.contains(key(1))
+        assert key(1) not in tiny.disk.entries
+        assert key(1) not in tiny.host.entries  # the host slot it was read into was returned
+        assert all(e.committed for e in tiny.host.entries.values())
+        assert tiny.host.stats().used_bytes == 2 * len(tiny.host.entries) * PAGE
+        assert tiny.lookup(chain) == ["host"]
+        # The key can be published again and then fetched whole.
+        again = await publish(tiny, chain)
+        assert again.needed == [False, True, False]
+        lease = await tiny.fetch(chain, LAYOUT)
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in chain]
+        tiny.release(lease.id)
+
+    asyncio.run(main())
+    assert tiny.counters.miss_blocks == 2
+
+
+def test_concurrent_fetches_of_a_disk_block(tiny: TieredStore) -> None:
+    """Two clients asking at once for a block being promoted: no error, identical bytes."""
+    chain = [key(i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(tiny, chain)
+        await publish(tiny, [key(i) for i in range(2, 5)])  # demote the chain
+        a, b = await asyncio.gather(tiny.fetch(chain, LAYOUT), tiny.fetch(chain, LAYOUT))
+        for lease in (a, b):
+            assert fetched_bytes(tiny, lease) == [payload(k) for k in chain][: len(lease.entries)]
+            tiny.release(lease.id)
+        assert len(a.entries) + len(b.entries) >= 2
+        assert tiny.counters.promotions == 2
+        assert not any(tiny.host.policy.is_pinned(k) for k in chain)
+
+    asyncio.run(main())
+
+
+def test_concurrent_publishes_of_the_same_chain(tiny: TieredStore) -> None:
+    """Two engines publishing one prefix at once, while room is made by demotion: no error,
+    each block reserved once, and the chain readable afterwards."""
+    chain = [key(i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(tiny, [key(i) for i in range(10, 13)])  # host full: reserving demotes
+        a, b = await asyncio.gather(publish(tiny, chain), publish(tiny, chain))
+        assert len(a.entries) + len(b.entries) == 2
+        assert sorted(e.key for e in a.entries + b.entries) == chain
+        assert all(x or y for x, y in zip(a.needed, b.needed, strict=True))
+        lease = await tiny.fetch(chain, LAYOUT)
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in chain]
+        tiny.release(lease.id)
+
+    asyncio.run(main())
+
+
+def test_release_unpins(store: TieredStore) -> None:
+    keys = [key(i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(store, keys)
+        a = await store.fetch(keys, LAYOUT)
+        b = await store.fetch(keys[:1], LAYOUT)
+        assert store.host.next_victim() is None
+        assert store.release(a.id)
+        assert store.host.policy.is_pinned(keys[0])  # b still holds it
+        assert not store.host.policy.is_pinned(keys[1])
+        assert store.host.next_victim() == keys[1]  # the leaf
+        assert store.release(b.id)
+        assert not store.host.policy.is_pinned(keys[0])
+        assert not store.release(b.id)  # ends once
+        assert not store.release(12345)
+        assert store.leases == {}
+
+    asyncio.run(main())
+
+
+def test_release_of_publish_lease_frees_reservation(store: TieredStore) -> None:
+    async def main() -> None:
+        lease = await store.reserve(NS_A, LAYOUT, [key(0), key(1)], LENGTH)
+        assert store.host.stats().used_bytes == 4 * PAGE
+        assert store.release(lease.id)
+        assert store.host.stats().used_bytes == 0
+        assert not store.present(key(0))
+        with pytest.raises(NotFoundError):
+            store.commit(lease.id)
+
+    asyncio.run(main())
+
+
+def test_reap_expired_reclaims_publish_and_fetch_leases(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, lease_timeout_s=0.5)
+
+    async def main() -> None:
+        await publish(store, [key(0)])
+        fetch = await store.fetch([key(0)], LAYOUT)
+        pub = await store.reserve(NS_A, LAYOUT, [key(1), key(2)], LENGTH)
+        assert store.host.stats().used_bytes == 6 * PAGE
+        assert store.reap_expired() == 0  # not yet
+        assert store.host.policy.is_pinned(key(0))
+        await asyncio.sleep(0.6)
+        assert store.reap_expired() == 2
+        assert store.leases == {}
+        assert not store.host.policy.is_pinned(key(0))  # the fetch lease let go
+        assert store.host.contains(key(0))  # unpinned, not deleted
+        assert store.host.stats().used_bytes == 2 * PAGE  # the reservation's space is back
+        assert key(1) not in store.host.entries
+        with pytest.raises(NotFoundError):
+            store.commit(pub.id)
+        assert not store.release(fetch.id)
+        again = await publish(store, [key(1), key(2)])  # the keys are writable again
+        assert again.needed == [True, True]
+        assert store.lookup([key(0), key(1), key(2)]) == ["host"] * 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_clear_namespace_removes_only_that_namespace(tiny: TieredStore) -> None:
+    a = [key(i, NS_A) for i in range(3)]
+    b = [key(i, NS_B) for i in range(2)]
+
+    async def main() -> None:
+        await publish(tiny, a, NS_A)  # these end up on disk
+        await publish(tiny, b, NS_B)
+        await publish(tiny, [key(9, NS_A)], NS_A)
+        assert tiny.disk is not None
+        assert tiny.host.contains(key(9, NS_A))
+        assert all(tiny.disk.contains(k) for k in a)  # demoted, leaf first, then the root
+        assert tiny.clear(NS_A) == 4
+        for k in [*a, key(9, NS_A)]:
+            assert not any(t.contains(k) for t in tiny.tiers)
+        assert tiny.lookup(b) == ["host", "host"]
+        assert list(tiny.host.keys(NS_A)) == []
+        assert list(tiny.disk.keys(NS_A)) == []
+        lease = await tiny.fetch(b, LAYOUT)
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in b]
+        # Pinned blocks survive a clear; the rest of the namespace goes.
+        tiny.clear(None)
+        assert tiny.host.contains(b[0])
+        assert tiny.host.contains(b[1])
+        tiny.release(lease.id)
+        tiny.clear(None)
+        assert list(tiny.host.keys()) == []
+        assert list(tiny.disk.keys()) == []
+
+    asyncio.run(main())
+
+
+def test_flush_writes_host_only_blocks_to_disk(store: TieredStore) -> None:
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(store, keys)
+        assert store.disk is not None
+        assert list(store.disk.keys()) == []
+        assert await store.flush(0) == 0  # no budget, nothing written
+        assert await store.flush(10.0) == 4
+        assert set(store.disk.keys()) == set(keys)
+        assert all(store.host.contains(k) for k in keys)  # copies: host keeps them
+        assert not any(store.host.policy.is_pinned(k) for k in keys)
+        assert await store.flush(10.0) == 0  # already on disk
+        for k in keys:
+            entry = store.disk.prepare_load(k)
+            dst = bytearray(entry.length)
+            store.disk.read_into(entry, memoryview(dst))
+            store.disk.complete_load(entry)
+            assert bytes(dst) == payload(k)
+
+    asyncio.run(main())
+
+
+def test_store_without_disk_drops_victims(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=None)
+
+    async def main() -> None:
+        await publish(store, [key(0), key(1)])
+        await publish(store, [key(2)])
+        assert store.counters.demotions == 0
+        assert store.lookup([key(0), key(1)]) == ["host"]  # the leaf was dropped, not the root
+        assert not store.host.contains(key(1))
+        assert store.host.contains(key(2))
+        assert len(store.host.entries) == 2
+        assert store.host.stats().evictions == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_close_releases_leases_and_removes_arena(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2)
+    arena = store.host.arena.path
+
+    async def main() -> None:
+        await publish(store, [key(0)])
+        await store.fetch([key(0)], LAYOUT)
+        await store.reserve(NS_A, LAYOUT, [key(1)], LENGTH)
+
+    asyncio.run(main())
+    assert arena.exists()
+    store.close()
+    assert store.leases == {}
+    assert not arena.exists()
+
+
+def test_expired_lease_timing_is_monotonic(store: TieredStore) -> None:
+    async def main() -> Lease:
+        return await store.reserve(NS_A, LAYOUT, [key(0)], LENGTH)
+
+    before = time.monotonic()
+    lease = asyncio.run(main())
+    assert before + 30.0 <= lease.expires <= time.monotonic() + 30.0
