@@ -45,6 +45,26 @@ class Lease:
 
 
 @dataclass
+class _Staged:
+    """One block of a fetch in progress: a pinned host hit (`src` None) or a disk hit being
+    read into the host reservation `dst`."""
+
+    tier: str
+    dst: BlockEntry
+    src: BlockEntry | None = None
+    done: bool = False  # the disk read finished (committed or given back)
+
+    def abandon(self, store: TieredStore) -> None:
+        """Undo on an error or cancellation: unpin, or give the reservation back."""
+        if self.src is None:
+            store.host.complete_load(self.dst)
+        elif not self.done:
+            if store.disk is not None:
+                store.disk.complete_load(self.src)
+            store.host.abort_store(self.dst)
+
+
+@dataclass
 class StoreCounters:
     lookups: int = 0
     hit_blocks: int = 0
@@ -102,17 +122,42 @@ class TieredStore:
 
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes) -> Lease:
-        """Pin the longest cached prefix in host memory (promoting disk hits) under a lease."""
+        """Pin the longest cached prefix in host memory (promoting disk hits) under a lease.
+
+        Two passes: first every block of the prefix is pinned (host hits) or given a host
+        reservation (disk hits, possibly demoting others), then all disk reads run at once,
+        so the disk sees a deep queue instead of one read at a time.
+        """
         lease = self._new_lease("fetch")
+        staged: list[_Staged] = []
         try:
             for key in keys:
-                tier = await self._stage(key, layout_digest, lease)
-                if tier is None:
+                item = await self._stage(key, layout_digest, lease, staged)
+                if item is None:
                     break
-                lease.tiers.append(tier)
+                staged.append(item)
+            reads = [s for s in staged if s.src is not None]
+            errors = await asyncio.gather(*(self._read_disk(s) for s in reads))
         except BaseException:
+            for s in staged:
+                s.abandon(self)
             self.release(lease.id)
             raise
+        cut = len(staged)
+        for s, err in zip(reads, errors, strict=True):
+            if err is None:
+                continue
+            cut = min(cut, staged.index(s))
+            if self.disk is not None and s.src is not None:
+                self._integrity_failure(self.disk, s.src, err)
+        for i, s in enumerate(staged):
+            if i < cut:
+                entry = s.dst if s.src is None else self.host.prepare_load(s.dst.key)
+                lease.entries.append(entry)
+                lease.tiers.append(s.tier)
+            elif s.src is None:
+                self.host.complete_load(s.dst)  # pinned for a block past a failure: unpin
+        lease.more = lease.more and cut == len(staged)
         served = len(lease.entries)
         self.counters.hit_blocks += served
         self.counters.miss_blocks += len(keys) - served
@@ -121,14 +166,14 @@ class TieredStore:
         self.touch_chain(keys[:served])
         return lease
 
-    async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease) -> str | None:
-        """Pin `key` in host memory for `lease`; returns the tier it was found in, or None."""
+    async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease,
+                     staged: list[_Staged]) -> _Staged | None:
+        """Pin a host hit, or reserve host space for a disk hit; None ends the prefix."""
         entry = self.host.get(key)
         if entry is not None:
             if entry.layout_digest != layout_digest:
                 return None
-            lease.entries.append(self.host.prepare_load(key))
-            return self.host.name
+            return _Staged(self.host.name, self.host.prepare_load(key))
         if self.disk is None:
             return None
         src = self.disk.get(key)
@@ -139,34 +184,35 @@ class TieredStore:
             dst = await self._reserve_host(key, src.namespace, src.layout_digest, src.length)
         except BaseException as e:
             self.disk.complete_load(src)
-            if isinstance(e, CapacityError) and lease.entries:
-                lease.more = True  # the client copies these, releases, and asks again
-                return None
             if isinstance(e, CapacityError):
+                lease.more = bool(staged)  # the client copies these, releases, asks again
                 return None
             raise
         if dst is None:  # another call is promoting or publishing it right now: a miss here
             self.disk.complete_load(src)
             return None
-        failure: Exception | None = None
+        return _Staged(self.disk.name, dst, src)
+
+    async def _read_disk(self, s: _Staged) -> Exception | None:
+        """Read one staged disk block into its host reservation; commit it or give it back.
+        Returns the failure (integrity or I/O) instead of raising, so one bad block does not
+        abandon its neighbours' reads."""
+        disk, src = self.disk, s.src
+        if disk is None or src is None:
+            return None  # only staged disk hits are read
         try:
-            await self._run_io(self.disk.read_into, src, self.host.view(dst).numpy().data)
+            await self._run_io(disk.read_into, src, self.host.view(s.dst).numpy().data)
         except (IntegrityError, OSError) as e:
-            failure = e
-        except BaseException:
-            self.host.abort_store(dst)
-            raise
-        finally:
-            self.disk.complete_load(src)
-        if failure is not None:
-            self.host.abort_store(dst)
-            self._integrity_failure(self.disk, src, failure)
-            return None
-        self.host.complete_store(dst)
+            disk.complete_load(src)
+            self.host.abort_store(s.dst)
+            s.done = True
+            return e
+        disk.complete_load(src)
+        self.host.complete_store(s.dst)
+        s.done = True
         self.counters.promotions += 1
-        self.counters.add(self.counters.bytes_read, self.disk.name, src.length)
-        lease.entries.append(self.host.prepare_load(key))
-        return self.disk.name
+        self.counters.add(self.counters.bytes_read, disk.name, src.length)
+        return None
 
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1

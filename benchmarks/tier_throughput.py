@@ -1,0 +1,177 @@
+"""Host- and disk-tier publish/fetch throughput beside the machine's limits, in one run.
+
+Llama-8B-shaped blocks (bf16, 8 KV heads x 128 dims x 32 layers = 128 KiB/token, 256-token
+blocks = 32 MiB). Limits measured in the same run on the same bytes:
+- memcpy: `torch.Tensor.copy_` into an existing buffer (what a same-node fetch must do);
+- raw disk read: `os.preadv` of a file holding the same bytes, its page cache dropped first
+  (`posix_fadvise(DONTNEED)`), exactly as the disk tier's file is before each disk fetch.
+Goals (issue 2): host fetch >= 0.7x memcpy, disk fetch >= 0.8x raw read.
+
+    python -m benchmarks.tier_throughput [--blocks 16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, table, write_results
+from client import KVClient
+from kvstore import KVLayout
+from server.process import DaemonProcess
+
+LAYOUT = KVLayout(model="llama-8b-shaped", num_layers=32, num_kv_heads=8, head_dim=128,
+                  dtype=torch.bfloat16, block_tokens=256)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure_memcpy(nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in: "an existing buffer"
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return _gbps(nbytes, statistics.median(times))
+
+
+def measure_raw_read(path: Path, nbytes: int, repeats: int) -> float:
+    data = torch.empty(nbytes, dtype=torch.uint8).random_()
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+    buf = bytearray(nbytes)
+    times = []
+    for _ in range(repeats):
+        _drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        t = time.perf_counter()
+        os.preadv(fd, [memoryview(buf)], 0)
+        times.append(time.perf_counter() - t)
+        os.close(fd)
+    path.unlink()
+    return _gbps(nbytes, statistics.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--blocks", type=int, default=16, help="blocks per prompt (32 MiB each)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--data-dir", default=".data/bench")
+    args = p.parse_args()
+
+    n_tokens = args.blocks * LAYOUT.block_tokens
+    nbytes = n_tokens * LAYOUT.bytes_per_token
+    data = Path(args.data_dir)
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    # Host holds one prompt (plus slack), so alternating two prompts makes every fetch a disk
+    # read (promotion) whose demotion costs nothing (both prompts are already on disk).
+    host = nbytes + 64 * 2**20
+    daemon = DaemonProcess(data / "kvstore", "--host-bytes", str(host),
+                           "--disk-bytes", str(4 * nbytes), "--disk-sync", "never")
+    bar = tqdm(total=4 + 4 * args.repeats, desc="tier throughput", unit="step")
+    memcpy = measure_memcpy(nbytes, args.repeats)
+    bar.update()
+    raw = measure_raw_read(data / "raw.bin", nbytes, args.repeats)
+    bar.update()
+    daemon.start()
+    bar.update()
+    prompts = [[p * 10**6 + t for t in range(n_tokens)] for p in range(2)]
+    kvs = [torch.randn(LAYOUT.kv_shape(n_tokens), dtype=torch.bfloat16) for _ in range(2)]
+    out = torch.empty(LAYOUT.kv_shape(n_tokens), dtype=torch.bfloat16)
+    out.zero_()
+    res: dict[str, list[float]] = {k: [] for k in ("host publish", "host fetch", "disk fetch")}
+    disk_file = data / "kvstore" / "disk" / "blocks.dat"
+    try:
+        with KVClient(daemon.target, LAYOUT, deadline_s=60) as c:
+            for r in range(args.repeats):
+                c.clear()
+                t = time.perf_counter()
+                assert c.publish(prompts[0], kvs[0]) == n_tokens
+                res["host publish"].append(_gbps(nbytes, time.perf_counter() - t))
+                bar.update()
+                t = time.perf_counter()
+                n, _ = c.fetch(prompts[0], into=out)
+                res["host fetch"].append(_gbps(nbytes, time.perf_counter() - t))
+                assert n == n_tokens, f"host fetch served {n} of {n_tokens} tokens"
+                bar.update()
+                if r == 0:
+                    assert torch.equal(out.view(torch.int16), kvs[0].view(torch.int16))
+            # disk: publish both prompts; the second demotes the first; then alternate.
+            c.publish(prompts[1], kvs[1])
+            for r in range(args.repeats):
+                which = r % 2
+                _drop_cache(disk_file)
+                t = time.perf_counter()
+                n, _ = c.fetch(prompts[which], into=out)
+                res["disk fetch"].append(_gbps(nbytes, time.perf_counter() - t))
+                assert n == n_tokens, f"disk fetch served {n} of {n_tokens} tokens"
+                bar.update(2)
+            assert torch.equal(out.view(torch.int16), kvs[(args.repeats - 1) % 2].view(torch.int16))
+            stats = c.stats()
+        bar.update()
+    finally:
+        daemon.stop()
+        bar.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    rows = [
+        {"path": "memcpy (limit)", "GB/s": memcpy, "ratio": 1.0, "goal": ""},
+        {"path": "host publish", "GB/s": med["host publish"], "ratio": med["host publish"] / memcpy,
+         "goal": ""},
+        {"path": "host fetch", "GB/s": med["host fetch"], "ratio": med["host fetch"] / memcpy,
+         "goal": ">= 0.7x memcpy"},
+        {"path": "raw disk read (limit)", "GB/s": raw, "ratio": 1.0, "goal": ""},
+        {"path": "disk fetch", "GB/s": med["disk fetch"], "ratio": med["disk fetch"] / raw,
+         "goal": ">= 0.8x raw read"},
+    ]
+    print(f"\n{args.blocks} blocks x {LAYOUT.block_bytes >> 20} MiB = {nbytes >> 20} MiB per "
+          f"prompt, median of {args.repeats}; promotions {stats.promotions}\n")
+    print(table(rows, ["path", "GB/s", "ratio", "goal"]))
+    path = write_results("tier_throughput", {"bytes": nbytes, "repeats": args.repeats,
+                                             "rows": rows, "samples": res})
+    _plot(rows, RESULTS / "tier_throughput.png")
+    print(f"\nresults: {path}")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    colors = ["#999" if "limit" in r["path"] else "#27a" for r in rows]
+    ax.barh([r["path"] for r in rows], [r["GB/s"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        ax.text(r["GB/s"], i, f" {r['GB/s']:.2f} ({r['ratio']:.2f}x)", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (median)")
+    ax.set_title("kvstore tier throughput vs the machine's limits (same run)")
+    ax.set_xlim(0, max(r["GB/s"] for r in rows) * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
