@@ -220,9 +220,34 @@ class AsyncKVClient:
         self._arena_id = arena_id
         return self._arena
 
-    def _block_view(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
-        raw = arena.tensor[ref.offset : ref.offset + ref.length]
-        return raw.view(self.layout.dtype).view(self.layout.block_shape)  # type: ignore[arg-type]
+    def _runs(self, arena: Arena, blocks: list[int], refs: list[pb.BlockRef],
+              ) -> list[tuple[torch.Tensor, int]]:
+        """Pair arena views with prompt positions, merging blocks that are adjacent both in
+        the arena and in the prompt (the usual case): one large copy per run instead of one
+        per block, which torch spreads over all cores.
+
+        Returns (arena view `[L, kv, n, T, H, D]` over the run, index of its first block).
+        """
+        pairs: list[tuple[torch.Tensor, int]] = []
+        i = 0
+        shape = self.layout.block_shape
+        while i < len(refs):
+            j = i + 1
+            while (j < len(refs) and blocks[j] == blocks[j - 1] + 1
+                   and refs[j].offset == refs[j - 1].offset + refs[j - 1].length):
+                j += 1
+            raw = arena.tensor[refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
+            view = raw.view(self.layout.dtype).view(j - i, *shape)  # type: ignore[arg-type]
+            # [n, L, kv, T, H, D] -> [L, kv, n, T, H, D] -> tokens of the run in order
+            pairs.append((view.permute(1, 2, 0, 3, 4, 5), blocks[i]))
+            i = j
+        return pairs
+
+    def _prompt_view(self, t: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        """`t[:, :, first*T:(first+n)*T]` as `[L, kv, n, T, H, D]`."""
+        bt = self.layout.block_tokens
+        part = t[:, :, first * bt : (first + n) * bt]
+        return part.unflatten(2, (n, bt))
 
     def _tokens_slice(self, i: int) -> slice:
         bt = self.layout.block_tokens
@@ -272,8 +297,9 @@ class AsyncKVClient:
 
     def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
                   start: int) -> None:
-        for i, ref in enumerate(refs):
-            out[:, :, self._tokens_slice(start + i)].copy_(self._block_view(arena, ref))
+        blocks = list(range(start, start + len(refs)))
+        for view, first in self._runs(arena, blocks, refs):
+            self._prompt_view(out, first, view.shape[2]).copy_(view)
 
     async def _receive(self, stream: AsyncIterator[pb.FetchChunk], n: int,
                        out: torch.Tensor, start: int) -> None:
@@ -326,8 +352,8 @@ class AsyncKVClient:
 
     def _copy_in(self, arena: Arena, todo: list[int], refs: list[pb.BlockRef],
                  kv: torch.Tensor) -> None:
-        for i, ref in zip(todo, refs, strict=True):
-            self._block_view(arena, ref).copy_(kv[:, :, self._tokens_slice(i)])
+        for view, first in self._runs(arena, todo, refs):
+            view.copy_(self._prompt_view(kv, first, view.shape[2]))
 
     async def _publish_stream(self, keys: list[bytes], kv: torch.Tensor) -> int:
         have = (await self._lookup(keys)).hits

@@ -64,8 +64,9 @@ class ServerConfig:
                           "before the index entry), `never` (leave it to the OS).",
                           choices=("always", "never"))
     shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
-    metrics_port: int = _opt(0, "Prometheus metrics HTTP port on 127.0.0.1; 0 disables.", lo=0,
-                             hi=65535)
+    metrics_port: int = _opt(0, "Prometheus metrics HTTP port; 0 disables.", lo=0, hi=65535)
+    metrics_host: str = _opt("127.0.0.1", "Address the metrics port binds (loopback by default; "
+                             "0.0.0.0 inside a container network).")
     max_message_bytes: int = _opt(64 << 20, "Largest gRPC message accepted or sent.",
                                   unit="bytes", lo=1 << 20, hi=1 << 30)
     max_concurrent_rpcs: int = _opt(256, "Concurrent RPCs before RESOURCE_EXHAUSTED.", lo=1,

@@ -98,7 +98,7 @@ class Daemon:
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvstore-server listening on unix:%s%s; host %d B, disk %d B, arena %s", sock,

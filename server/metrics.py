@@ -67,6 +67,6 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 
-    def serve(self, port: int) -> None:
-        """Expose /metrics on 127.0.0.1:`port` (loopback only: put a proxy in front to share)."""
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        """Expose /metrics on `host:port` (loopback unless configured otherwise)."""
+        start_http_server(port, addr=host, registry=self.registry)

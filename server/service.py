@@ -103,7 +103,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
-        found = self.store.lookup(self._keys(request.keys))
+        # Past the local prefix the shared remote tier is asked too (keys there are
+        # prefixed by the namespace, so it needs one; a malformed one just skips remote).
+        found = await self.store.lookup_through(self._keys(request.keys), request.namespace)
         return pb.LookupReply(hits=len(found), tiers=found)
 
     async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
@@ -113,7 +115,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             layout = layout_from_proto(request.layout)
             keys = self._keys(request.keys)
-            lease = await self.store.fetch(keys, layout.digest())
+            lease = await self.store.fetch(keys, layout.digest(), request.namespace,
+                                           layout.block_bytes)
             lease_id = lease.id
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
                     for e, t in zip(lease.entries, lease.tiers, strict=True)]
@@ -214,7 +217,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if request.all == bool(request.namespace):
             raise InvalidArgumentError("Clear takes either a namespace or all=true")
         ns = None if request.all else self._namespace(request.namespace)
-        return pb.ClearReply(removed=self.store.clear(ns))
+        removed = self.store.clear(ns)
+        # The shared tier too, or read-through would bring the cleared blocks straight back.
+        # `removed` is then local blocks plus remote values: a block in both counts twice.
+        removed += await self.store.clear_remote(ns)
+        return pb.ClearReply(removed=removed)
 
 
 async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:
@@ -236,8 +243,22 @@ def stats_reply(store: TieredStore) -> pb.StatsReply:
             capacity_bytes=s.capacity_bytes, pinned_blocks=s.pinned_blocks,
             evictions=s.evictions, hits=c.tier_hits.get(s.name, 0),
             bytes_read=c.bytes_read.get(s.name, 0), bytes_written=c.bytes_written.get(s.name, 0)))
+    remote, integrity_failures = None, c.integrity_failures
+    if store.remote is not None and store.write_queue is not None:
+        r, q = store.remote.stats(), store.write_queue.stats()
+        integrity_failures += r.integrity_failures
+        tiers.append(pb.TierStats(
+            name=store.remote.name, hits=c.tier_hits.get(store.remote.name, 0),
+            bytes_read=c.bytes_read.get(store.remote.name, 0), bytes_written=r.bytes_written))
+        remote = pb.RemoteStats(
+            url=r.url, available=r.available, queue_depth=q.depth, queue_capacity=q.capacity,
+            queued_writes=q.queued, shed_writes=q.shed, written_blocks=r.blocks_written,
+            failed_writes=r.failed_writes, lost_writes=c.remote_lost_writes, errors=r.errors,
+            timeouts=r.timeouts, breaker_opens=r.breaker_opens, skipped_calls=r.skipped_calls,
+            integrity_failures=r.integrity_failures, lookup_hits=c.remote_lookup_hits)
     return pb.StatsReply(
         version=__version__, uptime_s=time.monotonic() - _STARTED, tiers=tiers,
         lookups=c.lookups, hit_blocks=c.hit_blocks, miss_blocks=c.miss_blocks,
-        integrity_failures=c.integrity_failures, active_leases=len(store.leases),
-        demotions=c.demotions, promotions=c.promotions, stored_blocks=c.stored_blocks)
+        integrity_failures=integrity_failures, active_leases=len(store.leases),
+        demotions=c.demotions, promotions=c.promotions, stored_blocks=c.stored_blocks,
+        remote=remote)

@@ -5,6 +5,16 @@ its shared arena under a lease, remote clients stream from and into it. The disk
 below: host victims are demoted to it (written, then dropped from host), disk hits are promoted
 (read into host, verified, kept on disk as well).
 
+The remote tier (optional; one Redis/Valkey Cluster shared by every daemon) sits beside them:
+- write-through: committed blocks, and demoted ones the remote tier lacks, are queued (keys
+  only, bounded, shedding when full) and written by one background task (`remote_writer`), so a
+  publishing client never waits for the network;
+- read-through: `lookup_through` asks the remote tier (one batched EXISTS) about the keys past
+  the local prefix, and `fetch` reads remote hits (pipelined GETs, verified) into host, where
+  they are served like any promoted block.
+A remote failure is a miss; the tier's breaker makes an outage cost one deadline, not one per
+call.
+
 All bookkeeping runs on the event-loop thread, so it needs no locks; byte movement runs in
 worker threads on entries that are pinned or reserved, so nothing moves under a copy.
 """
@@ -22,12 +32,28 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from kvstore.errors import CapacityError, IntegrityError, NotFoundError
+from kvstore.keys import KEY_BYTES
+from server.write_through import WriteThroughQueue
 from tiers.base import BlockEntry, Tier
 from tiers.disk import DiskTier
 from tiers.host import HostTier
+from tiers.remote import (
+    RemoteTier,
+    RemoteUnavailableError,
+    RemoteWrite,
+    frame_value,
+    new_frame,
+    payload_view,
+    seal_frame,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Remote reads and writes go in batches this large: enough blocks to amortize a round trip,
+# few enough bytes that a batch stays well inside the remote timeout and its values (held in
+# Python memory until copied) stay modest.
+REMOTE_BATCH_BYTES = 16 << 20
+REMOTE_BATCH_BLOCKS = 64
 
 
 @dataclass
@@ -73,6 +99,8 @@ class StoreCounters:
     demotions: int = 0
     promotions: int = 0
     stored_blocks: int = 0
+    remote_lost_writes: int = 0  # queued for write-through, but gone from every local tier
+    remote_lookup_hits: int = 0  # blocks a lookup found in the remote tier only
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
@@ -81,12 +109,45 @@ class StoreCounters:
         table[tier] = table.get(tier, 0) + n
 
 
+class _RemoteReads:
+    """Remote values of one fetch, read a batch ahead: one pipelined GET serves many keys."""
+
+    def __init__(self, remote: RemoteTier, namespace: bytes, keys: Sequence[bytes],
+                 layout_digest: bytes, batch: int) -> None:
+        self.remote, self.namespace, self.keys = remote, namespace, keys
+        self.layout_digest, self.batch = layout_digest, batch
+        self.start = 0
+        self.values: list[memoryview | None] = []
+
+    async def take(self, i: int) -> memoryview | None:
+        """The verified payload of `keys[i]`, or None; each value is handed out once."""
+        if not self.start <= i < self.start + len(self.values):
+            self.start = i
+            try:
+                self.values = await self.remote.get(
+                    self.namespace, self.keys[i : i + self.batch], self.layout_digest)
+            except RemoteUnavailableError as e:
+                log.debug("remote read skipped: %s", e)
+                self.values = []
+                return None
+        value, self.values[i - self.start] = self.values[i - self.start], None  # free it early
+        return value
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
+
+
 class TieredStore:
     def __init__(self, host: HostTier, disk: DiskTier | None, lease_timeout_s: float = 30.0,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, remote: RemoteTier | None = None,
+                 remote_queue_blocks: int = 256) -> None:
         self.host = host
         self.disk = disk
         self.tiers: list[Tier] = [host] + ([disk] if disk is not None else [])
+        # The remote tier is not in `tiers`: it is shared, with no local space or LRU to keep.
+        self.remote = remote
+        self.write_queue = WriteThroughQueue(remote_queue_blocks) if remote is not None else None
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
         self.counters = StoreCounters()
@@ -120,19 +181,60 @@ class TieredStore:
         for tier in self.tiers:
             tier.touch_chain(list(keys))
 
+    async def lookup_through(self, keys: Sequence[bytes], namespace: bytes) -> list[str]:
+        """`lookup`, continued in the remote tier past the local prefix (one batched EXISTS).
+
+        Past the local prefix a block counts when a local tier or the remote tier has it, so
+        a local block after a remote one still extends the prefix.
+        """
+        found = self.lookup(keys)
+        if len(found) == len(keys) or not self._remote_for(namespace):
+            return found
+        assert self.remote is not None
+        rest = keys[len(found) :]
+        try:
+            present = await self.remote.exists(namespace, rest)
+        except RemoteUnavailableError as e:
+            log.debug("remote lookup skipped: %s", e)
+            return found
+        for key, remote_has in zip(rest, present, strict=True):
+            tier = next((t.name for t in self.tiers if t.contains(key)), None)
+            if tier is None and not remote_has:
+                break
+            found.append(tier or self.remote.name)
+            self.counters.remote_lookup_hits += tier is None
+        return found
+
+    def _remote_for(self, namespace: bytes) -> bool:
+        """Whether a call naming `namespace` can use the remote tier: its keys there are
+        prefixed by the namespace, which clients send with every call."""
+        return self.remote is not None and len(namespace) == KEY_BYTES
+
     # ---- fetch
-    async def fetch(self, keys: Sequence[bytes], layout_digest: bytes) -> Lease:
-        """Pin the longest cached prefix in host memory (promoting disk hits) under a lease.
+    async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
+                    block_bytes: int = 0) -> Lease:
+        """Pin the longest cached prefix in host memory (promoting disk and remote hits) under
+        a lease.
 
         Two passes: first every block of the prefix is pinned (host hits) or given a host
         reservation (disk hits, possibly demoting others), then all disk reads run at once,
-        so the disk sees a deep queue instead of one read at a time.
+        so the disk sees a deep queue instead of one read at a time. Remote hits are read in
+        batches during the first pass and copied into host at once (their bytes are already
+        in memory), then pinned like host hits. The remote tier is asked only when
+        `namespace` is given; `block_bytes` sizes its batches.
         """
         lease = self._new_lease("fetch")
         staged: list[_Staged] = []
+        remote = None
+        if self._remote_for(namespace):
+            assert self.remote is not None
+            batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
+            remote = _RemoteReads(self.remote, namespace, keys, layout_digest, batch)
         try:
-            for key in keys:
+            for i, key in enumerate(keys):
                 item = await self._stage(key, layout_digest, lease, staged)
+                if item is None and remote is not None and not lease.more:
+                    item = await self._stage_remote(remote, i, key, lease, staged)
                 if item is None:
                     break
                 staged.append(item)
@@ -214,6 +316,33 @@ class TieredStore:
         self.counters.add(self.counters.bytes_read, disk.name, src.length)
         return None
 
+    async def _stage_remote(self, remote: _RemoteReads, i: int, key: bytes, lease: Lease,
+                            staged: list[_Staged]) -> _Staged | None:
+        """Read `key` from the remote tier into host (a promotion) and pin it like a host hit.
+        None ends the prefix."""
+        assert self.remote is not None
+        payload = await remote.take(i)
+        if payload is None:
+            return None
+        try:
+            dst = await self._reserve_host(key, remote.namespace, remote.layout_digest,
+                                           len(payload))
+        except CapacityError:
+            lease.more = bool(staged)  # the client copies these, releases, asks again
+            return None
+        if dst is None:  # another call is promoting or publishing it right now: a miss here
+            return None
+        try:
+            # Verified by the remote tier already; from here it is host memory like any other.
+            await self._run_io(_copy, self.host.view(dst).numpy().data, payload)
+        except BaseException:
+            self.host.abort_store(dst)
+            raise
+        self.host.complete_store(dst)
+        self.counters.promotions += 1
+        self.counters.add(self.counters.bytes_read, self.remote.name, len(payload))
+        return _Staged(self.remote.name, self.host.prepare_load(key))
+
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1
         log.warning("integrity failure in %s tier, block %s: %s; deleting it", tier.name,
@@ -261,6 +390,8 @@ class TieredStore:
             raise NotFoundError(f"no publish lease {lease_id} (expired or already ended)")
         for entry in lease.entries:
             self.host.complete_store(entry)
+            if self.write_queue is not None:
+                self.write_queue.put(entry.key)  # write-through; shed (counted) when full
         # The whole chain, blocks that were already present included: touching only the new
         # ones would leave their parents older than them, so LRU would evict parents first.
         self.touch_chain(lease.keys)
@@ -297,6 +428,11 @@ class TieredStore:
         finally:
             self.host.complete_load(entry)
         self.host.evict(key)
+        if self.write_queue is not None and self.disk is not None and self.disk.contains(key):
+            # Write-through on demotion too, for blocks whose write at publish was shed or
+            # failed, or that came up from disk: the writer first checks the remote tier lacks
+            # the block, then reads it back from disk. (Without a disk tier it is gone.)
+            self.write_queue.put(key, check_exists=True)
 
     async def _write_disk(self, disk: DiskTier, src: BlockEntry, seq: int | None = None) -> bool:
         """Copy a pinned host block to disk, evicting disk blocks as needed; True if written."""
@@ -348,6 +484,120 @@ class TieredStore:
             finally:
                 self.host.complete_load(entry)
         return written
+
+    # ---- remote write-through
+    async def remote_writer(self) -> None:
+        """Write queued blocks through to the remote tier, a batch at a time, until cancelled.
+
+        While the remote tier's breaker is open the writer waits rather than fail each batch,
+        so a short outage delays writes instead of losing them (the bounded queue sheds what
+        arrives meanwhile). It never dies of an error: one would silently disable the tier.
+        """
+        remote, queue = self.remote, self.write_queue
+        if remote is None or queue is None:
+            return
+        while True:
+            delay = remote.breaker.wait_s()
+            if delay > 0:
+                await asyncio.sleep(min(delay, 0.5))
+                continue
+            batch = await queue.take(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES, self._local_length)
+            try:
+                await self._write_through(remote, batch)
+            except RemoteUnavailableError as e:
+                log.debug("write-through of %d blocks failed: %s", len(batch), e)
+            except Exception:
+                log.exception("write-through of %d blocks failed", len(batch))
+            finally:
+                queue.done()
+
+    def _local_length(self, key: bytes) -> int:
+        entry = self._local_entry(key)
+        return entry.length if entry is not None else 0
+
+    async def _write_through(self, remote: RemoteTier, batch: list[tuple[bytes, bool]]) -> None:
+        """Frame the batch's blocks from host (or disk) and write them in one pipeline; blocks
+        queued by a demotion are sent only where the remote tier lacks them."""
+        checks: dict[bytes, list[bytes]] = {}  # namespace -> keys to check first
+        for key, check_exists in batch:
+            entry = self._local_entry(key) if check_exists else None
+            if entry is not None:
+                checks.setdefault(entry.namespace, []).append(key)
+        skip: set[bytes] = set()
+        for namespace, keys in checks.items():  # before pinning: no pin waits on the network
+            present = await remote.exists(namespace, keys)
+            skip.update(k for k, p in zip(keys, present, strict=True) if p)
+        sources: list[tuple[Tier, BlockEntry]] = []
+        for key, _ in batch:
+            tier = next((t for t in self.tiers if t.contains(key)), None)
+            if tier is None:
+                self.counters.remote_lost_writes += 1  # evicted everywhere before its turn
+            elif key not in skip:
+                sources.append((tier, tier.prepare_load(key)))  # pinned while framed
+        try:
+            views = [self.host.view(e).numpy().data if t is self.host else None
+                     for t, e in sources]
+            frames = await self._run_io(self._frames, sources, views)
+        finally:
+            for tier, entry in sources:
+                tier.complete_load(entry)
+        writes = []
+        for (tier, entry), frame in zip(sources, frames, strict=True):
+            if isinstance(frame, Exception):
+                self._integrity_failure(tier, entry, frame)
+            else:
+                writes.append(RemoteWrite(entry.namespace, entry.key, frame))
+        if writes:
+            await remote.put(writes)
+
+    def _local_entry(self, key: bytes) -> BlockEntry | None:
+        return self.host.get(key) or (self.disk.get(key) if self.disk is not None else None)
+
+    def _frames(self, todo: list[tuple[Tier, BlockEntry]], views: list[memoryview | None],
+                ) -> list[bytearray | Exception]:
+        """Worker thread: the framed value of each pinned block (a disk copy is verified on
+        the way, so a rotten local copy is never shared)."""
+        out: list[bytearray | Exception] = []
+        for (tier, entry), view in zip(todo, views, strict=True):
+            if view is not None:
+                out.append(frame_value(entry.key, entry.layout_digest, view))
+                continue
+            frame = new_frame(entry.length)
+            try:
+                assert isinstance(tier, DiskTier)
+                tier.read_into(entry, payload_view(frame))
+            except (IntegrityError, OSError) as e:
+                out.append(e)
+                continue
+            out.append(seal_frame(frame, entry.key, entry.layout_digest, entry.checksum or None))
+        return out
+
+    async def drain_remote(self, budget_s: float) -> bool:
+        """On shutdown: wait up to `budget_s` for queued write-through to finish; True if it
+        did. Gives up at once while the remote tier is unreachable."""
+        if self.remote is None or self.write_queue is None:
+            return True
+        end = time.monotonic() + budget_s
+        while not self.write_queue.idle():
+            if time.monotonic() >= end or not self.remote.available:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def clear_remote(self, namespace: bytes | None) -> int:
+        """Remove a namespace's blocks (all when None) from the shared remote tier, so a
+        cleared prefix does not come straight back through read-through."""
+        if self.remote is None:
+            return 0
+        try:
+            return await self.remote.clear(namespace)
+        except RemoteUnavailableError as e:
+            log.warning("clearing the remote tier failed: %s", e)
+            return 0
+
+    async def close_remote(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()
 
     # ---- leases
     def _new_lease(self, kind: Literal["fetch", "publish"]) -> Lease:

@@ -219,7 +219,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class StatsReply(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -242,7 +243,42 @@ class StatsReply(_message.Message):
     demotions: int
     promotions: int
     stored_blocks: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+
+class RemoteStats(_message.Message):
+    __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    SHED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    LOST_WRITES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_OPENS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    available: bool
+    queue_depth: int
+    queue_capacity: int
+    queued_writes: int
+    shed_writes: int
+    written_blocks: int
+    failed_writes: int
+    lost_writes: int
+    errors: int
+    timeouts: int
+    breaker_opens: int
+    skipped_calls: int
+    integrity_failures: int
+    lookup_hits: int
+    def __init__(self, url: _Optional[str] = ..., available: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., queued_writes: _Optional[int] = ..., shed_writes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., failed_writes: _Optional[int] = ..., lost_writes: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., breaker_opens: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., lookup_hits: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "all")

@@ -1,0 +1,778 @@
+"""Simulation past this machine: replay a real request trace over N simulated machines.
+
+`python -m benchmarks.simulate` replays `../shared/traces/conversation_trace.jsonl` (the Mooncake
+FAST'25 conversation trace: 12,031 requests, 512-token blocks given as chained `hash_ids`)
+through the daemon's real eviction policy, `kvstore.tiering.TierPolicy`, with metadata only: no
+payload is ever allocated, so terabytes of simulated cache cost a few hundred MB of RAM here.
+
+Model, per request (requests are replayed in timestamp order, one at a time):
+
+1. A router picks a machine: `random`, or `affinity` (consistent hashing of the first
+   `--affinity-blocks` block ids, so the turns of one conversation meet their own prefix).
+2. Longest prefix: each block, in chain order, is looked up in the machine's host tier, then its
+   disk tier, then the shared remote tier; the walk stops at the first block found nowhere.
+   Disk and remote hits are promoted into host (host victims are demoted to disk, disk victims
+   are dropped), as `server/store.py` does; blocks are pinned while the request holds them.
+3. Publish: every block of the prompt is placed in host (pinned), the chain is touched on every
+   local tier with `touch_chain` (parents fresher than children), and every block is written
+   through to the remote tier (one shared `TierPolicy`, LRU, victims dropped).
+
+Reported: the fraction of prompt blocks served from host / disk / remote / computed, and an
+estimated TTFT per request from a bandwidth-vs-prefill model (`TTFTModel`) that loads a cached
+prefix only as far as loading beats recomputing. Separately, single-tier LRU is compared with
+Belady's optimal (MIN) at the same capacities.
+
+What it does not model (see docs/SCALE.md): time. Every request is published before the next
+arrives (no in-flight prefixes, no write-through lag, no queueing), the GPU's own prefix cache
+is not simulated, and the remote tier is exact LRU where Redis samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import heapq
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from kvstore.config import parse_size
+from kvstore.errors import CapacityError
+from kvstore.tiering import TierPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+# Tier codes in a request's served-prefix sequence (one byte per block, chain order).
+HOST, DISK, REMOTE = 0, 1, 2
+TIER_NAMES = ("host", "disk", "remote")
+
+LLAMA3_8B_BF16_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128, bf16
+TRACE_BLOCK_TOKENS = 512  # the trace's block size (its README)
+
+
+# ---------------------------------------------------------------- trace
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One trace line. `keys` are the block ids as the bytes keys `TierPolicy` indexes."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+    @property
+    def full_blocks(self) -> int:
+        """Blocks the store may hold: only full blocks are stored (DESIGN.md), so a partial
+        last block is always computed. On this trace that block recurs only when a whole
+        prompt is repeated; a follow-up turn changes its tokens and so its id."""
+        return min(len(self.hash_ids), self.input_length // TRACE_BLOCK_TOKENS)
+
+
+class KeyMaker:
+    """Turns block ids into 8-byte keys, one shared object per id.
+
+    Sharing matters for speed only: a dict lookup with the very object it stored compares by
+    identity and never re-hashes, and the simulator does millions of lookups.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[int, bytes] = {}
+
+    def __call__(self, hash_id: int) -> bytes:
+        key = self._keys.get(hash_id)
+        if key is None:
+            key = self._keys[hash_id] = hash_id.to_bytes(8, "little")
+        return key
+
+
+def make_request(hash_ids: Sequence[int], input_length: int | None = None,
+                 timestamp_ms: int = 0, output_length: int = 0,
+                 keys: KeyMaker | None = None) -> Request:
+    """A `Request` from block ids; `input_length` defaults to full blocks."""
+    km = keys or KeyMaker()
+    ids = tuple(int(h) for h in hash_ids)
+    length = len(ids) * TRACE_BLOCK_TOKENS if input_length is None else input_length
+    return Request(timestamp_ms, length, output_length, ids, tuple(km(h) for h in ids))
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[Request]:
+    """Read a Mooncake-format JSONL trace, sorted by arrival time."""
+    km = KeyMaker()
+    out: list[Request] = []
+    with path.open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            out.append(make_request(d["hash_ids"], d["input_length"], d["timestamp"],
+                                    d.get("output_length", 0), km))
+            if limit is not None and len(out) >= limit:
+                break
+    out.sort(key=lambda r: r.timestamp_ms)  # stable: same-millisecond requests keep file order
+    return out
+
+
+# ---------------------------------------------------------------- routing
+
+
+class Router(Protocol):
+    """Chooses the machine (0 .. n-1) that serves a request."""
+
+    def route(self, request: Request) -> int: ...
+
+
+class RandomRouter:
+    """Uniformly random machine: the load balancer that knows nothing about prefixes."""
+
+    def __init__(self, machines: int, seed: int = 0) -> None:
+        self.machines = machines
+        self._rng = random.Random(seed)
+
+    def route(self, request: Request) -> int:
+        return self._rng.randrange(self.machines)
+
+
+def _hash64(data: bytes) -> int:
+    # blake2b, not hash(): routing must not change with PYTHONHASHSEED between runs.
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class AffinityRouter:
+    """Consistent hashing of a request's first `prefix_blocks` block ids.
+
+    A ring with `vnodes` points per machine: adding a machine moves only ~1/N of the prefixes,
+    which is what a real deployment needs (a rehash of everything would empty every cache).
+    One block is not enough on the conversation trace: every request starts with block 0 (a
+    shared system prompt), so `prefix_blocks=1` sends all traffic to one machine.
+    """
+
+    def __init__(self, machines: int, prefix_blocks: int = 2, vnodes: int = 64) -> None:
+        if prefix_blocks < 1:
+            raise ValueError("prefix_blocks must be >= 1")
+        self.machines = machines
+        self.prefix_blocks = prefix_blocks
+        ring = sorted((_hash64(f"machine-{m}/vnode-{v}".encode()), m)
+                      for m in range(machines) for v in range(vnodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [m for _, m in ring]
+
+    def route(self, request: Request) -> int:
+        head = b"".join(request.keys[: self.prefix_blocks])
+        i = bisect.bisect(self._points, _hash64(head)) % len(self._points)
+        return self._owners[i]
+
+
+def make_router(kind: str, machines: int, seed: int = 0, affinity_blocks: int = 2) -> Router:
+    if kind == "random":
+        return RandomRouter(machines, seed)
+    if kind == "affinity":
+        return AffinityRouter(machines, affinity_blocks)
+    raise ValueError(f"unknown routing {kind!r} (random, affinity)")
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Capacities in bytes; every block is `block_bytes` (one layout, full blocks)."""
+
+    machines: int
+    host_bytes: int
+    disk_bytes: int
+    remote_bytes: int
+    block_bytes: int
+
+
+@dataclass
+class Machine:
+    host: TierPolicy
+    disk: TierPolicy
+    requests: int = 0
+
+
+@dataclass
+class SimResult:
+    """What a replay produced: per-request served tiers (bytes of tier codes) and machines."""
+
+    config: ClusterConfig
+    served: list[bytes] = field(default_factory=list)
+    machine_of: list[int] = field(default_factory=list)
+    total_blocks: int = 0
+    tier_blocks: list[int] = field(default_factory=lambda: [0, 0, 0])
+    unpromoted: int = 0  # lower-tier hits host had no room for (full of pinned blocks)
+    remote_writes: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+
+    def fractions(self) -> dict[str, float]:
+        """Fraction of prompt blocks served from each tier, and computed."""
+        total = max(self.total_blocks, 1)
+        out = {name: n / total for name, n in zip(TIER_NAMES, self.tier_blocks, strict=True)}
+        out["computed"] = 1.0 - sum(out.values())
+        return out
+
+
+class ClusterSim:
+    """N machines (host + disk `TierPolicy` each) and one shared remote `TierPolicy`."""
+
+    def __init__(self, config: ClusterConfig, router: Router) -> None:
+        self.config = config
+        self.router = router
+        self.block = config.block_bytes
+        self.machines = [Machine(TierPolicy(f"m{i}.host", config.host_bytes),
+                                 TierPolicy(f"m{i}.disk", config.disk_bytes))
+                         for i in range(config.machines)]
+        self.remote = TierPolicy("remote", config.remote_bytes)
+        self.result = SimResult(config)
+
+    # -- placement helpers: each mirrors what server/store.py does with real bytes
+
+    def _to_host(self, m: Machine, key: bytes) -> bool:
+        """Make room in host (demoting LRU victims to disk) and add `key`; False if no room."""
+        host = m.host
+        if self.block > host.capacity_bytes:
+            return False
+        try:
+            victims = host.victims(self.block)
+        except CapacityError:
+            return False  # the rest is pinned by this request: the daemon stops here too
+        for v in victims:
+            self._demote(m, v)
+        host.add(key, self.block)
+        return True
+
+    def _demote(self, m: Machine, key: bytes) -> None:
+        """Host victim -> disk (unless already there), then drop it from host."""
+        disk = m.disk
+        if key not in disk and self.block <= disk.capacity_bytes:
+            for v in disk.victims(self.block):  # disk holds no pins: never raises here
+                disk.remove(v)
+                disk.count_eviction()
+            disk.add(key, self.block)
+        m.host.remove(key)
+        m.host.count_eviction()
+
+    def _write_through(self, keys: Sequence[bytes]) -> None:
+        remote = self.remote
+        if self.block > remote.capacity_bytes:
+            return
+        for key in keys:
+            if key in remote:
+                continue
+            for v in remote.victims(self.block):
+                remote.remove(v)
+                remote.count_eviction()
+            remote.add(key, self.block)
+            self.result.remote_writes += 1
+        remote.touch_chain(keys)
+
+    # -- one request
+
+    def process(self, req: Request) -> bytes:
+        """Serve one request; returns its served-prefix tier codes (one byte per block)."""
+        idx = self.router.route(req)
+        m = self.machines[idx]
+        m.requests += 1
+        host, disk, remote = m.host, m.disk, self.remote
+        keys = req.keys[: req.full_blocks]
+        served = bytearray()
+        pinned: list[bytes] = []
+        res = self.result
+        for key in keys:
+            if key in host:
+                served.append(HOST)
+            elif key in disk:
+                served.append(DISK)
+                if not self._to_host(m, key):
+                    res.unpromoted += 1
+            elif key in remote:
+                served.append(REMOTE)
+                if not self._to_host(m, key):
+                    res.unpromoted += 1
+            else:
+                break  # a prefix with a hole is useless past the hole
+            if key in host:
+                host.pin(key)  # the daemon pins fetched blocks under a lease
+                pinned.append(key)
+        hit = len(served)
+        prefix = keys[:hit]
+        host.touch_chain(prefix)
+        disk.touch_chain(prefix)
+        remote.touch_chain(prefix)
+
+        # Publish: the engine computed the rest; all of it goes to host, pinned while reserved.
+        for key in keys[hit:]:
+            if key not in host and not self._to_host(m, key):
+                break  # host full of this request's pins: publish stops, as reserve() does
+            host.pin(key)
+            pinned.append(key)
+        # The whole chain, hits included: touching only new blocks would leave their parents
+        # older than them, and LRU would evict parents first.
+        host.touch_chain(keys)
+        disk.touch_chain(keys)
+        self._write_through(keys)
+        for key in pinned:
+            host.unpin(key)
+
+        res.total_blocks += len(req.hash_ids)  # a partial last block counts as computed
+        for code in served:
+            res.tier_blocks[code] += 1
+        res.served.append(bytes(served))
+        res.machine_of.append(idx)
+        return bytes(served)
+
+    def run(self, requests: Iterable[Request],
+            progress: Callable[[int], object] | None = None) -> SimResult:
+        """Replay `requests` in order; `progress(n)` is called every few hundred requests."""
+        pending = 0
+        for req in requests:
+            self.process(req)
+            pending += 1
+            if progress is not None and pending == 256:
+                progress(pending)
+                pending = 0
+        if progress is not None and pending:
+            progress(pending)
+        ev = {"host": sum(m.host.evictions for m in self.machines),
+              "disk": sum(m.disk.evictions for m in self.machines),
+              "remote": self.remote.evictions}
+        self.result.evictions = ev
+        return self.result
+
+
+# ---------------------------------------------------------------- TTFT model
+
+
+@dataclass(frozen=True)
+class TTFTModel:
+    """Time to first token = load the cached prefix + prefill the rest, serially.
+
+    Linear in tokens on both sides: prefill throughput is a constant (it really falls with
+    context length, as attention grows), and a tier's load is bytes / bandwidth. Disk and remote
+    loads cross PCIe as well, pipelined, so they run at the slower of the two links. A block is
+    loaded only where that beats recomputing it: the prefix length that minimises the total is
+    chosen (the "load or recompute" plan of DESIGN.md), so a slow tier can never make TTFT worse
+    than not caching at all. No queueing: this is the TTFT of an idle engine.
+    """
+
+    bytes_per_token: int = LLAMA3_8B_BF16_BYTES_PER_TOKEN
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    prefill_tokens_per_s: float = 15_000.0
+    host_gbps: float = 25.0
+    disk_gbps: float = 3.0
+    remote_gbps: float = 1.25
+
+    def load_seconds_per_token(self) -> tuple[float, float, float]:
+        """Seconds to bring one token's KV to the GPU from host, disk, remote."""
+        host = self.host_gbps * 1e9
+        return (self.bytes_per_token / host,
+                self.bytes_per_token / min(self.disk_gbps * 1e9, host),
+                self.bytes_per_token / min(self.remote_gbps * 1e9, host))
+
+    def breakeven_gbps(self) -> float:
+        """A tier slower than this loses to recomputation."""
+        return self.bytes_per_token * self.prefill_tokens_per_s / 1e9
+
+    def ttft(self, served: bytes, input_length: int) -> float:
+        compute = 1.0 / self.prefill_tokens_per_s
+        load = self.load_seconds_per_token()
+        # At least the last prompt token is computed: the engine needs its logits.
+        remaining = max(input_length - 1, 0)
+        best = run = 0.0
+        for code in served:
+            tokens = min(self.block_tokens, remaining)
+            if tokens <= 0:
+                break
+            remaining -= tokens
+            run += tokens * (load[code] - compute)  # < 0 where loading beats computing
+            best = min(best, run)
+        return max(input_length, 1) * compute + best
+
+    def ttfts(self, result: SimResult, requests: Sequence[Request]) -> np.ndarray:
+        return np.fromiter((self.ttft(s, r.input_length)
+                            for s, r in zip(result.served, requests, strict=True)),
+                           dtype=np.float64, count=len(requests))
+
+
+def ttft_stats(t: np.ndarray) -> dict[str, float]:
+    if t.size == 0:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    return {"mean": float(t.mean()), "p50": float(np.percentile(t, 50)),
+            "p99": float(np.percentile(t, 99))}
+
+
+# ---------------------------------------------------------------- Belady vs LRU
+
+
+def next_uses(requests: Sequence[Request]) -> tuple[list[int], int]:
+    """For each cacheable block access (requests in order, full blocks in chain order), the
+    index of the next access to the same block, or `never` (= the number of accesses)."""
+    seq = [h for r in requests for h in r.hash_ids[: r.full_blocks]]
+    never = len(seq)
+    nxt = [never] * never
+    last: dict[int, int] = {}
+    for j in range(never - 1, -1, -1):
+        b = seq[j]
+        nxt[j] = last.get(b, never)
+        last[b] = j
+    return nxt, never
+
+
+def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int, bypass: bool = True,
+                    progress: Callable[[int], object] | None = None) -> float:
+    """Prefix hit rate of one cache of `capacity_blocks` under Belady's optimal eviction.
+
+    Every block of every request is accessed (looked up, then published), as in the LRU
+    replay; a block counts as a hit only while the prefix is unbroken. On a miss with a full
+    cache the block with the farthest next use is evicted. With `bypass` (Belady's MIN proper)
+    the incoming block itself is that candidate too, so a block never used again is not cached;
+    without it every block is admitted, as our policy does, and only the eviction order differs.
+
+    A max-heap of (next use, block) with lazy deletion: each access pushes a fresh entry, and
+    stale ones (the block's next use has moved on, or it left) are skipped when they surface.
+    """
+    nxt, never = next_uses(requests)
+    cache: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, block)
+    hits = j = total = 0
+    pending = 0
+    for r in requests:
+        whole = True
+        total += len(r.hash_ids)
+        for b in r.hash_ids[: r.full_blocks]:
+            nu = nxt[j]
+            j += 1
+            if b in cache:
+                hits += whole
+                cache[b] = nu
+                heapq.heappush(heap, (-nu, b))
+                continue
+            whole = False
+            if capacity_blocks <= 0:
+                continue
+            if len(cache) >= capacity_blocks:
+                if bypass and nu == never:
+                    continue
+                while True:  # the farthest still-valid entry
+                    neg, v = heap[0]
+                    if cache.get(v) == -neg:
+                        break
+                    heapq.heappop(heap)
+                if bypass and -neg <= nu:
+                    continue  # the incoming block is needed last: leave it out
+                heapq.heappop(heap)
+                del cache[v]
+            cache[b] = nu
+            heapq.heappush(heap, (-nu, b))
+        pending += 1
+        if progress is not None and pending == 256:
+            progress(pending)
+            pending = 0
+    if progress is not None and pending:
+        progress(pending)
+    return hits / max(total, 1)
+
+
+def lru_hit_rate(requests: Sequence[Request], capacity_blocks: int, block_bytes: int = 1,
+                 progress: Callable[[int], object] | None = None) -> float:
+    """Prefix hit rate of one machine's host tier alone (no disk, no remote), real policy."""
+    cfg = ClusterConfig(machines=1, host_bytes=capacity_blocks * block_bytes, disk_bytes=0,
+                        remote_bytes=0, block_bytes=block_bytes)
+    res = ClusterSim(cfg, RandomRouter(1)).run(requests, progress)
+    return res.tier_blocks[HOST] / max(res.total_blocks, 1)
+
+
+def infinite_hit_rate(requests: Sequence[Request]) -> float:
+    """Prefix hit rate with unbounded capacity: the ceiling for every policy."""
+    seen: set[int] = set()
+    hits = total = 0
+    for r in requests:
+        full = r.hash_ids[: r.full_blocks]
+        k = 0
+        while k < len(full) and full[k] in seen:
+            k += 1
+        hits += k
+        total += len(r.hash_ids)
+        seen.update(full)
+    return hits / max(total, 1)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_capacity(value: str, block_bytes: int) -> int:
+    """Bytes from `64GiB`, `1.5TB`, `1048576` or a block count such as `2048blocks`."""
+    v = value.strip().lower()
+    for suffix in ("blocks", "block"):
+        if v.endswith(suffix):
+            return int(float(v[: -len(suffix)].strip()) * block_bytes)
+    return parse_size(value, "capacity")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _gib(nbytes: int) -> float:
+    return nbytes / 2**30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.simulate", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (%(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--machines", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="comma-separated machine counts to sweep (default 1,2,4,8,16,32,64)")
+    p.add_argument("--routing", default="random,affinity",
+                   help="comma-separated routings: random, affinity (default both)")
+    p.add_argument("--affinity-blocks", type=int, default=2,
+                   help="affinity routing hashes this many leading block ids (default 2; "
+                        "block 0 is in every request of the conversation trace)")
+    p.add_argument("--host", default="128GiB", help="host RAM per machine (bytes or NNblocks)")
+    p.add_argument("--disk", default="1TiB", help="disk per machine (bytes or NNblocks)")
+    p.add_argument("--remote", default="1TiB", help="shared remote tier (bytes or NNblocks)")
+    p.add_argument("--bytes-per-token", type=int, default=LLAMA3_8B_BF16_BYTES_PER_TOKEN,
+                   help="KV bytes per token (default Llama-3-8B bf16: 131072)")
+    p.add_argument("--prefill-tps", type=float, default=15_000.0,
+                   help="prefill tokens/s of the engine (8B on an H100: ~10-20k)")
+    p.add_argument("--host-gbps", type=float, default=25.0, help="host->GPU GB/s (PCIe)")
+    p.add_argument("--disk-gbps", type=float, default=3.0, help="NVMe read GB/s")
+    p.add_argument("--remote-gbps", type=float, default=1.25, help="network GB/s (10 GbE)")
+    p.add_argument("--remote-gbps-alt", type=float, default=12.5,
+                   help="a second remote bandwidth for TTFT (100 GbE); 0 to skip")
+    p.add_argument("--belady-capacities", type=_ints,
+                   default=[1024, 2048, 4096, 8192, 16384, 32768, 65536],
+                   help="single-tier capacities in blocks for LRU vs Belady ('' to skip)")
+    p.add_argument("--seed", type=int, default=0, help="random routing seed")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    return p
+
+
+def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequence[str],
+          host_bytes: int, disk_bytes: int, remote_bytes: int, block_bytes: int,
+          models: dict[str, TTFTModel], seed: int = 0, affinity_blocks: int = 2,
+          bar: tqdm | None = None) -> list[dict[str, Any]]:
+    """One replay per (routing, machines); a row of hit fractions and TTFT stats for each."""
+    span_s = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3, 1e-3)
+    rows: list[dict[str, Any]] = []
+    for routing in routings:
+        for n in machines:
+            if bar is not None:
+                bar.set_postfix_str(f"{routing} x{n}")
+            cfg = ClusterConfig(n, host_bytes, disk_bytes, remote_bytes, block_bytes)
+            sim = ClusterSim(cfg, make_router(routing, n, seed, affinity_blocks))
+            res = sim.run(requests, bar.update if bar is not None else None)
+            row: dict[str, Any] = {"routing": routing, "machines": n, **res.fractions()}
+            per_machine = np.bincount(np.asarray(res.machine_of), minlength=n)
+            row["load_max_over_mean"] = float(per_machine.max() / per_machine.mean())
+            for label, model in models.items():
+                t = model.ttfts(res, requests)
+                for stat, v in ttft_stats(t).items():
+                    row[f"ttft_{stat}_s" + ("" if label == "default" else f"@{label}")] = v
+                if label == "default":
+                    # Busiest machine's prefill time over the trace's span: above 1 it could
+                    # not keep up, and real TTFT would be dominated by queueing we do not model.
+                    busy = np.bincount(np.asarray(res.machine_of), weights=t, minlength=n)
+                    row["max_util"] = float(busy.max() / span_s)
+            row["unpromoted"] = res.unpromoted
+            row["remote_writes"] = res.remote_writes
+            # Write-through ingest the remote tier must absorb, averaged over the trace.
+            row["remote_write_gbps"] = res.remote_writes * block_bytes / span_s / 1e9
+            row["evictions"] = res.evictions
+            rows.append(row)
+    return rows
+
+
+def belady_compare(requests: Sequence[Request], capacities: Sequence[int], block_bytes: int,
+                   bar: tqdm | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for cap in capacities:
+        if bar is not None:
+            bar.set_postfix_str(f"{cap} blocks")
+        upd = bar.update if bar is not None else None
+        lru = lru_hit_rate(requests, cap, block_bytes, upd)
+        opt = belady_hit_rate(requests, cap, bypass=True, progress=upd)
+        opt_admit = belady_hit_rate(requests, cap, bypass=False, progress=upd)
+        rows.append({"capacity_blocks": cap, "capacity_gib": _gib(cap * block_bytes),
+                     "lru": lru, "belady": opt, "belady_admit_all": opt_admit,
+                     "lru_over_belady": lru / opt if opt else 1.0,
+                     "lru_over_belady_admit_all": lru / opt_admit if opt_admit else 1.0})
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dict[str, float],
+         ceiling: float, alt_label: str | None, out: Path) -> list[Path]:
+    """The three PNGs of docs/SCALE.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+    routings = list(dict.fromkeys(r["routing"] for r in rows))
+    colors = {"host": "#2b8cbe", "disk": "#7bccc4", "remote": "#fdae6b"}
+    if rows:
+        fig, axes = plt.subplots(1, len(routings), figsize=(5.5 * len(routings), 4),
+                                 sharey=True, squeeze=False)
+        for ax, routing in zip(axes[0], routings, strict=True):
+            rs = [r for r in rows if r["routing"] == routing]
+            xs = [r["machines"] for r in rs]
+            ax.stackplot(xs, *[[r[t] for r in rs] for t in TIER_NAMES], labels=TIER_NAMES,
+                         colors=[colors[t] for t in TIER_NAMES], alpha=0.9)
+            ax.axhline(ceiling, color="k", ls=":", lw=1, label="infinite cache")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_title(f"{routing} routing")
+            ax.set_xlabel("machines")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("fraction of prompt blocks served")
+        axes[0][-1].legend(loc="upper right", fontsize=8)
+        fig.suptitle("Hit rate per tier vs machines (stacked)")
+        fig.tight_layout()
+        paths.append(out / "simulate_hit_rates.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, stat in zip(axes, ("mean", "p99"), strict=True):
+            for routing in routings:
+                rs = [r for r in rows if r["routing"] == routing]
+                xs = [r["machines"] for r in rs]
+                (line,) = ax.plot(xs, [r[f"ttft_{stat}_s"] for r in rs], marker="o",
+                                  label=f"{routing}")
+                if alt_label:
+                    ax.plot(xs, [r[f"ttft_{stat}_s@{alt_label}"] for r in rs], marker="x",
+                            ls="--", color=line.get_color(), label=f"{routing}, {alt_label}")
+            ax.axhline(baseline[stat], color="k", ls=":", lw=1, label="no cache")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("machines")
+            ax.set_ylabel(f"{stat} TTFT estimate (s)")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Estimated TTFT vs machines (idle engine, no queueing)")
+        fig.tight_layout()
+        paths.append(out / "simulate_ttft.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    if belady:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        xs = [b["capacity_gib"] for b in belady]
+        ax.plot(xs, [b["lru"] for b in belady], marker="o", label="LRU (TierPolicy)")
+        ax.plot(xs, [b["belady_admit_all"] for b in belady], marker="s",
+                label="Belady, admit every block")
+        ax.plot(xs, [b["belady"] for b in belady], marker="^", label="Belady MIN (bypass)")
+        ax.plot(xs, [0.95 * b["belady"] for b in belady], ls="--", color="gray", lw=1,
+                label="0.95 x Belady MIN")
+        ax.axhline(ceiling, color="k", ls=":", lw=1, label="infinite cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xlabel("capacity (GiB; one tier, one machine)")
+        ax.set_ylabel("prefix hit rate (blocks)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title("LRU vs Belady's optimal")
+        fig.tight_layout()
+        paths.append(out / "simulate_belady.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    # common.py imports torch (seconds); only the CLI needs it, the library above does not.
+    from benchmarks.common import RESULTS, table, write_results
+
+    t0 = time.perf_counter()
+    block_bytes = args.bytes_per_token * TRACE_BLOCK_TOKENS
+    host = parse_capacity(args.host, block_bytes)
+    disk = parse_capacity(args.disk, block_bytes)
+    remote = parse_capacity(args.remote, block_bytes)
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    requests = load_trace(args.trace, args.limit)
+    n_blocks = sum(len(r.hash_ids) for r in requests)
+    unique = len({h for r in requests for h in r.hash_ids})
+    model = TTFTModel(args.bytes_per_token, TRACE_BLOCK_TOKENS, args.prefill_tps,
+                      args.host_gbps, args.disk_gbps, args.remote_gbps)
+    models = {"default": model}
+    alt_label = None
+    if args.remote_gbps_alt > 0:
+        alt_label = f"remote {args.remote_gbps_alt:g} GB/s"
+        models[alt_label] = TTFTModel(args.bytes_per_token, TRACE_BLOCK_TOKENS, args.prefill_tps,
+                                      args.host_gbps, args.disk_gbps, args.remote_gbps_alt)
+    ceiling = infinite_hit_rate(requests)
+    cold = np.fromiter((model.ttft(b"", r.input_length) for r in requests), dtype=np.float64)
+    baseline = ttft_stats(cold)
+    print(f"trace: {args.trace} — {len(requests)} requests, {n_blocks} block accesses, "
+          f"{unique} unique blocks ({_gib(unique * block_bytes) / 1024:.1f} TiB at "
+          f"{block_bytes / 2**20:g} MiB/block); infinite-cache prefix hit rate {ceiling:.3f}")
+    print(f"capacities: host {_gib(host):g} GiB + disk {_gib(disk):g} GiB per machine, "
+          f"remote {_gib(remote):g} GiB shared; loading beats recompute above "
+          f"{model.breakeven_gbps():.2f} GB/s")
+
+    runs = len(routings) * len(args.machines)
+    with tqdm(total=runs * len(requests), desc="cluster sweep", unit="req",
+              mininterval=0.5, smoothing=0.1) as bar:
+        rows = sweep(requests, args.machines, routings, host, disk, remote, block_bytes, models,
+                     args.seed, args.affinity_blocks, bar)
+    with tqdm(total=3 * len(args.belady_capacities) * len(requests), desc="LRU vs Belady",
+              unit="req", mininterval=0.5) as bar:
+        belady = belady_compare(requests, args.belady_capacities, block_bytes, bar)
+
+    alt = f"@{alt_label}" if alt_label else None
+    cols = ["routing", "machines", "host", "disk", "remote", "computed", "ttft_mean_s",
+            "ttft_p50_s", "ttft_p99_s"]
+    if alt:
+        cols.append(f"ttft_mean_s{alt}")
+    cols += ["max_util", "load_max_over_mean"]
+    print()
+    print(table(rows, cols))
+    print(f"\nno cache: TTFT mean {baseline['mean']:.3f} s, p50 {baseline['p50']:.3f} s, "
+          f"p99 {baseline['p99']:.3f} s")
+    if belady:
+        print()
+        print(table(belady, ["capacity_blocks", "capacity_gib", "lru", "belady_admit_all",
+                             "belady", "lru_over_belady_admit_all", "lru_over_belady"]))
+    runtime = time.perf_counter() - t0
+    payload: dict[str, Any] = {
+        "command": "python -m benchmarks.simulate " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "trace": {"path": str(args.trace), "requests": len(requests), "block_accesses": n_blocks,
+                  "unique_blocks": unique, "infinite_cache_hit_rate": ceiling},
+        "capacities_bytes": {"host_per_machine": host, "disk_per_machine": disk,
+                             "remote_shared": remote, "block": block_bytes},
+        "model": asdict(model), "breakeven_gbps": model.breakeven_gbps(),
+        "remote_gbps_alt": args.remote_gbps_alt, "routing_seed": args.seed,
+        "affinity_blocks": args.affinity_blocks,
+        "no_cache_ttft_s": baseline, "sweep": rows, "belady": belady,
+        "runtime_s": runtime,
+    }
+    path = write_results("simulate", payload)
+    if not args.no_plots:
+        for p in plot(rows, belady, baseline, ceiling, alt_label, RESULTS):
+            print(f"wrote {p.relative_to(REPO)}")
+    print(f"wrote {path.relative_to(REPO)} in {runtime:.0f} s")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
