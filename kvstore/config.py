@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.remote_url import parse_remote_url, redact_url
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -80,6 +81,20 @@ class ServerConfig:
     shutdown_flush_s: float = _opt(10.0, "On SIGTERM, seconds spent writing host-only blocks to "
                                    "disk (most recent first) so a restart keeps them; 0 disables.",
                                    unit="seconds", lo=0, hi=3600)
+    remote: str = _opt("", "Shared remote tier: `redis://HOST:PORT/DB` or `redis+cluster://HOST:"
+                       "PORT,HOST:PORT` (`rediss` for TLS, `redis://:PASSWORD@...`). Empty: none.")
+    remote_ttl_s: int = _opt(86_400, "Seconds a block lives in the remote tier after its last "
+                             "write; 0: no expiry (the Cluster's maxmemory policy evicts).",
+                             unit="seconds", lo=0, hi=365 * 86_400)
+    remote_timeout_s: float = _opt(0.5, "Deadline of each remote call; past it the call is a "
+                                   "miss and the breaker opens.", unit="seconds", lo=0.01, hi=60)
+    remote_retry_s: float = _opt(1.0, "After a remote failure, seconds the remote tier is "
+                                 "skipped (instant misses) before one call probes it; doubles "
+                                 "while it keeps failing, up to 8x.", unit="seconds", lo=0.05,
+                                 hi=600)
+    remote_queue_blocks: int = _opt(256, "Blocks waiting for write-through to the remote tier; "
+                                    "past it new writes are shed (counted), never waited for.",
+                                    lo=1, hi=1 << 20)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "Log line format.", choices=("text", "json"))
 
@@ -101,6 +116,8 @@ class ServerConfig:
                 raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
             if not self.token:
                 raise ConfigError("listen: a TCP listener requires `token` (clients authenticate)")
+        if self.remote:
+            parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
 
     @property
     def socket_path(self) -> Path:
@@ -112,6 +129,7 @@ class ServerConfig:
         for f in dataclasses.fields(self):
             if f.metadata["secret"] and out[f.name]:
                 out[f.name] = "***"
+        out["remote"] = redact_url(self.remote)  # keep the address, hide a password
         return out
 
 

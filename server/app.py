@@ -9,6 +9,7 @@ leases, closes the tiers (flushing the disk index) and removes the arena file an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -25,6 +26,7 @@ from server.auth import TokenInterceptor
 from server.metrics import Metrics
 from server.service import KVStoreService
 from server.store import TieredStore
+from tiers.remote import RemoteOptions, RemoteTier
 from tiers.disk import DiskTier
 from tiers.host import HostTier
 
@@ -63,12 +65,19 @@ class Daemon:
         self._lock_fd = _lock_data_dir(self.data_dir)
         disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync)
                 if config.disk_bytes > 0 else None)
+        remote = None
+        if config.remote:
+            remote = RemoteTier(config.remote, RemoteOptions(
+                ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
+                retry_s=config.remote_retry_s))
         self.store = TieredStore(HostTier(config.host_bytes, config.shm_dir), disk,
-                                 config.lease_timeout_s)
+                                 config.lease_timeout_s, remote=remote,
+                                 remote_queue_blocks=config.remote_queue_blocks)
         self.metrics = Metrics(self.store)
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
 
     def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
         server = grpc.aio.server(
@@ -113,6 +122,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._stopping.set)
         await self.start()
         reaper = asyncio.create_task(self.store.reaper())
+        self._writer = asyncio.create_task(self.store.remote_writer())  # returns without remote
         print(f"READY {self.config.socket_path}", flush=True)  # tests and scripts wait for this
         await self._stopping.wait()
         reaper.cancel()
@@ -127,6 +137,16 @@ class Daemon:
         flushed = await self.store.flush(self.config.shutdown_flush_s)
         if flushed:
             log.info("flushed %d host blocks to disk", flushed)
+        if self.store.remote is not None:
+            # Queued write-through gets its own budget: other daemons may want these blocks.
+            if not await self.store.drain_remote(self.config.shutdown_flush_s):
+                log.info("remote write-through queue not drained; %d blocks not shared",
+                         len(self.store.write_queue or ()))
+            if self._writer is not None:
+                self._writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._writer
+            await self.store.close_remote()
         self.store.close()
         self.config.socket_path.unlink(missing_ok=True)
         os.close(self._lock_fd)
