@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from client.aio import AsyncKVClient, Tokens
+from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 
@@ -33,6 +34,10 @@ class KVClient:
     @property
     def layout(self) -> KVLayout:
         return self._aio.layout
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._aio.namespace
 
     def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
         if self._loop.is_closed():

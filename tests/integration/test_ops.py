@@ -1,0 +1,124 @@
+"""Operator surface of a running daemon: CLI, metrics, health, config printing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import KVClient
+from tests.conftest import random_kv, same_bytes, small_layout
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_stats_ping_clear(daemon):
+    layout = small_layout()
+    with KVClient(daemon.target, layout) as c:
+        c.publish(list(range(64)), random_kv(layout, 64))
+        namespace = c.namespace.digest().hex()  # what `kvstore clear --namespace` takes
+    r = kvstore_cli("--target", daemon.target, "ping")
+    assert r.returncode == 0 and "ok" in r.stdout
+    r = kvstore_cli("--target", daemon.target, "stats")
+    assert r.returncode == 0, r.stderr
+    assert "host" in r.stdout and "disk" in r.stdout and "hit rate" in r.stdout
+    r = kvstore_cli("--target", daemon.target, "--json", "stats")
+    stats = json.loads(r.stdout)
+    host = next(t for t in stats["tiers"] if t["name"] == "host")
+    assert int(host["blocks"]) == 4
+    r = kvstore_cli("--target", daemon.target, "clear", "--namespace", "ab")
+    assert r.returncode == 2 and "64 hex" in r.stderr
+    r = kvstore_cli("--target", daemon.target, "--json", "clear", "--namespace", namespace)
+    assert r.returncode == 0 and json.loads(r.stdout)["removed"] == 4
+    with KVClient(daemon.target, layout) as c:
+        assert c.lookup(list(range(64))) == 0
+
+
+def test_cli_reports_an_unreachable_daemon(tmp_path):
+    r = kvstore_cli("--target", f"unix://{tmp_path}/none.sock", "--timeout", "1", "ping")
+    assert r.returncode == 1
+    assert "UNAVAILABLE" in r.stderr
+
+
+def test_metrics_are_exported_after_publish_and_fetch(daemon_factory):
+    port = _free_port()
+    d = daemon_factory("--metrics-port", str(port)).start()
+    layout = small_layout()
+    with KVClient(d.target, layout) as c:
+        c.publish(list(range(32)), random_kv(layout, 32))
+        assert c.fetch(list(range(32)))[0] == 32
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in ("kvstore_hit_blocks_total", "kvstore_stored_blocks_total",
+                 "kvstore_tier_used_bytes", "kvstore_tier_capacity_bytes",
+                 "kvstore_integrity_failures_total", "kvstore_rpc_seconds_bucket",
+                 "kvstore_tier_bytes_total", "kvstore_active_leases"):
+        assert name in text, name
+    assert 'kvstore_tier_hits_total{tier="host"} 2.0' in text
+    assert 'kvstore_rpc_seconds_count{code="OK",method="Reserve"}' in text
+
+
+def test_health_serving(daemon):
+    with grpc.insecure_channel(daemon.target) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_print_config_redacts_the_token():
+    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--listen",
+                        "127.0.0.1:7000", "--token", "hunter2", "--host-bytes", "2GiB"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(r.stdout)
+    assert cfg["token"] == "***" and "hunter2" not in r.stdout
+    assert cfg["host_bytes"] == 2 << 30
+
+
+def test_invalid_config_names_the_option():
+    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--host-bytes", "lots"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "host_bytes" in r.stderr
+
+
+def test_daemon_killed_during_fetch_is_a_miss_within_deadline(daemon_factory):
+    d = daemon_factory("--host-bytes", "64MiB", "--disk-bytes", "0").start()
+    layout = small_layout(num_layers=16, block_tokens=256)  # 4 MiB blocks
+    tokens = list(range(256 * 8))
+    kv = random_kv(layout, len(tokens))
+    results: list[tuple[float, int]] = []
+    with KVClient(d.target, layout, deadline_s=0.5, transfer="stream") as c:
+        assert c.publish(tokens, kv) == len(tokens)
+
+        def fetch_loop() -> None:
+            for _ in range(50):
+                t = time.monotonic()
+                n, got = c.fetch(tokens)
+                results.append((time.monotonic() - t, n))
+                assert n == 0 or same_bytes(got, kv[:, :, :n])
+
+        worker = threading.Thread(target=fetch_loop)
+        worker.start()
+        time.sleep(0.3)
+        d.kill()
+        worker.join(60)
+    assert not worker.is_alive()
+    assert any(n == 0 for _, n in results), "the kill never hit a fetch"
+    assert max(t for t, _ in results) < 0.5 + 0.3
