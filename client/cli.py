@@ -3,6 +3,8 @@
     kvstore stats  [--target T] [--json]     tiers, capacity, hit rate, traffic
     kvstore ping   [--target T]              exit 0 when the daemon answers
     kvstore clear  (--namespace HEX | --all) remove blocks
+    kvstore top    [--interval S] [--count N] live view: stats and rates, refreshed
+    kvstore config check FILE                validate a TOML configuration file
 
 Exit codes: 0 success, 1 daemon unreachable or call failed, 2 bad usage.
 """
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import grpc
@@ -69,13 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", help="tiers, capacity, hit rate, traffic")
     sub.add_parser("ping", help="check that the daemon answers")
+    top = sub.add_parser("top", help="live view of stats and rates")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a TOML configuration file")
+    check.add_argument("file")
     clear = sub.add_parser("clear", help="remove blocks of a namespace, or all")
     group = clear.add_mutually_exclusive_group(required=True)
     group.add_argument("--namespace", help="namespace digest, 64 hex characters")
     group.add_argument("--all", action="store_true", help="every block in every namespace")
     args = p.parse_args(argv)
 
+    if args.command == "config":
+        return _config_check(args)
     try:
+        if args.command == "top":
+            return _top(args)
         if args.command == "stats":
             reply = _call(args, "Stats", pb.StatsRequest())
             print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True))
@@ -105,6 +119,49 @@ def main(argv: list[str] | None = None) -> int:
               else f"kvstore {args.command}: {msg}", file=sys.stderr)
         return 1
     return 0
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config
+    from kvstore.errors import ConfigError
+
+    try:
+        config = load_config(args.file)
+    except ConfigError as e:
+        print(json.dumps({"ok": False, "error": str(e)}) if args.json
+              else f"{args.file}: invalid: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"ok": True, "config": config.redacted()}) if args.json
+          else f"{args.file}: ok")
+    return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    """Refresh stats with per-second rates until interrupted (or `--count` refreshes)."""
+    prev: pb.StatsReply | None = None
+    shown = 0
+    try:
+        while True:
+            cur = _call(args, "Stats", pb.StatsRequest())
+            lines = [format_stats(cur)]
+            if prev is not None:
+                dt = max(cur.uptime_s - prev.uptime_s, 1e-9)
+                moved = sum(t.bytes_read + t.bytes_written for t in cur.tiers) - sum(
+                    t.bytes_read + t.bytes_written for t in prev.tiers)
+                lines.append(f"rates: {(cur.hit_blocks - prev.hit_blocks) / dt:.1f} hit blocks/s"
+                             f"  {(cur.lookups - prev.lookups) / dt:.1f} lookups/s  "
+                             f"{_human(moved / dt)}/s moved")
+            text = "\n".join(lines)
+            if args.json:
+                print(json.dumps(MessageToDict(cur, always_print_fields_with_no_presence=True)))
+            else:
+                print(("\033[H\033[2J" if sys.stdout.isatty() else "") + text, flush=True)
+            prev, shown = cur, shown + 1
+            if args.count and shown >= args.count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 if __name__ == "__main__":

@@ -122,3 +122,26 @@ def test_daemon_killed_during_fetch_is_a_miss_within_deadline(daemon_factory):
     assert not worker.is_alive()
     assert any(n == 0 for _, n in results), "the kill never hit a fetch"
     assert max(t for t, _ in results) < 0.5 + 0.3
+
+
+def test_cli_top_shows_rates(daemon):
+    layout = small_layout()
+    with KVClient(daemon.target, layout) as c:
+        c.publish(list(range(32)), random_kv(layout, 32))
+    r = kvstore_cli("--target", daemon.target, "top", "--interval", "0.2", "--count", "2")
+    assert r.returncode == 0, r.stderr
+    assert "rates:" in r.stdout
+    assert r.stdout.count("hit rate") == 2
+
+
+def test_cli_config_check(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[server]\nhost-bytes = "2GiB"\ndisk_sync = "never"\n')
+    r = kvstore_cli("--json", "config", "check", str(good))
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["config"]["host_bytes"] == 2 << 30
+    bad = tmp_path / "bad.toml"
+    bad.write_text('disk_sync = "sometimes"\n')
+    r = kvstore_cli("config", "check", str(bad))
+    assert r.returncode == 2
+    assert "disk_sync" in r.stderr
