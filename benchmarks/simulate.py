@@ -330,9 +330,10 @@ class ClusterSim:
         res.total_blocks += len(req.hash_ids)  # a partial last block counts as computed
         for code in served:
             res.tier_blocks[code] += 1
-        res.served.append(bytes(served))
+        out = bytes(served)
+        res.served.append(out)
         res.machine_of.append(idx)
-        return bytes(served)
+        return out
 
     def run(self, requests: Iterable[Request],
             progress: Callable[[int], object] | None = None) -> SimResult:
@@ -543,9 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--affinity-blocks", type=int, default=2,
                    help="affinity routing hashes this many leading block ids (default 2; "
                         "block 0 is in every request of the conversation trace)")
-    p.add_argument("--host", default="128GiB", help="host RAM per machine (bytes or NNblocks)")
-    p.add_argument("--disk", default="1TiB", help="disk per machine (bytes or NNblocks)")
-    p.add_argument("--remote", default="1TiB", help="shared remote tier (bytes or NNblocks)")
+    p.add_argument("--host", default="128GiB",
+                   help="host RAM per machine: bytes or NNblocks (%(default)s)")
+    p.add_argument("--disk", default="1TiB",
+                   help="disk per machine: bytes or NNblocks (%(default)s)")
+    p.add_argument("--remote", default="1TiB",
+                   help="shared remote tier: bytes or NNblocks (%(default)s)")
     p.add_argument("--bytes-per-token", type=int, default=LLAMA3_8B_BF16_BYTES_PER_TOKEN,
                    help="KV bytes per token (default Llama-3-8B bf16: 131072)")
     p.add_argument("--prefill-tps", type=float, default=15_000.0,
@@ -641,9 +645,10 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
             ax.set_xlabel("machines")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("fraction of prompt blocks served")
-        axes[0][-1].legend(loc="upper right", fontsize=8)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
         fig.suptitle("Hit rate per tier vs machines (stacked)")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
         paths.append(out / "simulate_hit_rates.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
@@ -709,8 +714,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     remote = parse_capacity(args.remote, block_bytes)
     routings = [r.strip() for r in args.routing.split(",") if r.strip()]
     requests = load_trace(args.trace, args.limit)
+    if not requests:
+        raise SystemExit(f"{args.trace}: no requests")
     n_blocks = sum(len(r.hash_ids) for r in requests)
-    unique = len({h for r in requests for h in r.hash_ids})
+    unique = len({h for r in requests for h in r.hash_ids[: r.full_blocks]})
     model = TTFTModel(args.bytes_per_token, TRACE_BLOCK_TOKENS, args.prefill_tps,
                       args.host_gbps, args.disk_gbps, args.remote_gbps)
     models = {"default": model}
@@ -723,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cold = np.fromiter((model.ttft(b"", r.input_length) for r in requests), dtype=np.float64)
     baseline = ttft_stats(cold)
     print(f"trace: {args.trace} — {len(requests)} requests, {n_blocks} block accesses, "
-          f"{unique} unique blocks ({_gib(unique * block_bytes) / 1024:.1f} TiB at "
+          f"{unique} unique full blocks ({_gib(unique * block_bytes) / 1024:.1f} TiB at "
           f"{block_bytes / 2**20:g} MiB/block); infinite-cache prefix hit rate {ceiling:.3f}")
     print(f"capacities: host {_gib(host):g} GiB + disk {_gib(disk):g} GiB per machine, "
           f"remote {_gib(remote):g} GiB shared; loading beats recompute above "
@@ -749,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\nno cache: TTFT mean {baseline['mean']:.3f} s, p50 {baseline['p50']:.3f} s, "
           f"p99 {baseline['p99']:.3f} s")
     if belady:
-        print()
+        print("\nLRU vs Belady, one tier of one machine (prefix hit rate of all prompt blocks):")
         print(table(belady, ["capacity_blocks", "capacity_gib", "lru", "belady_admit_all",
                              "belady", "lru_over_belady_admit_all", "lru_over_belady"]))
     runtime = time.perf_counter() - t0
@@ -757,7 +764,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": "python -m benchmarks.simulate " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "trace": {"path": str(args.trace), "requests": len(requests), "block_accesses": n_blocks,
-                  "unique_blocks": unique, "infinite_cache_hit_rate": ceiling},
+                  "unique_full_blocks": unique, "infinite_cache_hit_rate": ceiling},
         "capacities_bytes": {"host_per_machine": host, "disk_per_machine": disk,
                              "remote_shared": remote, "block": block_bytes},
         "model": asdict(model), "breakeven_gbps": model.breakeven_gbps(),
