@@ -26,9 +26,9 @@ from server.auth import TokenInterceptor
 from server.metrics import Metrics
 from server.service import KVStoreService
 from server.store import TieredStore
-from tiers.remote import RemoteOptions, RemoteTier
 from tiers.disk import DiskTier
 from tiers.host import HostTier
+from tiers.remote import RemoteOptions, RemoteTier
 
 log = logging.getLogger("kvstore.server")
 SERVICE_NAME = "kvstore.v1.KVStore"
@@ -115,6 +115,10 @@ class Daemon:
                  self.store.host.capacity_bytes,
                  self.store.disk.capacity_bytes if self.store.disk else 0,
                  self.store.host.arena.path)
+        if self.store.remote is not None:
+            log.info("remote tier %s (ttl %d s, timeout %.2f s, queue %d blocks)",
+                     self.store.remote.url, self.config.remote_ttl_s,
+                     self.config.remote_timeout_s, self.config.remote_queue_blocks)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

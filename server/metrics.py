@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.store import TieredStore
+from tiers.remote import RemoteStats
 
 
 class StoreCollector(Collector):
@@ -19,11 +20,13 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self.store.counters
+        remote = self.store.remote.stats() if self.store.remote is not None else None
         for name, value, doc in (
             ("kvstore_lookups", c.lookups, "Lookup calls."),
             ("kvstore_hit_blocks", c.hit_blocks, "Blocks served by Fetch."),
             ("kvstore_miss_blocks", c.miss_blocks, "Blocks asked for by Fetch and not served."),
-            ("kvstore_integrity_failures", c.integrity_failures,
+            ("kvstore_integrity_failures",
+             c.integrity_failures + (remote.integrity_failures if remote else 0),
              "Stored payloads that failed verification (served as misses, then deleted)."),
             ("kvstore_demotions", c.demotions, "Blocks written down a tier on eviction."),
             ("kvstore_promotions", c.promotions, "Blocks copied up a tier on a hit."),
@@ -50,11 +53,48 @@ class StoreCollector(Collector):
             used.add_metric([s.name], s.used_bytes)
             cap.add_metric([s.name], s.capacity_bytes)
             blocks.add_metric([s.name], s.blocks)
+        if remote is not None:
+            hits.add_metric(["remote"], c.tier_hits.get("remote", 0))
+            moved.add_metric(["remote", "read"], c.bytes_read.get("remote", 0))
+            moved.add_metric(["remote", "write"], remote.bytes_written)
         yield from (hits, moved, evictions, used, cap, blocks)
+        if remote is not None:
+            yield from self._remote(remote)
         yield GaugeMetricFamily("kvstore_active_leases", "Open fetch and publish leases.",
                                 value=len(self.store.leases))
         yield GaugeMetricFamily("kvstore_inflight_rpcs", "RPCs being served.",
                                 value=self.connected.get("inflight", 0))
+
+
+    def _remote(self, r: RemoteStats) -> Iterator[Metric]:
+        """The remote tier's health and write-through queue."""
+        q = self.store.write_queue.stats() if self.store.write_queue is not None else None
+        for name, value, doc in (
+            ("kvstore_remote_written_blocks", r.blocks_written, "Blocks written through."),
+            ("kvstore_remote_shed_writes", q.shed if q else 0,
+             "Blocks not written through because the queue was full."),
+            ("kvstore_remote_failed_writes", r.failed_writes,
+             "Block writes that failed (each attempt counts)."),
+            ("kvstore_remote_lost_writes", self.store.counters.remote_lost_writes,
+             "Queued blocks evicted from every local tier before their write."),
+            ("kvstore_remote_dropped_writes", self.store.counters.remote_dropped_writes,
+             "Blocks whose write-through was given up (refused, or failed repeatedly)."),
+            ("kvstore_remote_errors", r.errors, "Failed remote calls (timeouts included)."),
+            ("kvstore_remote_timeouts", r.timeouts, "Remote calls past their deadline."),
+            ("kvstore_remote_breaker_opens", r.breaker_opens,
+             "Times a remote failure opened the breaker."),
+            ("kvstore_remote_skipped_calls", r.skipped_calls,
+             "Remote calls answered as misses while the breaker was open."),
+            ("kvstore_remote_integrity_failures", r.integrity_failures,
+             "Remote values that failed verification (misses, deleted)."),
+            ("kvstore_remote_lookup_hits", self.store.counters.remote_lookup_hits,
+             "Blocks lookups found only in the remote tier."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("kvstore_remote_queue_depth", "Blocks waiting for write-through.",
+                                value=q.depth if q else 0)
+        yield GaugeMetricFamily("kvstore_remote_available", "1 unless the breaker is open.",
+                                value=int(r.available))
 
 
 class Metrics:

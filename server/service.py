@@ -255,7 +255,8 @@ def stats_reply(store: TieredStore) -> pb.StatsReply:
             queued_writes=q.queued, shed_writes=q.shed, written_blocks=r.blocks_written,
             failed_writes=r.failed_writes, lost_writes=c.remote_lost_writes, errors=r.errors,
             timeouts=r.timeouts, breaker_opens=r.breaker_opens, skipped_calls=r.skipped_calls,
-            integrity_failures=r.integrity_failures, lookup_hits=c.remote_lookup_hits)
+            integrity_failures=r.integrity_failures, lookup_hits=c.remote_lookup_hits,
+            dropped_writes=c.remote_dropped_writes)
     return pb.StatsReply(
         version=__version__, uptime_s=time.monotonic() - _STARTED, tiers=tiers,
         lookups=c.lookups, hit_blocks=c.hit_blocks, miss_blocks=c.miss_blocks,

@@ -33,25 +33,18 @@ from typing import Literal, TypeVar
 
 from kvstore.errors import CapacityError, IntegrityError, NotFoundError
 from kvstore.keys import KEY_BYTES
+from server.remote_writer import RemoteWriter
 from server.write_through import WriteThroughQueue
 from tiers.base import BlockEntry, Tier
 from tiers.disk import DiskTier
 from tiers.host import HostTier
-from tiers.remote import (
-    RemoteTier,
-    RemoteUnavailableError,
-    RemoteWrite,
-    frame_value,
-    new_frame,
-    payload_view,
-    seal_frame,
-)
+from tiers.remote import RemoteTier, RemoteUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Remote reads and writes go in batches this large: enough blocks to amortize a round trip,
-# few enough bytes that a batch stays well inside the remote timeout and its values (held in
-# Python memory until copied) stay modest.
+# Remote reads go in batches this large: enough blocks to amortize a round trip, few enough
+# bytes that a batch stays well inside the remote timeout and its values (held in Python
+# memory until copied into host) stay modest.
 REMOTE_BATCH_BYTES = 16 << 20
 REMOTE_BATCH_BLOCKS = 64
 
@@ -99,7 +92,8 @@ class StoreCounters:
     demotions: int = 0
     promotions: int = 0
     stored_blocks: int = 0
-    remote_lost_writes: int = 0  # queued for write-through, but gone from every local tier
+    remote_lost_writes: int = 0  # queued for write-through, gone from every local tier first
+    remote_dropped_writes: int = 0  # write-through given up: refused, or failed too often
     remote_lookup_hits: int = 0  # blocks a lookup found in the remote tier only
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
@@ -110,7 +104,9 @@ class StoreCounters:
 
 
 class _RemoteReads:
-    """Remote values of one fetch, read a batch ahead: one pipelined GET serves many keys."""
+    """The remote side of one fetch, read a batch at a time: one pipelined GET serves many
+    keys. (Reading the next batch ahead while one is verified was measured slower on a
+    2-core machine: the verify thread, the parser and a local Redis contend for the cores.)"""
 
     def __init__(self, remote: RemoteTier, namespace: bytes, keys: Sequence[bytes],
                  layout_digest: bytes, batch: int) -> None:
@@ -120,7 +116,8 @@ class _RemoteReads:
         self.values: list[memoryview | None] = []
 
     async def take(self, i: int) -> memoryview | None:
-        """The verified payload of `keys[i]`, or None; each value is handed out once."""
+        """The verified payload of `keys[i]`, or None; each value is handed out once. Keys
+        come in order; those held locally are skipped over."""
         if not self.start <= i < self.start + len(self.values):
             self.start = i
             try:
@@ -148,6 +145,8 @@ class TieredStore:
         # The remote tier is not in `tiers`: it is shared, with no local space or LRU to keep.
         self.remote = remote
         self.write_queue = WriteThroughQueue(remote_queue_blocks) if remote is not None else None
+        self.writer = (RemoteWriter(self, remote, self.write_queue, self._run_io)
+                       if remote is not None and self.write_queue is not None else None)
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
         self.counters = StoreCounters()
@@ -485,104 +484,15 @@ class TieredStore:
                 self.host.complete_load(entry)
         return written
 
-    # ---- remote write-through
+    # ---- remote write-through (the task and its batches: `server.remote_writer`)
     async def remote_writer(self) -> None:
-        """Write queued blocks through to the remote tier, a batch at a time, until cancelled.
-
-        While the remote tier's breaker is open the writer waits rather than fail each batch,
-        so a short outage delays writes instead of losing them (the bounded queue sheds what
-        arrives meanwhile). It never dies of an error: one would silently disable the tier.
-        """
-        remote, queue = self.remote, self.write_queue
-        if remote is None or queue is None:
-            return
-        while True:
-            delay = remote.breaker.wait_s()
-            if delay > 0:
-                await asyncio.sleep(min(delay, 0.5))
-                continue
-            batch = await queue.take(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES, self._local_length)
-            try:
-                await self._write_through(remote, batch)
-            except RemoteUnavailableError as e:
-                log.debug("write-through of %d blocks failed: %s", len(batch), e)
-            except Exception:
-                log.exception("write-through of %d blocks failed", len(batch))
-            finally:
-                queue.done()
-
-    def _local_length(self, key: bytes) -> int:
-        entry = self._local_entry(key)
-        return entry.length if entry is not None else 0
-
-    async def _write_through(self, remote: RemoteTier, batch: list[tuple[bytes, bool]]) -> None:
-        """Frame the batch's blocks from host (or disk) and write them in one pipeline; blocks
-        queued by a demotion are sent only where the remote tier lacks them."""
-        checks: dict[bytes, list[bytes]] = {}  # namespace -> keys to check first
-        for key, check_exists in batch:
-            entry = self._local_entry(key) if check_exists else None
-            if entry is not None:
-                checks.setdefault(entry.namespace, []).append(key)
-        skip: set[bytes] = set()
-        for namespace, keys in checks.items():  # before pinning: no pin waits on the network
-            present = await remote.exists(namespace, keys)
-            skip.update(k for k, p in zip(keys, present, strict=True) if p)
-        sources: list[tuple[Tier, BlockEntry]] = []
-        for key, _ in batch:
-            tier = next((t for t in self.tiers if t.contains(key)), None)
-            if tier is None:
-                self.counters.remote_lost_writes += 1  # evicted everywhere before its turn
-            elif key not in skip:
-                sources.append((tier, tier.prepare_load(key)))  # pinned while framed
-        try:
-            views = [self.host.view(e).numpy().data if t is self.host else None
-                     for t, e in sources]
-            frames = await self._run_io(self._frames, sources, views)
-        finally:
-            for tier, entry in sources:
-                tier.complete_load(entry)
-        writes = []
-        for (tier, entry), frame in zip(sources, frames, strict=True):
-            if isinstance(frame, Exception):
-                self._integrity_failure(tier, entry, frame)
-            else:
-                writes.append(RemoteWrite(entry.namespace, entry.key, frame))
-        if writes:
-            await remote.put(writes)
-
-    def _local_entry(self, key: bytes) -> BlockEntry | None:
-        return self.host.get(key) or (self.disk.get(key) if self.disk is not None else None)
-
-    def _frames(self, todo: list[tuple[Tier, BlockEntry]], views: list[memoryview | None],
-                ) -> list[bytearray | Exception]:
-        """Worker thread: the framed value of each pinned block (a disk copy is verified on
-        the way, so a rotten local copy is never shared)."""
-        out: list[bytearray | Exception] = []
-        for (tier, entry), view in zip(todo, views, strict=True):
-            if view is not None:
-                out.append(frame_value(entry.key, entry.layout_digest, view))
-                continue
-            frame = new_frame(entry.length)
-            try:
-                assert isinstance(tier, DiskTier)
-                tier.read_into(entry, payload_view(frame))
-            except (IntegrityError, OSError) as e:
-                out.append(e)
-                continue
-            out.append(seal_frame(frame, entry.key, entry.layout_digest, entry.checksum or None))
-        return out
+        """The write-through task; returns at once without a remote tier."""
+        if self.writer is not None:
+            await self.writer.run()
 
     async def drain_remote(self, budget_s: float) -> bool:
-        """On shutdown: wait up to `budget_s` for queued write-through to finish; True if it
-        did. Gives up at once while the remote tier is unreachable."""
-        if self.remote is None or self.write_queue is None:
-            return True
-        end = time.monotonic() + budget_s
-        while not self.write_queue.idle():
-            if time.monotonic() >= end or not self.remote.available:
-                return False
-            await asyncio.sleep(0.01)
-        return True
+        """On shutdown: wait up to `budget_s` for queued write-through; True if it finished."""
+        return await self.writer.drain(budget_s) if self.writer is not None else True
 
     async def clear_remote(self, namespace: bytes | None) -> int:
         """Remove a namespace's blocks (all when None) from the shared remote tier, so a
@@ -638,6 +548,9 @@ class TieredStore:
             for key in list(tier.keys(namespace)):
                 if tier.remove(key):
                     removed.add(key)
+        if self.write_queue is not None:
+            for key in removed:
+                self.write_queue.discard(key)  # or write-through would share it after all
         return len(removed)
 
     def close(self) -> None:

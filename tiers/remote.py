@@ -21,9 +21,10 @@ counted and deleted. A value with an intact header naming another layout is a mi
 the requester's layout is wrong, not the value.
 
 **Failures**: every call runs under `timeout_s`. A failed call (connection refused, timeout,
-CLUSTERDOWN, out of memory...) opens the breaker; while it is open calls raise
-`RemoteUnavailableError` at once, so an outage costs one deadline, not one per call. Per-key
-errors inside a pipeline (one Cluster node down) are misses for those keys and open it as well.
+CLUSTERDOWN...) opens the breaker; while it is open calls raise `RemoteSkippedError` at once,
+so an outage costs one deadline, not one per call. Per-key errors inside a pipeline are misses
+for those keys; those of a node or the network (one Cluster node down) open the breaker as
+well, while a command the server refuses (a SET past maxmemory) does not: it is answering.
 """
 
 from __future__ import annotations
@@ -31,14 +32,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ClusterDownError,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.errors import (
     IntegrityError,
@@ -48,18 +55,26 @@ from kvstore.errors import (
 )
 from kvstore.integrity import FORMAT_VERSION, HEADER_BYTES, checksum, decode_header, encode_header
 from kvstore.integrity import verify as verify_payload
-from tiers.breaker import CircuitBreaker
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
+from tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()
-# Verifying a batch this large (xxh3 at ~25 GB/s: ~0.2 ms) moves to a worker thread rather
-# than holding up the event loop that serves every other call.
-_VERIFY_IN_THREAD_BYTES = 4 << 20
+# Verifying a batch this large (xxh3 at ~10-25 GB/s: 0.05-0.1 ms) moves to a worker thread
+# (xxh3 releases the GIL), leaving the event loop free for other calls meanwhile.
+_VERIFY_IN_THREAD_BYTES = 1 << 20
+
+
+# Per-command errors worth another attempt later: the node or the network, not the command.
+_TRANSIENT = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 
 
 class RemoteUnavailableError(UnavailableError):
     """The remote tier cannot serve now (breaker open, timeout, connection error): a miss."""
+
+
+class RemoteSkippedError(RemoteUnavailableError):
+    """Refused without trying: the breaker is open after a recent failure."""
 
 
 def redis_key(namespace: bytes, key: bytes) -> bytes:
@@ -145,6 +160,13 @@ class RemoteWrite:
 
 
 @dataclass
+class PutResult:
+    written: int = 0
+    transient: list[bytes] = field(default_factory=list)  # failed, may work later: retry
+    rejected: list[bytes] = field(default_factory=list)  # refused by the server: give up
+
+
+@dataclass
 class RemoteStats:
     url: str
     available: bool
@@ -197,12 +219,13 @@ class RemoteTier:
     # ---- the call wrapper: breaker, timeout, error accounting
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]],
                         timeout_s: float | None = None) -> list[Any]:
-        """Run commands in one pipeline; per-command errors come back in place (and open the
-        breaker); a failure of the whole call raises `RemoteUnavailableError`."""
+        """Run commands in one pipeline; per-command errors come back in place (those of a
+        node or the network open the breaker); a failure of the whole call raises
+        `RemoteUnavailableError`."""
         if not commands:
             return []
         if not self.breaker.allow():
-            raise RemoteUnavailableError(f"remote tier {self.url} skipped: breaker open")
+            raise RemoteSkippedError(f"remote tier {self.url} skipped: breaker open")
         try:
             async with asyncio.timeout(timeout_s or self.options.timeout_s):
                 pipe = self._client.pipeline(transaction=False)
@@ -217,9 +240,12 @@ class RemoteTier:
             self._failed(f"{type(e).__name__}: {e}")
             raise RemoteUnavailableError(f"remote tier {self.url}: {e}") from None
         errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
-            self._failed(f"{len(errors)} of {len(results)} commands failed: {errors[0]}")
-        else:
+        transient = [r for r in errors if isinstance(r, _TRANSIENT)]
+        if transient:  # a node or the network is down: skip the tier for a while
+            self._stats.errors += len(errors) - 1
+            self._failed(f"{len(errors)} of {len(results)} commands failed: {transient[0]}")
+        else:  # the server answered, even if it refused a command (out of memory, say)
+            self._stats.errors += len(errors)
             self.breaker.success()
         return results
 
@@ -235,9 +261,26 @@ class RemoteTier:
 
     async def get(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
                   ) -> list[memoryview | None]:
-        """Verified payloads per key; None for a miss (absent, bad, or unreachable)."""
+        """Verified payloads per key (views of the values read); None for a miss: absent,
+        bad, or on an unreachable node. Raises `RemoteUnavailableError` when the call fails
+        as a whole."""
         names = [redis_key(namespace, k) for k in keys]
         raws = await self._pipeline([("GET", n) for n in names])
+        out = await self._verified(names, keys, raws, layout_digest)
+        for value in out:
+            self._count(value)
+        return out
+
+    def _count(self, value: memoryview | None) -> None:
+        if value is None:
+            self._stats.misses += 1
+        else:
+            self._stats.hits += 1
+            self._stats.bytes_read += len(value)
+
+    async def _verified(self, names: Sequence[bytes], keys: Sequence[bytes], raws: list[Any],
+                        layout_digest: bytes) -> list[memoryview | None]:
+        """Verify GET results; corrupt values are counted and deleted, and are misses."""
         size = sum(len(r) for r in raws if isinstance(r, bytes))
         if size >= _VERIFY_IN_THREAD_BYTES:
             checked = await asyncio.to_thread(_verify_batch, raws, keys, layout_digest)
@@ -246,13 +289,7 @@ class RemoteTier:
         out: list[memoryview | None] = []
         corrupt: list[bytes] = []
         for name, key, item in zip(names, keys, checked, strict=True):
-            if isinstance(item, memoryview):
-                self._stats.hits += 1
-                self._stats.bytes_read += len(item)
-                out.append(item)
-                continue
-            self._stats.misses += 1
-            out.append(None)
+            out.append(item if isinstance(item, memoryview) else None)
             if isinstance(item, IntegrityError):
                 self._stats.integrity_failures += 1
                 log.warning("integrity failure in remote tier, block %s: %s; deleting it",
@@ -268,25 +305,37 @@ class RemoteTier:
                 log.debug("could not delete corrupt remote values: %s", e)
         return out
 
-    async def put(self, writes: Sequence[RemoteWrite]) -> int:
-        """Store framed values (with the TTL); returns how many were written."""
+    async def put(self, writes: Sequence[RemoteWrite]) -> PutResult:
+        """Store framed values (with the TTL). Raises `RemoteUnavailableError` when the call
+        failed as a whole; per-key failures are in the result."""
         ttl = self.options.ttl_s
         cmds = [("SET", redis_key(w.namespace, w.key), w.frame, *(("EX", ttl) if ttl else ()))
                 for w in writes]
         try:
             results = await self._pipeline(cmds)
+        except RemoteSkippedError:
+            raise
         except RemoteUnavailableError:
             self._stats.failed_writes += len(writes)
             raise
-        written = 0
+        out = PutResult()
+        refusal: Exception | None = None
         for w, r in zip(writes, results, strict=True):
-            if isinstance(r, Exception):
-                self._stats.failed_writes += 1
+            if not isinstance(r, Exception):
+                out.written += 1
+                self._stats.bytes_written += len(w.frame) - HEADER_BYTES
                 continue
-            written += 1
-            self._stats.bytes_written += len(w.frame) - HEADER_BYTES
-        self._stats.blocks_written += written
-        return written
+            self._stats.failed_writes += 1
+            if isinstance(r, _TRANSIENT):
+                out.transient.append(w.key)
+            else:
+                out.rejected.append(w.key)
+                refusal = r
+        if out.rejected:  # one line per batch: a full Cluster refuses every write
+            log.warning("remote tier refused %d of %d blocks: %s", len(out.rejected), len(writes),
+                        refusal)
+        self._stats.blocks_written += out.written
+        return out
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         results = await self._pipeline([("UNLINK", redis_key(namespace, k)) for k in keys])
@@ -301,7 +350,7 @@ class RemoteTier:
         deadline than the per-call timeout.
         """
         if not self.breaker.allow():
-            raise RemoteUnavailableError(f"remote tier {self.url} skipped: breaker open")
+            raise RemoteSkippedError(f"remote tier {self.url} skipped: breaker open")
         removed = 0
         try:
             async with asyncio.timeout(max(5.0, 20 * self.options.timeout_s)):

@@ -247,7 +247,7 @@ class StatsReply(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits")
+    __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits", "dropped_writes")
     URL_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class RemoteStats(_message.Message):
     SKIPPED_CALLS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
     url: str
     available: bool
     queue_depth: int
@@ -278,7 +279,8 @@ class RemoteStats(_message.Message):
     skipped_calls: int
     integrity_failures: int
     lookup_hits: int
-    def __init__(self, url: _Optional[str] = ..., available: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., queued_writes: _Optional[int] = ..., shed_writes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., failed_writes: _Optional[int] = ..., lost_writes: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., breaker_opens: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., lookup_hits: _Optional[int] = ...) -> None: ...
+    dropped_writes: int
+    def __init__(self, url: _Optional[str] = ..., available: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., queued_writes: _Optional[int] = ..., shed_writes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., failed_writes: _Optional[int] = ..., lost_writes: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., breaker_opens: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., dropped_writes: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "all")

@@ -1,0 +1,168 @@
+"""The write-through task: blocks queued in `WriteThroughQueue`, framed and sent to the remote tier.
+
+One task per daemon takes a batch of queued keys, finds each block where it lives now (host, or
+disk if it was demoted meanwhile), pins it just long enough to frame it in a worker thread (a
+disk copy is verified on the way, so a rotten local copy is never shared), and writes the batch
+in one pipeline. Blocks queued by a demotion are sent only where the remote tier lacks them.
+
+While the remote tier's breaker is open the task waits rather than fail each batch, and a write
+that failed for a transient reason goes back to the front of the queue, up to
+`REMOTE_WRITE_ATTEMPTS` times: a short outage delays writes instead of losing them (the bounded
+queue sheds what arrives meanwhile), and a block that can never be written does not keep the
+breaker open for everyone's reads. The task never dies of an error, which would silently
+disable write-through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstore.errors import IntegrityError
+from server.write_through import QueuedWrite, WriteThroughQueue
+from tiers.base import BlockEntry, Tier
+from tiers.disk import DiskTier
+from tiers.remote import (
+    RemoteSkippedError,
+    RemoteTier,
+    RemoteUnavailableError,
+    RemoteWrite,
+    frame_value,
+    new_frame,
+    payload_view,
+    seal_frame,
+)
+
+if TYPE_CHECKING:
+    from server.store import TieredStore
+
+log = logging.getLogger(__name__)
+# A batch: enough blocks to amortize a round trip, few enough bytes to stay well inside the
+# remote timeout and to keep its frames (copies, held until sent) modest.
+WRITE_BATCH_BYTES = 16 << 20
+WRITE_BATCH_BLOCKS = 64
+REMOTE_WRITE_ATTEMPTS = 3  # a write-through that failed this often is given up (counted)
+
+
+class RemoteWriter:
+    def __init__(self, store: TieredStore, remote: RemoteTier, queue: WriteThroughQueue,
+                 run_io: Callable[..., Awaitable[Any]]) -> None:
+        self.store, self.remote, self.queue = store, remote, queue
+        self._run_io = run_io  # the store's byte-movement workers
+
+    async def run(self) -> None:
+        """Write queued blocks through, a batch at a time, until cancelled."""
+        while True:
+            delay = self.remote.breaker.wait_s()
+            if delay > 0:
+                await asyncio.sleep(min(delay, 0.5))
+                continue
+            batch = await self.queue.take(WRITE_BATCH_BLOCKS, WRITE_BATCH_BYTES,
+                                          self._local_length)
+            retry: list[QueuedWrite] = []
+            try:
+                retry = await self._write(batch)
+            except RemoteSkippedError:  # another call is probing the remote tier: wait
+                retry = batch
+                await asyncio.sleep(0.05)
+            except RemoteUnavailableError as e:
+                log.debug("write-through of %d blocks failed: %s", len(batch), e)
+                retry = self._failed_attempt(batch)
+            except Exception:
+                log.exception("write-through of %d blocks failed", len(batch))
+                self.store.counters.remote_dropped_writes += len(batch)
+            finally:
+                self.queue.done()
+            self.queue.requeue(retry)
+
+    async def drain(self, budget_s: float) -> bool:
+        """Wait up to `budget_s` for the queue to empty; True if it did. Gives up at once
+        while the remote tier is unreachable."""
+        end = time.monotonic() + budget_s
+        while not self.queue.idle():
+            if time.monotonic() >= end or not self.remote.available:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def _failed_attempt(self, writes: list[QueuedWrite]) -> list[QueuedWrite]:
+        """Count a failed attempt; the writes worth another one."""
+        again = []
+        for w in writes:
+            w.attempts += 1
+            if w.attempts < REMOTE_WRITE_ATTEMPTS:
+                again.append(w)
+            else:
+                self.store.counters.remote_dropped_writes += 1
+        return again
+
+    def _local_entry(self, key: bytes) -> BlockEntry | None:
+        disk = self.store.disk
+        return self.store.host.get(key) or (disk.get(key) if disk is not None else None)
+
+    def _local_length(self, key: bytes) -> int:
+        entry = self._local_entry(key)
+        return entry.length if entry is not None else 0
+
+    async def _write(self, batch: list[QueuedWrite]) -> list[QueuedWrite]:
+        """Frame and send one batch; returns the writes to try again (transient failures)."""
+        store = self.store
+        checks: dict[bytes, list[bytes]] = {}  # namespace -> keys to check first
+        for w in batch:
+            entry = self._local_entry(w.key) if w.check_exists else None
+            if entry is not None:
+                checks.setdefault(entry.namespace, []).append(w.key)
+        skip: set[bytes] = set()
+        for namespace, keys in checks.items():  # before pinning: no pin waits on the network
+            present = await self.remote.exists(namespace, keys)
+            skip.update(k for k, p in zip(keys, present, strict=True) if p)
+        sources: list[tuple[Tier, BlockEntry]] = []
+        for w in batch:
+            tier = next((t for t in store.tiers if t.contains(w.key)), None)
+            if tier is None:
+                store.counters.remote_lost_writes += 1  # evicted everywhere before its turn
+            elif w.key not in skip:
+                sources.append((tier, tier.prepare_load(w.key)))  # pinned while framed
+        try:
+            views = [store.host.view(e).numpy().data if t is store.host else None
+                     for t, e in sources]
+            frames = await self._run_io(_frames, sources, views)
+        finally:
+            for tier, entry in sources:
+                tier.complete_load(entry)
+        writes = []
+        for (tier, entry), frame in zip(sources, frames, strict=True):
+            if isinstance(frame, Exception):
+                store._integrity_failure(tier, entry, frame)  # counted, the bad copy deleted
+            else:
+                writes.append(RemoteWrite(entry.namespace, entry.key, frame))
+        if not writes:
+            return []
+        result = await self.remote.put(writes)
+        store.counters.remote_dropped_writes += len(result.rejected)
+        transient = set(result.transient)
+        return self._failed_attempt([w for w in batch if w.key in transient])
+
+
+def _frames(sources: list[tuple[Tier, BlockEntry]], views: list[memoryview | None],
+            ) -> list[bytearray | Exception]:
+    """Worker thread: the framed value of each pinned block, from its host view or its disk
+    record (verified)."""
+    out: list[bytearray | Exception] = []
+    for (tier, entry), view in zip(sources, views, strict=True):
+        if view is not None:
+            out.append(frame_value(entry.key, entry.layout_digest, view))
+            continue
+        frame = new_frame(entry.length)
+        try:
+            if not isinstance(tier, DiskTier):
+                raise TypeError(f"no way to read a {tier.name} block without a host view")
+            tier.read_into(entry, payload_view(frame))
+        except (IntegrityError, OSError) as e:
+            out.append(e)
+            continue
+        out.append(seal_frame(frame, entry.key, entry.layout_digest, entry.checksum or None))
+    return out

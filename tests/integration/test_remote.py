@@ -1,0 +1,229 @@
+"""The remote tier against real Redis: a standalone server, and a 3-node Cluster shared by two
+daemons ("two machines on one"), with a node killed and brought back.
+
+pytest-asyncio is not a dependency: tier-level tests drive coroutines with `asyncio.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from client import KVClient
+from kvstore.integrity import HEADER_BYTES
+from server.process import DaemonProcess
+from tests import redis_servers
+from tests.conftest import random_kv, same_bytes, small_layout
+from tests.redis_servers import RedisClusterNodes, RedisServer, cli
+from tiers.remote import (
+    PutResult,
+    RemoteOptions,
+    RemoteTier,
+    RemoteUnavailableError,
+    RemoteWrite,
+    frame_value,
+    redis_key,
+)
+
+pytestmark = pytest.mark.integration
+
+NS = bytes(range(32))
+LAYOUT = b"L" * 32
+
+
+def _key(i: int) -> bytes:
+    return b"k" + i.to_bytes(31, "big")
+
+
+def _payload(i: int, n: int = 10_000) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(n))
+
+
+def test_tier_round_trip_corruption_and_ttl(redis_server: RedisServer) -> None:
+    keys = [_key(i) for i in range(4)]
+    raw = redis.Redis(port=redis_server.port)
+
+    async def main() -> RemoteTier:
+        tier = RemoteTier(redis_server.url, RemoteOptions(ttl_s=600, timeout_s=2.0))
+        writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, _payload(i)))
+                  for i, k in enumerate(keys[:3])]
+        assert (await tier.put(writes)).written == 3
+        assert await tier.exists(NS, keys) == [True, True, True, False]
+        assert 590 <= raw.ttl(redis_key(NS, keys[0])) <= 600
+        got = await tier.get(NS, keys, LAYOUT)
+        assert [bytes(g) if g is not None else None for g in got] == [
+            _payload(0), _payload(1), _payload(2), None]
+        # Another layout: a miss, but the intact value stays (the requester is wrong).
+        assert await tier.get(NS, keys[:1], b"X" * 32) == [None]
+        # Another namespace: its own key space.
+        assert await tier.exists(b"N" * 32, keys[:1]) == [False]
+        # Flip one payload byte behind the tier's back.
+        name = redis_key(NS, keys[1])
+        value = bytearray(raw.get(name))
+        value[HEADER_BYTES + 100] ^= 0xFF
+        raw.set(name, bytes(value))
+        got = await tier.get(NS, keys[:3], LAYOUT)
+        assert got[1] is None and got[0] is not None and got[2] is not None
+        assert await tier.exists(NS, keys[:3]) == [True, False, True]  # deleted
+        other = RemoteWrite(b"N" * 32, keys[0], frame_value(keys[0], LAYOUT, _payload(0)))
+        assert (await tier.put([other])).written == 1
+        assert await tier.clear(NS) == 2  # one namespace...
+        assert await tier.exists(b"N" * 32, keys[:1]) == [True]  # ...not the others
+        assert await tier.clear(None) == 1
+        await tier.close()
+        return tier
+
+    tier = asyncio.run(main())
+    s = tier.stats()
+    assert (s.integrity_failures, s.blocks_written) == (1, 4)
+    assert s.errors == 0 and s.available
+    raw.close()
+
+
+def test_refused_writes_are_dropped_without_opening_the_breaker(redis_server: RedisServer,
+                                                                ) -> None:
+    cli(redis_server.port, "CONFIG", "SET", "maxmemory-policy", "noeviction")
+    cli(redis_server.port, "CONFIG", "SET", "maxmemory", "2mb")
+
+    async def main() -> tuple[RemoteTier, PutResult, list[bool]]:
+        tier = RemoteTier(redis_server.url, RemoteOptions(timeout_s=2.0))
+        big = [RemoteWrite(NS, _key(i), frame_value(_key(i), LAYOUT, _payload(i, 1 << 20)))
+               for i in range(4)]
+        result = await tier.put(big)  # OOM once memory is past 2 MB
+        present = await tier.exists(NS, [_key(i) for i in range(4)])
+        await tier.close()
+        return tier, result, present
+
+    tier, result, present = asyncio.run(main())
+    assert result.rejected and not result.transient
+    assert present == [True] * result.written + [False] * len(result.rejected)
+    s = tier.stats()
+    assert s.available and s.breaker_opens == 0 and s.failed_writes == len(result.rejected)
+
+
+def test_dead_server_costs_one_deadline_not_one_per_call() -> None:
+    # A black hole: the kernel completes the TCP handshake, nobody ever answers.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+
+    async def main() -> tuple[RemoteTier, list[float]]:
+        tier = RemoteTier(url, RemoteOptions(timeout_s=0.2, retry_s=0.5))
+        times = []
+        for _ in range(20):
+            t0 = time.monotonic()
+            with pytest.raises(RemoteUnavailableError, match=r"timed out|breaker open"):
+                await tier.get(NS, [_key(0)], LAYOUT)
+            times.append(time.monotonic() - t0)
+        await asyncio.sleep(0.6)  # past the window: one probe goes, and fails again
+        with pytest.raises(RemoteUnavailableError, match="timed out"):
+            await tier.exists(NS, [_key(0)])
+        await tier.close()
+        return tier, times
+
+    try:
+        tier, times = asyncio.run(main())
+    finally:
+        hole.close()
+    assert 0.15 < times[0] < 0.5
+    assert max(times[1:]) < 0.02, times  # refused at once while the breaker is open
+    s = tier.stats()
+    assert (s.breaker_opens, s.timeouts, s.skipped_calls) == (1, 2, 19)
+    assert not s.available
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def _remote_written(c: KVClient) -> int:
+    stats = c.stats()
+    return stats.remote.written_blocks if stats is not None else -1
+
+
+def _daemon_args(url: str, *extra: str) -> tuple[str, ...]:
+    return ("--host-bytes", "4MiB", "--disk-bytes", "16MiB", "--remote", url,
+            "--remote-timeout-s", "0.3", "--remote-retry-s", "0.2", *extra)
+
+
+def test_write_through_sheds_instead_of_blocking(redis_server: RedisServer,
+                                                 daemon_factory) -> None:
+    port = redis_servers.free_port()
+    d = daemon_factory(*_daemon_args(redis_server.url, "--remote-queue-blocks", "2",
+                                     "--metrics-port", str(port))).start()
+    layout = small_layout()
+    tokens = list(range(8 * 16))
+    kv = random_kv(layout, len(tokens))
+    with KVClient(d.target, layout) as c:
+        assert c.publish(tokens, kv) == len(tokens)  # one commit of 8 blocks, queue of 2
+        _wait_for(lambda: c.stats().remote.written_blocks == 2)
+        r = c.stats().remote
+    assert (r.queued_writes, r.shed_writes, r.written_blocks) == (2, 6, 2)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in ("kvstore_remote_shed_writes_total 6.0", "kvstore_remote_written_blocks_total 2.0",
+                 "kvstore_remote_available 1.0", 'kvstore_tier_bytes_total{direction="write",'
+                 f'tier="remote"}} {2 * layout.block_bytes}.0'):
+        assert line in text, line
+    assert d.stop() == 0  # SIGTERM drains the (empty) queue and closes the remote client
+
+
+def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisClusterNodes,
+                                                           daemon_factory) -> None:
+    args = _daemon_args(redis_cluster.url)
+    a: DaemonProcess = daemon_factory(*args, name="A").start()
+    b: DaemonProcess = daemon_factory(*args, name="B").start()
+    layout = small_layout()
+    prompts = [[p * 10_000 + t for t in range(12 * 16)] for p in range(4)]  # 12 blocks each
+    kvs = [random_kv(layout, len(t), seed=p) for p, t in enumerate(prompts)]
+    full = len(prompts[0])
+    with KVClient(a.target, layout) as ca, KVClient(b.target, layout, deadline_s=1.0) as cb:
+        # -- publish on A; once written through, B finds and fetches it byte for byte
+        assert cb.lookup(prompts[0]) == 0
+        assert ca.publish(prompts[0], kvs[0]) == full
+        _wait_for(lambda: _remote_written(ca) >= 12)
+        assert cb.lookup(prompts[0]) == full
+        n, got = cb.fetch(prompts[0])
+        assert n == full and same_bytes(got, kvs[0])
+        sb = cb.stats()
+        remote_b = next(t for t in sb.tiers if t.name == "remote")
+        assert remote_b.hits == 12 and sb.remote.lookup_hits == 12
+        # blocks of one prompt spread over every node (no hash tag pins them to one)
+        assert all(int(cli(s.port, "DBSIZE")) > 0 for s in redis_cluster.nodes)
+
+        # -- a second prompt reaches the Cluster but not B's local tiers
+        assert ca.publish(prompts[1], kvs[1]) == full
+        _wait_for(lambda: _remote_written(ca) >= 24)
+
+        # -- kill one node: B serves its local hits, remote misses are quick misses
+        redis_cluster.kill(1)
+        t0 = time.monotonic()
+        n, got = cb.fetch(prompts[0])  # local (promoted into B's host tier)
+        assert n == full and same_bytes(got, kvs[0])
+        for _ in range(3):
+            hits = cb.lookup(prompts[1])
+            n, got = cb.fetch(prompts[1])
+            assert hits < full and n < full  # a third of the blocks live on the dead node
+            if n:
+                assert same_bytes(got, kvs[1][:, :, :n])
+        assert cb.publish(prompts[2], kvs[2]) == full  # local publish unaffected
+        assert time.monotonic() - t0 < 3.0  # 8 calls, each well inside its 1 s deadline
+        assert cb.stats().remote.breaker_opens >= 1
+
+        # -- bring the node back (same port and nodes.conf): sharing resumes
+        redis_cluster.restart(1)
+        assert ca.publish(prompts[3], kvs[3]) == full
+        _wait_for(lambda: cb.lookup(prompts[3]) == full)
+        n, got = cb.fetch(prompts[3])
+        assert n == full and same_bytes(got, kvs[3])
+        assert ca.stats().integrity_failures == 0 and cb.stats().integrity_failures == 0

@@ -1,0 +1,125 @@
+"""The remote tier's parts without a server: URLs, key names, framing, breaker, queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from redis.crc import key_slot
+
+from kvstore.errors import ConfigError, IntegrityError, LayoutMismatchError
+from kvstore.integrity import HEADER_BYTES
+from kvstore.remote_url import parse_remote_url, redact_url
+from server.write_through import WriteThroughQueue
+from tiers.breaker import CircuitBreaker
+from tiers.remote import frame_value, namespace_pattern, read_frame, redis_key
+
+NS = bytes(range(32))
+LAYOUT = b"L" * 32
+KEY = b"k" * 32
+
+
+def test_urls_parse_and_redact() -> None:
+    t = parse_remote_url("redis://127.0.0.1:6379/2")
+    assert (t.cluster, t.tls, t.nodes, t.db, t.password) == (False, False, (("127.0.0.1", 6379),),
+                                                             2, None)
+    t = parse_remote_url("rediss+cluster://u:p%40ss@10.0.0.1:7000,10.0.0.2:7001")
+    assert (t.cluster, t.tls, t.username, t.password) == (True, True, "u", "p@ss")
+    assert t.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001))
+    for bad, why in (("http://x:1", "expected"), ("redis://host", "host:port"),
+                     ("redis://a:1,b:2", "cluster"), ("redis+cluster://a:1/3", "database 0"),
+                     ("redis://a:99999", "host:port"), ("redis://a:1/x", "number")):
+        with pytest.raises(ConfigError, match=why):
+            parse_remote_url(bad)
+    assert redact_url("redis://:s3cret@h:1/0") == "redis://:***@h:1/0"
+    assert redact_url("redis+cluster://u:s3cret@a:1,b:2") == "redis+cluster://u:***@a:1,b:2"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_key_names_spread_over_cluster_slots() -> None:
+    name = redis_key(NS, KEY)
+    assert name.startswith(b"kvs1:" + NS.hex()[:16].encode() + b":") and name.endswith(
+        KEY.hex().encode())
+    assert b"{" not in name  # no hash tag: the whole name picks the slot
+    slots = {key_slot(redis_key(NS, i.to_bytes(32, "big"))) for i in range(200)}
+    assert len(slots) > 190
+    assert namespace_pattern(NS) == name[: name.rindex(b":") + 1] + b"*"
+    assert namespace_pattern(None) == b"kvs1:*"
+
+
+def test_frames_bind_key_and_layout_and_detect_damage() -> None:
+    payload = bytes(range(256)) * 40
+    frame = bytes(frame_value(KEY, LAYOUT, payload))
+    assert len(frame) == HEADER_BYTES + len(payload)
+    assert bytes(read_frame(frame, KEY, LAYOUT)) == payload
+    with pytest.raises(LayoutMismatchError):
+        read_frame(frame, KEY, b"X" * 32)  # intact, but another layout: not corruption
+    with pytest.raises(IntegrityError, match="another key"):
+        read_frame(frame, b"o" * 32, LAYOUT)
+    for pos in (3, 50, HEADER_BYTES + 7, len(frame) - 1):
+        bad = bytearray(frame)
+        bad[pos] ^= 0x01
+        with pytest.raises(IntegrityError):
+            read_frame(bytes(bad), KEY, LAYOUT)
+    with pytest.raises(IntegrityError):
+        read_frame(frame[:-1], KEY, LAYOUT)
+    with pytest.raises(IntegrityError):
+        read_frame(frame[:HEADER_BYTES - 1], KEY, LAYOUT)
+
+
+def test_breaker_opens_skips_probes_and_backs_off() -> None:
+    now = [100.0]
+    b = CircuitBreaker("remote", retry_s=1.0, max_retry_s=4.0, probe_timeout_s=0.5,
+                       log=logging.getLogger("test"), clock=lambda: now[0])
+    assert b.allow() and not b.is_open
+    b.failure("boom")
+    assert b.is_open and b.opens == 1
+    assert not b.allow() and not b.allow()
+    assert b.skipped == 2 and 0.75 <= b.wait_s() <= 1.0
+    now[0] += 1.0
+    assert b.allow()  # one probe...
+    assert not b.allow()  # ...at a time
+    b.failure("still")
+    assert b.opens == 1 and 1.5 <= b.wait_s() <= 2.0  # doubled, jittered
+    for _ in range(5):
+        now[0] += 10
+        assert b.allow()
+        b.failure("still")
+    assert b.wait_s() <= 4.0  # capped
+    now[0] += 10
+    assert b.allow()
+    now[0] += 1.0  # the probe's caller vanished (cancelled): another may probe
+    assert b.allow()
+    b.success()
+    assert not b.is_open and b.allow() and b.wait_s() == 0
+
+
+def test_write_queue_sheds_dedups_and_requeues_in_order() -> None:
+    async def main() -> None:
+        q = WriteThroughQueue(3)
+        assert q.put(b"a") and q.put(b"b", check_exists=True) and q.put(b"c")
+        assert q.put(b"a")  # already queued: not twice, not shed
+        assert not q.put(b"d")
+        assert q.put(b"b")  # an unconditional write supersedes the check
+        assert (len(q), q.queued, q.shed) == (3, 3, 1)
+        batch = await q.take(10, 100, lambda k: 60)  # byte limit: 60 + 60 > 100
+        assert [w.key for w in batch] == [b"a"]
+        batch += await q.take(10, 1000, lambda k: 60)
+        assert [(w.key, w.check_exists) for w in batch] == [(b"a", False), (b"b", False),
+                                                             (b"c", False)]
+        assert not q.idle()
+        q.done()
+        q.done()
+        assert q.idle()
+        assert q.put(b"e")
+        q.requeue(batch)  # room for 2 of 3: the oldest go back to the front
+        assert [w.key for w in await q.take(10, 10**9, lambda k: 0)] == [b"a", b"b", b"e"]
+        assert q.shed == 2
+        waiter = asyncio.create_task(q.take(1, 1, lambda k: 0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # waits while empty
+        q.put(b"f")
+        assert [w.key for w in await waiter] == [b"f"]
+
+    asyncio.run(main())

@@ -1,0 +1,277 @@
+"""TieredStore with a remote tier, in-process: write-through, read-through, demotion, failures.
+
+The remote tier here is an in-memory stand-in with the real framing and breaker, so the store's
+decisions can be checked exactly; `tests/integration/test_remote.py` runs the real one against
+real Redis servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from server.remote_writer import REMOTE_WRITE_ATTEMPTS
+from server.store import TieredStore
+from tests.unit.test_store import LAYOUT, LENGTH, NS_A, fetched_bytes, key, payload, publish
+from tiers.base import PAGE
+from tiers.breaker import CircuitBreaker
+from tiers.disk import DiskTier
+from tiers.host import HostTier
+from tiers.remote import (
+    PutResult,
+    RemoteUnavailableError,
+    RemoteWrite,
+    frame_value,
+    read_frame,
+)
+
+
+class FakeRemote:
+    """The `RemoteTier` calls the store makes, over a dict of framed values."""
+
+    name = "remote"
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[bytes, bytes], bytes] = {}
+        self.puts: list[bytes] = []
+        self.batches: list[int] = []  # sizes of the GET batches asked for
+        self.down = False
+        self.transient_once: set[bytes] = set()  # keys whose next write fails transiently
+        self.breaker = CircuitBreaker("fake", 0.01, 0.02, 0.1, logging.getLogger("fake"))
+
+    @property
+    def available(self) -> bool:
+        return not self.breaker.is_open
+
+    def _check(self) -> None:
+        if self.down:
+            raise RemoteUnavailableError("fake remote is down")
+
+    async def exists(self, namespace: bytes, keys: Sequence[bytes]) -> list[bool]:
+        self._check()
+        return [(namespace, k) in self.values for k in keys]
+
+    async def get(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
+                  ) -> list[memoryview | None]:
+        self._check()
+        self.batches.append(len(keys))
+        raws = [self.values.get((namespace, k)) for k in keys]
+        return [read_frame(r, k, layout_digest) if r is not None else None
+                for r, k in zip(raws, keys, strict=True)]
+
+    async def put(self, writes: Sequence[RemoteWrite]) -> PutResult:
+        self._check()
+        out = PutResult()
+        for w in writes:
+            if w.key in self.transient_once:
+                self.transient_once.discard(w.key)
+                out.transient.append(w.key)
+                continue
+            self.values[(w.namespace, w.key)] = bytes(w.frame)
+            self.puts.append(w.key)
+            out.written += 1
+        return out
+
+    async def clear(self, namespace: bytes | None) -> int:
+        self._check()
+        gone = [nk for nk in self.values if namespace is None or nk[0] == namespace]
+        for nk in gone:
+            del self.values[nk]
+        return len(gone)
+
+    def holds(self, k: bytes) -> bool:
+        raw = self.values.get((NS_A, k))
+        return raw is not None and bytes(read_frame(raw, k, LAYOUT)) == payload(k)
+
+
+def make(tmp_path: Path, name: str, remote: FakeRemote, host_blocks: int = 8,
+         queue: int = 64) -> TieredStore:
+    host = HostTier(host_blocks * 2 * PAGE, shm_dir=tmp_path)
+    disk = DiskTier(tmp_path / name, 16 * 3 * PAGE, sync="never")
+    return TieredStore(host, disk, io_threads=2, remote=remote,  # type: ignore[arg-type]
+                       remote_queue_blocks=queue)
+
+
+async def settle(store: TieredStore) -> None:
+    """Run the write-through task until its queue is empty and idle (5 s at most)."""
+    assert store.write_queue is not None
+    writer = asyncio.create_task(store.remote_writer())
+    for _ in range(2500):
+        if store.write_queue.idle():
+            break
+        await asyncio.sleep(0.002)
+    else:
+        raise AssertionError("write-through queue did not drain")
+    writer.cancel()
+
+
+@pytest.fixture
+def remote() -> FakeRemote:
+    return FakeRemote()
+
+
+@pytest.fixture
+def pair(tmp_path: Path, remote: FakeRemote) -> Iterator[tuple[TieredStore, TieredStore]]:
+    """Two daemons' stores sharing one remote tier."""
+    a, b = make(tmp_path, "a", remote), make(tmp_path, "b", remote)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_publish_writes_through_and_another_store_reads_through(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        assert all(remote.holds(k) for k in keys)
+        assert b.lookup(keys) == []
+        assert await b.lookup_through([*keys, key(9)], NS_A) == ["remote"] * 4
+        lease = await b.fetch([*keys, key(9)], LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["remote"] * 4
+        assert remote.batches == [5]  # one batched read for the whole rest of the prompt
+        assert fetched_bytes(b, lease) == [payload(k) for k in keys]
+        b.release(lease.id)
+        assert b.lookup(keys) == ["host"] * 4  # promoted: now local
+        lease = await b.fetch(keys, LAYOUT)  # no namespace: local tiers only
+        assert lease.tiers == ["host"] * 4
+
+    asyncio.run(main())
+    assert b.counters.promotions == 4 and b.counters.remote_lookup_hits == 4
+    assert b.counters.bytes_read == {"remote": 4 * LENGTH}
+    assert a.write_queue is not None and a.write_queue.stats().queued == 4
+
+
+def test_local_blocks_fill_holes_in_the_remote_prefix(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(5)]
+
+    async def main() -> None:
+        await publish(a, keys[:4])
+        await settle(a)
+        del remote.values[(NS_A, keys[1])]  # a hole in the remote tier...
+        await publish(b, keys[1:2])  # ...that B holds itself; block 4 is nowhere
+        assert await b.lookup_through(keys, NS_A) == ["remote", "host", "remote", "remote"]
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["remote", "host", "remote", "remote"]
+        assert fetched_bytes(b, lease) == [payload(k) for k in keys[:4]]
+        # one batched read from block 0 on served blocks 0, 2 and 3 around B's own block
+        assert remote.batches == [5]
+
+    asyncio.run(main())
+
+
+def test_demotion_writes_through_what_the_remote_tier_lacks(tmp_path, remote) -> None:
+    s = make(tmp_path, "s", remote, host_blocks=3)
+    first, second = [key(i) for i in range(3)], [key(i) for i in range(10, 13)]
+
+    async def main() -> None:
+        assert s.write_queue is not None
+        await publish(s, first)
+        lost = await s.write_queue.take(2, 10**9, lambda k: 0)  # a batch whose write is lost
+        s.write_queue.done()
+        await settle(s)  # first[2] is written
+        assert remote.puts == [first[2]]
+        await publish(s, second)  # demotes `first` to disk, each queued with a check
+        await settle(s)
+        # first[0:2] came back from disk; first[2] was checked and not sent again
+        assert sorted(remote.puts) == sorted([first[2], *(w.key for w in lost), *second])
+        assert all(remote.holds(k) for k in first + second)
+
+    asyncio.run(main())
+    assert s.counters.demotions == 3
+    s.close()
+
+
+def test_failed_writes_retry_then_give_up(tmp_path, remote) -> None:
+    s = make(tmp_path, "s", remote)
+
+    async def main() -> None:
+        remote.transient_once = {key(1)}
+        await publish(s, [key(0), key(1)])
+        await settle(s)
+        assert remote.holds(key(0)) and remote.holds(key(1))  # key(1) on its second attempt
+        remote.down = True
+        await publish(s, [key(2)])
+        await settle(s)  # each failure opens the (fast) breaker; the writer waits it out
+
+    asyncio.run(main())
+    assert s.counters.remote_dropped_writes == 1
+    assert not remote.holds(key(2))
+    assert REMOTE_WRITE_ATTEMPTS == 3
+    s.close()
+
+
+def test_remote_down_is_local_service(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(3)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        await publish(b, keys[:1])
+        remote.down = True
+        assert await b.lookup_through(keys, NS_A) == ["host"]
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["host"]
+        b.release(lease.id)
+        assert await b.clear_remote(NS_A) == 0  # logged, not raised
+        remote.down = False
+        assert await b.lookup_through(keys, NS_A) == ["host", "remote", "remote"]
+        b.clear(NS_A)
+        assert await b.clear_remote(NS_A) == 3  # or read-through would bring them back
+        assert await b.lookup_through(keys, NS_A) == []
+
+    asyncio.run(main())
+
+
+def test_write_through_never_blocks_a_commit(tmp_path, remote) -> None:
+    s = make(tmp_path, "s", remote, queue=2)
+    keys = [key(i) for i in range(5)]
+
+    async def main() -> None:
+        await publish(s, keys)  # commits 5 with room for 2 in the queue: no waiting
+        assert s.write_queue is not None
+        q = s.write_queue.stats()
+        assert (q.depth, q.queued, q.shed) == (2, 2, 3)
+        assert s.lookup(keys) == ["host"] * 5
+        await settle(s)
+
+    asyncio.run(main())
+    assert sorted(remote.puts) == keys[:2]
+    s.close()
+
+
+def test_frames_from_host_and_disk_are_identical(tmp_path, remote) -> None:
+    """The writer frames host blocks from memory and demoted ones from disk (verified)."""
+    s = make(tmp_path, "s", remote, host_blocks=1)
+
+    async def main() -> None:
+        await publish(s, [key(0)])
+        await publish(s, [key(1)])  # demotes key(0)
+        await settle(s)
+
+    asyncio.run(main())
+    for i in range(2):
+        assert remote.values[(NS_A, key(i))] == bytes(frame_value(key(i), LAYOUT, payload(key(i))))
+    s.close()
+
+
+def test_clear_drops_queued_write_through(tmp_path, remote) -> None:
+    s = make(tmp_path, "s", remote)
+
+    async def main() -> None:
+        await publish(s, [key(0), key(1)])
+        assert s.clear(NS_A) == 2
+        assert s.write_queue is not None and len(s.write_queue) == 0
+        await settle(s)
+
+    asyncio.run(main())
+    assert remote.values == {} and s.counters.remote_lost_writes == 0
+    s.close()
