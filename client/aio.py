@@ -237,7 +237,7 @@ class AsyncKVClient:
                    and refs[j].offset == refs[j - 1].offset + refs[j - 1].length):
                 j += 1
             raw = arena.tensor[refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
-            view = raw.view(self.layout.dtype).view(j - i, *shape)  # type: ignore[arg-type]
+            view = raw.view(self.layout.torch_dtype).view(j - i, *shape)  # type: ignore[arg-type]
             # [n, L, kv, T, H, D] -> [L, kv, n, T, H, D] -> tokens of the run in order
             pairs.append((view.permute(1, 2, 0, 3, 4, 5), blocks[i]))
             i = j
@@ -282,7 +282,7 @@ class AsyncKVClient:
         if out is None:
             # Sized for every block asked for: the rest may still come in later rounds.
             out = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
-                              dtype=self.layout.dtype)  # type: ignore[arg-type]
+                              dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
         if shm:
             try:
                 arena = await self._arena_for(head.arena_id)
@@ -312,7 +312,7 @@ class AsyncKVClient:
             staging[filled : filled + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
             filled += len(chunk.data)
             if filled == size:
-                view = torch.from_numpy(staging).view(self.layout.dtype)  # type: ignore[arg-type]
+                view = torch.from_numpy(staging).view(self.layout.torch_dtype)  # type: ignore[arg-type]
                 out[:, :, self._tokens_slice(start + block)].copy_(
                     view.view(self.layout.block_shape))
                 block, filled = block + 1, 0

@@ -10,8 +10,12 @@ import mmap
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Arena:
@@ -36,8 +40,19 @@ class Arena:
             raise
         finally:
             os.close(fd)
-        self.tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
-                       else torch.empty(0, dtype=torch.uint8))
+        self.array = (np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap is not None
+                      else np.zeros(0, dtype=np.uint8))
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The mapping as a torch `uint8` tensor (clients copy with torch; the daemon doesn't
+        need torch at all and uses `array`)."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
     @classmethod
     def create(cls, directory: str | Path, size: int) -> Arena:

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 KEY_VERSION = b"kvstore-key-v1\x00"
 KEY_BYTES = 32
@@ -50,9 +54,11 @@ def tokens_to_array(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> np.nda
     Raises `InvalidArgumentError` for floats, bools, negative or out-of-range ids, and for
     anything that is not one-dimensional.
     """
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise InvalidArgumentError(f"tokens must be integers, got a {tokens.dtype} tensor")
+    torch_mod = sys.modules.get("torch")  # a tensor implies torch is loaded: never import it
+    if torch_mod is not None and isinstance(tokens, torch_mod.Tensor):
+        dt = tokens.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch_mod.bool:
+            raise InvalidArgumentError(f"tokens must be integers, got a {dt} tensor")
         arr = tokens.detach().cpu().numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens

@@ -11,53 +11,53 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import InvalidArgumentError, LayoutMismatchError
 
-# Only dtypes with a stable, engine-independent byte representation.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
+if TYPE_CHECKING:
+    import torch
+
+# Only dtypes with a stable, engine-independent byte representation, with their sizes. Kept
+# free of torch so the daemon never imports it (start-up in well under a second).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPES = DTYPE_BYTES  # the supported names
 
 MAX_BLOCK_BYTES = 1 << 30  # 1 GiB: far above any real model's block; guards absurd layouts.
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """Canonical name of a supported dtype (`torch.bfloat16` or `"bfloat16"` -> `"bfloat16"`)."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name not in DTYPES:
-            raise InvalidArgumentError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPES)}")
-        return name
-    if dtype not in _DTYPE_NAMES:
-        raise InvalidArgumentError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
-    return _DTYPE_NAMES[dtype]
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise InvalidArgumentError(f"unsupported dtype {dtype!r}; supported: {sorted(DTYPE_BYTES)}")
+    return name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KVLayout:
     """Shape and identity of the KV cache of one model shard.
 
     `model` and `model_revision` identify the weights: blocks of two revisions never mix.
     `kv_kind` is "kv" (separate K and V) or "mla" (one latent per token, `num_kv_heads == 1`).
     `tp_rank`/`tp_size` and `pp_rank`/`pp_size` identify the shard whose heads/layers these are.
+    `dtype` is kept as given (a `torch.dtype` or its name); equality, hashing and the digest use
+    its canonical name, and `torch_dtype` gives the torch one.
     """
 
     model: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype | str = torch.bfloat16
+    dtype: torch.dtype | str = "bfloat16"
     block_tokens: int = 256
     model_revision: str = ""
     kv_kind: str = "kv"
@@ -67,7 +67,7 @@ class KVLayout:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", DTYPES[dtype_name(self.dtype)])
+        dtype_name(self.dtype)  # validates
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgumentError("KVLayout.model must be a non-empty string")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size",
@@ -95,8 +95,27 @@ class KVLayout:
         return 2 if self.kv_kind == "kv" else 1
 
     @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()  # type: ignore[arg-type]
+        return DTYPE_BYTES[self.dtype_name]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVLayout):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.digest())
 
     @property
     def bytes_per_token(self) -> int:
@@ -135,10 +154,13 @@ class KVLayout:
 
     def check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
         """Raise `LayoutMismatchError` naming what differs if `kv` is not this layout's KV."""
+        import torch
+
         if not isinstance(kv, torch.Tensor):
             raise LayoutMismatchError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dtype != self.dtype:
-            raise LayoutMismatchError(f"kv dtype is {kv.dtype}, the layout says {self.dtype}")
+        if kv.dtype != self.torch_dtype:
+            raise LayoutMismatchError(
+                f"kv dtype is {kv.dtype}, the layout says {self.torch_dtype}")
         want = self.kv_shape(num_tokens)
         if tuple(kv.shape) != want:
             raise LayoutMismatchError(

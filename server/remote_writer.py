@@ -127,7 +127,7 @@ class RemoteWriter:
             elif w.key not in skip:
                 sources.append((tier, tier.prepare_load(w.key)))  # pinned while framed
         try:
-            views = [store.host.view(e).numpy().data if t is store.host else None
+            views = [store.host.memview(e) if t is store.host else None
                      for t, e in sources]
             frames = await self._run_io(_frames, sources, views)
         finally:

@@ -127,7 +127,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 return
             yield pb.FetchChunk(hits=len(refs), blocks=refs, more=lease.more)
             for i, entry in enumerate(lease.entries):
-                data = self.store.host.view(entry).numpy()
+                data = self.store.host.view(entry)
                 for off in range(0, entry.length, STREAM_CHUNK):
                     chunk = data[off : off + STREAM_CHUNK].tobytes()
                     yield pb.FetchChunk(block_index=i, chunk_offset=off, data=chunk)
@@ -168,7 +168,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
                     block, filled = i, 0
                     lease = await self.store.reserve(ns, digest, [keys[i]], length)
-                    target = (self.store.host.view(lease.entries[0]).numpy() if lease.entries
+                    target = (self.store.host.view(lease.entries[0]) if lease.entries
                               else None)
                     present += not lease.needed[0] if lease.needed else 0
                 if off != filled or off + len(msg.data) > length:

@@ -302,7 +302,7 @@ class TieredStore:
         if disk is None or src is None:
             return None  # only staged disk hits are read
         try:
-            await self._run_io(disk.read_into, src, self.host.view(s.dst).numpy().data)
+            await self._run_io(disk.read_into, src, self.host.memview(s.dst))
         except (IntegrityError, OSError) as e:
             disk.complete_load(src)
             self.host.abort_store(s.dst)
@@ -333,7 +333,7 @@ class TieredStore:
             return None
         try:
             # Verified by the remote tier already; from here it is host memory like any other.
-            await self._run_io(_copy, self.host.view(dst).numpy().data, payload)
+            await self._run_io(_copy, self.host.memview(dst), payload)
         except BaseException:
             self.host.abort_store(dst)
             raise
@@ -445,7 +445,7 @@ class TieredStore:
         except CapacityError:
             return False  # larger than the whole disk tier
         try:
-            await self._run_io(disk.write, dst, self.host.view(src).numpy().data, seq)
+            await self._run_io(disk.write, dst, self.host.memview(src), seq)
         except OSError as e:
             log.warning("demotion to disk failed: %s", e)
             disk.abort_store(dst)

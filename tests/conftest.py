@@ -22,7 +22,7 @@ def small_layout(dtype: torch.dtype = torch.float32, model: str = "tiny", **kw: 
 
 def random_kv(layout: KVLayout, n_tokens: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.kv_shape(n_tokens), generator=g).to(layout.dtype)
+    return torch.randn(layout.kv_shape(n_tokens), generator=g).to(layout.torch_dtype)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,9 +7,8 @@ run at full bus speed; without a GPU, pinning is skipped (`pin_memory` raises th
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-
-import torch
 
 from kvstore.arena import Arena
 from tiers.slab import SlabTier
@@ -25,13 +24,18 @@ class HostTier(SlabTier):
         if stale:
             log.info("removed %d arena files of dead daemons from %s", stale, shm_dir)
         self.arena = Arena.create(shm_dir, max(capacity_bytes, 0))
-        super().__init__(capacity_bytes, self.arena.tensor)
+        super().__init__(capacity_bytes, self.arena.array)
         self.pinned = self._register_pinned()
 
     def _register_pinned(self) -> bool:
-        if not torch.cuda.is_available() or self.arena.size == 0:
+        # Import torch only where a GPU driver exists: the CPU daemon starts without torch.
+        if self.arena.size == 0 or not os.path.exists("/proc/driver/nvidia"):
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.arena.size, 0)
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(self.buffer.ctypes.data, self.arena.size, 0)
         if int(rc) != 0:
             log.warning("cudaHostRegister of the host arena failed (%s); copies will be pageable",
                         rc)
@@ -40,7 +44,9 @@ class HostTier(SlabTier):
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.ctypes.data)
             self.pinned = False
         self.arena.unlink()
         super().close()

@@ -1,24 +1,33 @@
-"""A memory tier over one flat byte buffer (host shared memory or a device slab)."""
+"""A memory tier over one flat byte buffer: host shared memory (a numpy view of the arena) or a
+device slab (a torch tensor). The daemon's host path never needs torch."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+import numpy as np
 
 from tiers.base import BlockEntry, Tier
 
 
 class SlabTier(Tier):
-    """Blocks as page-aligned runs of one `uint8` tensor; readers copy through `view`."""
+    """Blocks as page-aligned runs of one flat `uint8` buffer (numpy array or torch tensor)."""
 
-    def __init__(self, capacity_bytes: int, buffer: torch.Tensor) -> None:
+    def __init__(self, capacity_bytes: int, buffer: Any) -> None:
         super().__init__(capacity_bytes)
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < self.capacity_bytes:
-            raise ValueError("slab buffer must be a 1-D uint8 tensor of at least the capacity")
+        if len(buffer.shape) != 1 or buffer.shape[0] < self.capacity_bytes or str(
+                buffer.dtype).removeprefix("torch.") != "uint8":
+            raise ValueError("slab buffer must be a 1-D uint8 buffer of at least the capacity")
         self.buffer = buffer
 
-    def view(self, entry: BlockEntry) -> torch.Tensor:
-        """The block's payload bytes (a view: writes land in the tier)."""
+    def view(self, entry: BlockEntry) -> Any:
+        """The block's payload bytes (a view of the buffer: writes land in the tier)."""
         return self.buffer[entry.offset : entry.offset + entry.length]
+
+    def memview(self, entry: BlockEntry) -> memoryview:
+        """The block's bytes as a writable memoryview, for file and socket I/O (host memory)."""
+        v = self.view(entry)
+        return v.data if isinstance(v, np.ndarray) else v.numpy().data
 
     def close(self) -> None:
         self.entries.clear()

@@ -44,15 +44,20 @@ def test_bytes_per_token_follows_dtype(dtype: str, size: int) -> None:
 @pytest.mark.parametrize("given", ["bfloat16", "torch.bfloat16", torch.bfloat16])
 def test_dtype_as_str_or_torch_dtype(given: object) -> None:
     layout = KVLayout(model="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype=given)
-    assert layout.dtype is torch.bfloat16
+    assert layout.torch_dtype is torch.bfloat16
+    assert layout.dtype_name == "bfloat16"
+    assert layout.dtype == given  # kept as given; equality and digest use the name
+    assert hash(layout) == hash(KVLayout(model="m", num_layers=1, num_kv_heads=1, head_dim=8))
     assert layout == KVLayout(model="m", num_layers=1, num_kv_heads=1, head_dim=8)
     assert layout.digest() == KVLayout(model="m", num_layers=1, num_kv_heads=1,
                                        head_dim=8).digest()
 
 
 def test_dtype_name_canonicalises() -> None:
-    for name, dt in DTYPES.items():
+    for name, size in DTYPES.items():
+        dt = getattr(torch, name)
         assert dtype_name(dt) == name
+        assert torch.empty((), dtype=dt).element_size() == size  # the size table is right
         assert dtype_name(name) == name
         assert dtype_name(f"torch.{name}") == name
 
