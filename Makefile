@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo test test-all test-slow lint bench proto clean
+.PHONY: setup demo test test-all test-slow lint bench bench-throughput simulate proto clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,16 @@ lint: setup
 	.venv/bin/ruff check .
 
 bench: setup
+	$(PY) -m benchmarks.ttft
+	$(MAKE) bench-throughput
+
+bench-throughput: setup
 	$(PY) -m benchmarks.tier_throughput
+	$(PY) -m benchmarks.remote_throughput
+	$(PY) -m benchmarks.lookup_scaling
+
+simulate: setup
+	$(PY) -m benchmarks.simulate
 
 proto: setup
 	PATH=.venv/bin:$$PATH kvstore/proto/generate.sh

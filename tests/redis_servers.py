@@ -57,7 +57,7 @@ class RedisServer:
     """One `redis-server` process; `start` again after `kill` reuses its port and directory."""
 
     def __init__(self, directory: Path, port: int | None = None, cluster: bool = False) -> None:
-        self.dir = Path(directory)
+        self.dir = Path(directory).resolve()  # redis-server chdirs into it before opening files
         self.cluster = cluster
         self.port = port or free_port(cluster)
         self.proc: subprocess.Popen[bytes] | None = None

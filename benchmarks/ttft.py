@@ -1,0 +1,135 @@
+"""TTFT cold vs warm from each tier, by prompt length, through transformers + kvstore.
+
+For each prompt length: cold (full prefill, then publish), warm from the host tier, warm from
+the disk tier (after a daemon restart: SIGTERM flushes host blocks to disk), and warm from the
+remote tier (a second daemon, empty, sharing one Redis server with the first: the second
+machine of a fleet) when `redis-server` is installed. Logits are compared with the cold run.
+
+Model: a random-weight Llama with Llama-3-8B's KV shape (32 layers x 8 KV heads x 128 dims)
+and tiny compute, fp32 (this CPU has no fast bf16 matmul), built locally.
+
+    python -m benchmarks.ttft [--lengths 1024,2048,4096] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, llama_8b_kv_shaped, table, write_results
+from client import KVClient
+from client.integrations.hf import CachedPrefill, layout_for_model
+from server.process import DaemonProcess
+
+
+def _redis(data: Path) -> contextlib.AbstractContextManager:
+    try:
+        from tests.redis_servers import RedisServer, available
+    except ImportError:
+        return contextlib.nullcontext(None)
+    if not available():
+        return contextlib.nullcontext(None)
+
+    @contextlib.contextmanager
+    def run():  # type: ignore[no-untyped-def]
+        server = RedisServer(data / "redis").start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    return run()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths (tokens)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--suffix", type=int, default=32, help="tokens after the cached blocks")
+    p.add_argument("--data-dir", default=".data/bench-ttft")
+    p.add_argument("--no-remote", action="store_true")
+    args = p.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    data = Path(args.data_dir)
+    shutil.rmtree(data, ignore_errors=True)
+
+    model = llama_8b_kv_shaped(args.layers, dtype=torch.float32)
+    layout = layout_for_model(model)
+    biggest = max(lengths) * layout.bytes_per_token
+    sizes = ["--host-bytes", str(biggest + (256 << 20)), "--disk-bytes", str(2 * biggest)]
+    rows: list[dict] = []
+    with _redis(data) if not args.no_remote else contextlib.nullcontext(None) as redis:
+        remote = ["--remote", redis.url] if redis else []
+        tiers = ["host", "disk"] + (["remote"] if redis else [])
+        bar = tqdm(total=len(lengths) * (1 + len(tiers)), desc="ttft", unit="run")
+        for n in lengths:
+            prompt = torch.randint(0, model.config.vocab_size, (1, n + args.suffix),
+                                   generator=torch.Generator().manual_seed(n))
+            a = DaemonProcess(data / f"a{n}", *sizes, *remote).start()
+            b = DaemonProcess(data / f"b{n}", *sizes, *remote)
+            try:
+                results = {}
+                with KVClient(a.target, layout, deadline_s=60) as c:
+                    engine = CachedPrefill(model, c)
+                    results["cold"] = engine.prefill(prompt)
+                    bar.update()
+                    results["host"] = engine.prefill(prompt)
+                    bar.update()
+                a.stop()  # SIGTERM: host blocks are flushed to disk (and queued remote writes)
+                a.start()
+                with KVClient(a.target, layout, deadline_s=60) as c:
+                    results["disk"] = CachedPrefill(model, c).prefill(prompt, publish=False)
+                    bar.update()
+                if redis:
+                    b.start()
+                    with KVClient(b.target, layout, deadline_s=60) as c:
+                        results["remote"] = CachedPrefill(model, c).prefill(prompt,
+                                                                            publish=False)
+                        bar.update()
+            finally:
+                a.stop()
+                b.stop()
+            cold = results["cold"]
+            for tier, r in results.items():
+                rows.append({"tokens": n + args.suffix, "run": tier,
+                             "cached": r.cached_tokens, "TTFT s": r.ttft_s,
+                             "speed-up": cold.ttft_s / r.ttft_s,
+                             "max|dlogit|": float((r.logits - cold.logits).abs().max())})
+        bar.close()
+    print(f"\nKV {layout.bytes_per_token // 1024} KiB/token, {args.layers} layers, fp32; "
+          f"each prompt = cached blocks + {args.suffix} new tokens\n")
+    print(table(rows, list(rows[0])))
+    path = write_results("ttft", {"layers": args.layers, "rows": rows})
+    _plot(rows, RESULTS / "ttft.png")
+    print(f"\nresults: {path}")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    for run, color in (("cold", "#999"), ("host", "#2a7"), ("disk", "#27a"),
+                       ("remote", "#a52")):
+        pts = [(r["tokens"], r["TTFT s"]) for r in rows if r["run"] == run]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=run, color=color)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT: recompute vs kvstore tiers (transformers)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
