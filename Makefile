@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo test test-all test-slow lint bench bench-throughput simulate proto clean
+.PHONY: setup demo test test-vllm test-all test-slow lint bench bench-throughput simulate proto clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-vllm:
+	bash scripts/test_vllm.sh
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

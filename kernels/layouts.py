@@ -17,7 +17,11 @@ Layouts, per layer:
   the ``page_size * 2*head_dim`` elements are all K rows, then all V rows.
   vLLM's own CPU attention test views it as ``[num_pages, heads, 2*page_size,
   head_dim]`` and splits dim 2 in halves (K first). So it is
-  ``[num_pages, heads, 2, page_size, head_dim]`` in memory.
+  ``[num_pages, heads, 2, page_size, head_dim]`` in memory. Caveat: vLLM 0.32's
+  ``reshape_and_cache`` for its "vec"/"vec16" ISAs stores K of a (page, head) column-major
+  (``[head_dim, page_size]``; only V is row-major), which this stride model cannot express
+  (``head_dim`` is not contiguous). The vLLM connector therefore copies CPU caches itself
+  (``client/integrations/paged.py``); this layout is exact only where K rows are stored.
 - ``MLA``: ``[num_pages, page_size, latent_dim]`` (one plane, one "head").
 - ``HF``: transformers' per-layer K and V tensors ``[batch, heads, seq, head_dim]``.
   There are no pages: a "page" is one kvstore block of the sequence, so page

@@ -28,7 +28,7 @@ class TokenCounter:
         self.tokens = 0
         model.model.embed_tokens.register_forward_hook(self._hook)
 
-    def _hook(self, module, args, output) -> None:  # noqa: ANN001 - torch hook signature
+    def _hook(self, module, args, output) -> None:
         self.tokens += args[0].numel()
 
 

@@ -1,0 +1,472 @@
+"""`KVStoreConnector`: vLLM's v1 KV connector backed by a kvstore daemon.
+
+Load it with
+
+    KVTransferConfig(kv_connector="KVStoreConnector",
+                     kv_connector_module_path="client.integrations.vllm", kv_role="kv_both",
+                     kv_connector_extra_config={"kvstore.target": "unix:///path/kv.sock"})
+
+Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.block_tokens`
+(a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
+the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
+`kvstore.tenant`.
+
+Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
+`KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
+published through the transformers integration (`client.integrations.hf`) is found here when the
+model and layout agree.
+
+Scheduler side: `get_num_new_matched_tokens` looks the prompt up (never its last token: vLLM
+needs at least one token to compute), `update_state_after_alloc` records what to load and
+`build_connector_meta` hands the worker one `LoadSpec` per request with a hit and one `SaveSpec`
+per request whose prefill completes this step. Worker side: `start_load_kv` fetches and scatters
+synchronously before the forward; `wait_for_save` gathers the prompt's full blocks after it and
+publishes them. A failed or short fetch is reported through `get_block_ids_with_load_errors` and
+vLLM recomputes those blocks: never garbage. A daemon that is down is a lookup miss within the
+client's deadline, so vLLM computes as if there were no connector.
+
+Limits: one KV-cache group of full attention (no MLA, sliding-window or hybrid models), tensor
+and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings
+bypass the store).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from client.cli import DEFAULT_TARGET
+from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, token_pages
+from client.sync import KVClient
+from kernels.layouts import EngineKV, EngineLayout
+from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstore.vllm")
+_MAX_CLIENTS = 16  # one client per (salt, LoRA) namespace; salts are few in practice
+
+
+class ConnectorConfigError(ValueError):
+    """The connector's configuration cannot work with this engine (raised at start)."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, from `kv_connector_extra_config` (`kvstore.*` keys)."""
+
+    target: str = DEFAULT_TARGET
+    """The daemon: `unix:///abs/path/kv.sock` or `host:port` (TCP needs `token`)."""
+    token: str | None = None
+    """Bearer token for a TCP daemon."""
+    block_tokens: int | None = None
+    """Tokens per kvstore block: a multiple of vLLM's block size (default: equal to it)."""
+    model: str | None = None
+    """Model id in the layout (default: vLLM's model path); set it to share blocks with
+    engines that name the model differently."""
+    deadline_s: float = 1.0
+    """Per-call deadline: a daemon slower than this is a miss."""
+    transfer: str = "auto"
+    """`auto`, `shm` or `stream` (see `AsyncKVClient`)."""
+    tenant: str = ""
+    """Tenant in the namespace: blocks of different tenants never mix."""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        known = {f"kvstore.{name}" for name in cls.__dataclass_fields__}
+        unknown = sorted(k for k in extra if k.startswith("kvstore.") and k not in known)
+        if unknown:
+            raise ConnectorConfigError(f"unknown kvstore connector settings {unknown}; "
+                                       f"known: {sorted(known)}")
+        values = {k.removeprefix("kvstore."): v for k, v in extra.items() if k in known}
+        if "block_tokens" in values:
+            values["block_tokens"] = int(values["block_tokens"])
+        if "deadline_s" in values:
+            values["deadline_s"] = float(values["deadline_s"])
+        cfg = cls(**values)
+        # Checked here, at engine start, rather than at the first request's lookup.
+        if cfg.deadline_s <= 0:
+            raise ConnectorConfigError(f"kvstore.deadline_s must be positive, got "
+                                       f"{cfg.deadline_s}")
+        if cfg.transfer not in ("auto", "shm", "stream"):
+            raise ConnectorConfigError(f"kvstore.transfer must be auto, shm or stream, got "
+                                       f"{cfg.transfer!r}")
+        return cfg
+
+
+def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                    cfg: ConnectorConfig) -> KVLayout:
+    """The `KVLayout` of this engine's KV cache, or `ConnectorConfigError` naming what is
+    unsupported. Both roles derive it the same way, so their keys agree."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConnectorConfigError("the kvstore connector supports tensor and pipeline "
+                                   "parallel size 1 only")
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConnectorConfigError("the kvstore connector needs exactly one KV-cache group "
+                                   "(hybrid models are not supported)")
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    # FullAttentionSpec includes MLA's subclass; that latent cache has one plane, not K and V.
+    if (type(spec) is not FullAttentionSpec or spec.sliding_window is not None
+            or spec.attention_chunk_size is not None or spec.head_size_v != spec.head_size):
+        raise ConnectorConfigError(f"the kvstore connector supports plain full attention only, "
+                                   f"got {type(spec).__name__}")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ConnectorConfigError("quantized KV caches are not supported (their scales are not "
+                                   "part of a kvstore block): use kv_cache_dtype='auto'")
+    _check_cpu_isa(vllm_config, spec)
+    vllm_block = vllm_config.cache_config.block_size
+    block_tokens = cfg.block_tokens or vllm_block
+    if block_tokens < vllm_block or block_tokens % vllm_block:
+        raise ConnectorConfigError(f"kvstore.block_tokens={block_tokens} must be a multiple of "
+                                   f"vLLM's block size {vllm_block}")
+    model_config = vllm_config.model_config
+    return KVLayout(model=cfg.model or model_config.model,
+                    model_revision=model_config.revision or "",
+                    num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_size, dtype=spec.dtype, block_tokens=block_tokens)
+
+
+def _check_cpu_isa(vllm_config: VllmConfig, spec: FullAttentionSpec) -> None:
+    """Refuse at start, in the scheduler too, a CPU attention ISA whose cache layout
+    `PagedCache.vllm_cpu` does not decode (the worker checks the layers' own ISA again)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:  # private in vLLM: where it moves, the worker's check still holds
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return
+    # The cache dtype is "auto" (checked before), so the spec's dtype is the model's, which is
+    # what vLLM's CPU attention picks its ISA by.
+    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
+                        vllm_config.cache_config.cache_dtype)
+    if isa not in VLLM_CPU_ISAS:
+        raise ConnectorConfigError(f"vLLM's CPU attention would use ISA {isa!r}, whose packed "
+                                   f"cache layout the kvstore connector does not decode "
+                                   f"(supported: {sorted(VLLM_CPU_ISAS)})")
+
+
+# ---- what the scheduler tells the workers (pickled across processes: plain fields only)
+@dataclass
+class LoadSpec:
+    """Load tokens `[start, end)` of `tokens` (the prompt's first `end` tokens) into
+    `block_ids` (the request's vLLM blocks from its first token)."""
+
+    req_id: str
+    tokens: list[int]
+    salt: str
+    lora: str
+    block_ids: list[int]
+    start: int
+
+    @property
+    def end(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class SaveSpec:
+    """Publish the full kvstore blocks of `tokens`, which sit in `block_ids`."""
+
+    req_id: str
+    tokens: list[int]
+    salt: str
+    lora: str
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request the connector follows."""
+
+    tokens: list[int]
+    salt: str
+    lora: str
+    save_end: int  # tokens in the prompt's full kvstore blocks
+    hit_end: int  # tokens kvstore held at lookup
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None  # [start, end) to load in the next step
+
+
+def _namespace_of(request: Request) -> tuple[str, str] | None:
+    """`(salt, lora)` of a request the store can serve, or None when keys over its prompt
+    tokens would not identify its KV (multimodal inputs, prompt embeddings)."""
+    if request.prompt_token_ids is None or request.mm_features \
+            or request.prompt_embeds is not None:
+        return None
+    lora = request.lora_request
+    return request.cache_salt or "", f"{lora.lora_name}@{lora.lora_path}" if lora else ""
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM v1 connector over a kvstore daemon; see the module docstring."""
+
+    # Hits come from the daemon's host arena or its disk tier: attribute them to host memory.
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._cfg = ConnectorConfig.from_extra(
+            dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self._layout = layout_for_vllm(vllm_config, kv_cache_config, self._cfg)
+        self._block_size = vllm_config.cache_config.block_size
+        self._clients: dict[tuple[str, str], KVClient] = {}
+        # scheduler side
+        self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
+        self._requests: dict[str, _Request] = {}
+        # worker side
+        self._cache: PagedCache | None = None
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self.loaded_tokens = 0
+        self.saved_tokens = 0
+        if role == KVConnectorRole.SCHEDULER:
+            # A cache miss is never an error: a block that fails to load is recomputed. vLLM's
+            # default policy ("fail") would fail the request instead. The scheduler reads the
+            # policy right after building its connector, from this same config object.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        log.info("kvstore connector (%s) on %s, layout %s", role.name, self._cfg.target,
+                 self._layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is a future miss, not a lost hand-off: never hold requests for it."""
+        return False
+
+    def _client(self, salt: str, lora: str) -> KVClient:
+        """The client of one namespace, created on first use in this process (workers are
+        spawned: a client made before would not survive)."""
+        key = (salt, lora)
+        client = self._clients.get(key)
+        if client is None:
+            if len(self._clients) >= _MAX_CLIENTS:  # close the oldest
+                self._clients.pop(next(iter(self._clients))).close()
+            client = KVClient(self._cfg.target, self._layout, salt=salt, lora=lora,
+                              tenant=self._cfg.tenant, token=self._cfg.token,
+                              deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
+            self._clients[key] = client
+        return client
+
+    # ==== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        ns = _namespace_of(request)
+        tokens = request.prompt_token_ids
+        if ns is None or tokens is None or len(tokens) < 2:
+            return 0, False
+        try:
+            # Never the last prompt token: vLLM must compute at least one token for its logits.
+            hit = self._client(*ns).lookup(tokens[: len(tokens) - 1])
+        except Exception:  # the client misses on daemon trouble; anything else: still a miss
+            log.exception("kvstore lookup failed for request %s", request.request_id)
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, hit)
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        local, hit = self._matched.pop(request.request_id, (0, 0))
+        ns = _namespace_of(request)
+        if ns is None or request.prompt_token_ids is None:
+            return
+        tokens = list(request.prompt_token_ids)
+        block_tokens = self._layout.block_tokens
+        state = _Request(tokens=tokens, salt=ns[0], lora=ns[1],
+                         save_end=len(tokens) // block_tokens * block_tokens, hit_end=hit,
+                         block_ids=list(blocks.get_block_ids()[0]))
+        if num_external_tokens > 0:
+            # vLLM counts external tokens from the block-aligned local hit it passed us.
+            state.load = (local, local + num_external_tokens)
+        self._requests[request.request_id] = state
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(new.req_id, state, new.num_computed_tokens, scheduled[new.req_id],
+                           meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: the full list, anew
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            self._plan(req_id, state, cached.num_computed_tokens[i], scheduled[req_id], meta)
+        return meta
+
+    def _plan(self, req_id: str, state: _Request, computed: int, num_scheduled: int,
+              meta: KVStoreConnectorMetadata) -> None:
+        if state.load is not None:
+            start, end = state.load
+            meta.loads.append(LoadSpec(req_id, state.tokens[:end], state.salt, state.lora,
+                                       list(state.block_ids), start))
+            state.load = None
+        # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
+        # prompt over steps; a request recomputed after a failed load completes them again).
+        if state.save_end > state.hit_end and computed < state.save_end \
+                <= computed + num_scheduled:
+            meta.saves.append(SaveSpec(req_id, state.tokens[: state.save_end], state.salt,
+                                       state.lora, list(state.block_ids)))
+
+    def request_finished(self, request: Request, block_ids: list[int],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    # ==== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's cache tensors; raises `ConnectorConfigError` (at engine start) when they
+        are not what the layout says or not in a layout this connector decodes."""
+        # Order layers by their index in the model, which is kvstore's layer axis.
+        def index(name: str) -> int:
+            found = re.findall(r"\.(\d+)\.", f".{name}.")
+            return int(found[0]) if found else -1
+
+        names = sorted(kv_caches, key=index)
+        tensors = [kv_caches[name] for name in names]
+        first = tensors[0]
+        if first.device.type == "cpu":
+            layers = self._vllm_config.compilation_config.static_forward_context
+            isas = {getattr(layers.get(name), "isa", None) for name in names}
+            if len(isas) != 1:
+                raise ConnectorConfigError(f"attention layers disagree on their ISA: {isas}")
+            try:
+                cache = PagedCache.vllm_cpu(tensors, str(isas.pop()))
+            except ValueError as e:
+                raise ConnectorConfigError(str(e)) from e
+        elif first.dim() == 5 and first.shape[0] == 2:
+            # vLLM's CUDA layouts: an NHD-shaped view even when HND is allocated underneath.
+            cache = PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, tensors))
+        else:
+            raise ConnectorConfigError(f"unknown KV-cache layout {tuple(first.shape)}")
+        lay = self._layout
+        got = (cache.num_layers, cache.heads, cache.head_dim, cache.dtype)
+        want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+        if got != want:
+            raise ConnectorConfigError(f"KV cache (layers, heads, head_dim, dtype) {got} does "
+                                       f"not match the layout {want}")
+        if self._block_size % cache.page_size:
+            raise ConnectorConfigError(f"cache page size {cache.page_size} does not divide "
+                                       f"vLLM's block size {self._block_size}")
+        self._cache = cache
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._failed_reqs.clear()
+        for spec in self._metadata().loads:
+            try:
+                loaded = self._load(spec)
+            except Exception:  # a cache must never take the engine down: recompute instead
+                log.exception("kvstore load failed for request %s", spec.req_id)
+                loaded = spec.start
+            if loaded < spec.end:
+                self._failed_reqs.add(spec.req_id)
+                # The whole scheduler blocks from the first token not loaded: vLLM recomputes
+                # from the first of them.
+                first = loaded // self._block_size
+                last = -(-spec.end // self._block_size)
+                self._load_errors.update(spec.block_ids[first:last])
+                log.warning("kvstore: request %s loaded %d of %d claimed tokens; vLLM "
+                            "recomputes the rest", spec.req_id, max(0, loaded - spec.start),
+                            spec.end - spec.start)
+            else:
+                self.loaded_tokens += spec.end - spec.start
+                log.info("kvstore: request %s loaded tokens [%d, %d)", spec.req_id, spec.start,
+                         spec.end)
+
+    def _metadata(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if meta is None:
+            return KVStoreConnectorMetadata()
+        if not isinstance(meta, KVStoreConnectorMetadata):
+            raise TypeError(f"expected KVStoreConnectorMetadata, got {type(meta).__name__}")
+        return meta
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Fetch and scatter; returns the end of the tokens now in vLLM's cache."""
+        if self._cache is None:
+            return spec.start
+        n, kv = self._client(spec.salt, spec.lora).fetch(spec.tokens)
+        # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
+        # keep what arrived, whole vLLM blocks only, and report the rest.
+        end = min(n, spec.end) // self._block_size * self._block_size
+        if kv is None or end <= spec.start:
+            return spec.start
+        pages = token_pages(spec.block_ids, self._block_size, self._cache.page_size,
+                            spec.start, end)
+        self._cache.scatter(kv, pages, spec.start)
+        return end
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are synchronous (done in `start_load_kv`): nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Blocks are saved whole, all layers at once, in `wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        if self._cache is None:
+            return
+        for spec in self._metadata().saves:
+            if spec.req_id in self._failed_reqs:
+                # This step's KV attended to blocks that failed to load: never publish it.
+                continue
+            try:
+                pages = token_pages(spec.block_ids, self._block_size, self._cache.page_size,
+                                    0, len(spec.tokens))
+                kv = self._cache.gather(pages)
+                stored = self._client(spec.salt, spec.lora).publish(spec.tokens, kv)
+            except Exception:
+                log.exception("kvstore save failed for request %s", spec.req_id)
+                continue
+            self.saved_tokens += stored
+            log.debug("kvstore: request %s published; %d prompt tokens cached", spec.req_id,
+                      stored)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+
+__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
+           "LoadSpec", "SaveSpec", "layout_for_vllm"]

@@ -1,0 +1,86 @@
+"""Page arithmetic and paged-cache copies of the vLLM connector, without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.integrations.paged import PagedCache, token_pages
+from kernels.layouts import EngineKV, EngineLayout
+
+LAYERS, HEADS, DIM, PAGE, PAGES = 2, 2, 8, 4, 6
+
+
+def test_token_pages_maps_blocks_to_kernel_pages() -> None:
+    # Scheduler blocks of 8 tokens, each split into two cache pages of 4.
+    assert token_pages([5, 2, 7], 8, 4, 0, 24) == [10, 11, 4, 5, 14, 15]
+    assert token_pages([5, 2, 7], 8, 4, 8, 20) == [4, 5, 14]
+    assert token_pages([5, 2, 7], 8, 8, 8, 24) == [2, 7]
+    assert token_pages([5], 8, 8, 8, 8) == []
+
+
+@pytest.mark.parametrize(("block", "page", "start", "end"),
+                         [(8, 3, 0, 8), (8, 4, 2, 8), (8, 4, 0, 6), (8, 4, 0, 16)])
+def test_token_pages_rejects_misaligned_or_out_of_range(block, page, start, end) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - the messages differ per case
+        token_pages([1], block, page, start, end)
+
+
+def vllm_vec_cache(kv: torch.Tensor, pages: list[int]) -> list[torch.Tensor]:
+    """A vLLM CPU cache written the way vLLM's "vec" ISA writes it (`reshape_and_cache` in
+    csrc/cpu/cpu_attn_vec.hpp, transcribed index for index): K column-major, V row-major."""
+    layers = []
+    for layer in range(kv.shape[0]):
+        flat = torch.zeros(PAGES * HEADS * PAGE * 2 * DIM)
+        block_stride, head_stride = HEADS * 2 * PAGE * DIM, 2 * PAGE * DIM
+        value_base = PAGE * DIM  # value_cache = the second half of the (page, head) rows
+        for token in range(kv.shape[2]):
+            block, offset = pages[token // PAGE], token % PAGE
+            for head in range(HEADS):
+                base = block * block_stride + head * head_stride
+                for i in range(DIM):
+                    flat[base + offset + i * PAGE] = kv[layer, 0, token, head, i]
+                    flat[base + value_base + offset * DIM + i] = kv[layer, 1, token, head, i]
+        layers.append(flat.view(PAGES, HEADS, PAGE, 2 * DIM))
+    return layers
+
+
+def prompt_kv(tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((LAYERS, 2, tokens, HEADS, DIM), generator=g)
+
+
+def test_vllm_cpu_gather_reads_what_vllm_wrote() -> None:
+    kv = prompt_kv(3 * PAGE)
+    pages = [4, 1, 3]
+    cache = PagedCache.vllm_cpu(vllm_vec_cache(kv, pages), "vec")
+    assert torch.equal(cache.gather(pages), kv)
+    assert torch.equal(cache.gather(pages[1:]), kv[:, :, PAGE:])
+
+
+def test_vllm_cpu_scatter_writes_what_vllm_would_and_nothing_else() -> None:
+    kv = prompt_kv(3 * PAGE)
+    pages = [4, 1, 3]
+    want = vllm_vec_cache(kv, pages)
+    layers = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(layers, "vec")
+    cache.scatter(kv, pages[1:], first_token=PAGE)  # page 4 holds tokens computed locally
+    for got, ref in zip(layers, want, strict=True):
+        assert torch.equal(got[[1, 3]], ref[[1, 3]])
+        assert bool((got[[0, 2, 4, 5]] == 7.0).all())  # untouched, the local page included
+
+
+def test_vllm_cpu_refuses_packed_isas() -> None:
+    with pytest.raises(ValueError, match="amx"):
+        PagedCache.vllm_cpu([torch.zeros(PAGES, HEADS, PAGE, 2 * DIM)], "amx")
+
+
+def test_kernel_layouts_round_trip() -> None:
+    # vLLM's CUDA flash-attention layout, copied by the kernels' CPU twin here.
+    layers = [torch.zeros(2, PAGES, PAGE, HEADS, DIM) for _ in range(LAYERS)]
+    cache = PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, layers))
+    kv = prompt_kv(2 * PAGE, seed=1)
+    cache.scatter(kv, [5, 0], first_token=0)
+    assert torch.equal(layers[1][0, 5], kv[1, 0, :PAGE])
+    assert torch.equal(layers[0][1, 0], kv[0, 1, PAGE:])
+    assert torch.equal(cache.gather([5, 0]), kv)
