@@ -48,3 +48,32 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def figure(width: float = 6.5, height: float = 3.2) -> tuple[Any, Any]:
+    """A matplotlib figure and axes on the file-only Agg backend (no display here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def barh(path: Path, labels: list[str], values: list[float], notes: list[str], colors: list[str],
+         xlabel: str, title: str, width: float = 6.5) -> None:
+    """A horizontal bar per row, annotated, largest value given 35% headroom for its note."""
+    fig, ax = figure(width)
+    ax.barh(labels, values, color=colors)
+    for i, (v, note) in enumerate(zip(values, notes, strict=True)):
+        ax.text(v, i, f" {note}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.set_xlim(0, max(values) * 1.35)
+    save(fig, path)

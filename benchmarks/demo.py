@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, llama_8b_kv_shaped, table, write_results
+from benchmarks.common import RESULTS, barh, llama_8b_kv_shaped, table, write_results
 from client import KVClient
 from client.integrations.hf import CachedPrefill, layout_for_model
 from server.process import DaemonProcess
@@ -97,22 +97,9 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    labels = [r["run"] for r in rows]
-    ax.barh(labels, [r["TTFT s"] for r in rows], color=["#999", "#2a7", "#27a"])
-    for i, r in enumerate(rows):
-        ax.text(r["TTFT s"], i, f" {r['TTFT s']:.2f}s ({r['speed-up']:.1f}x)", va="center")
-    ax.invert_yaxis()
-    ax.set_xlabel("time to first token (s)")
-    ax.set_title("kvstore: TTFT with a cached prefix")
-    ax.set_xlim(0, max(r["TTFT s"] for r in rows) * 1.35)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    barh(path, [r["run"] for r in rows], [r["TTFT s"] for r in rows],
+         [f"{r['TTFT s']:.2f}s ({r['speed-up']:.1f}x)" for r in rows], ["#999", "#2a7", "#27a"],
+         "time to first token (s)", "kvstore: TTFT with a cached prefix", width=6)
 
 
 if __name__ == "__main__":

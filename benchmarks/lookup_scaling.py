@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, table, write_results
+from benchmarks.common import RESULTS, figure, save, table, write_results
 from client import KVClient
 from kvstore import KVLayout
 from server.process import DaemonProcess
@@ -133,12 +133,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = figure()
     xs = [r["clients"] for r in rows]
     ax.plot(xs, [r["aggregate GB/s"] for r in rows], marker="o", color="#27a")
     ax.set_xlabel("concurrent clients")
@@ -148,8 +143,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax2.set_ylabel("p99 fetch latency (ms)", color="#c52")
     ax.set_xscale("log", base=2)
     ax.set_title("host-tier fetch scaling (256 MiB prompt)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 if __name__ == "__main__":

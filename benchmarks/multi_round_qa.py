@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, llama_8b_kv_shaped, table, write_results
+from benchmarks.common import RESULTS, figure, llama_8b_kv_shaped, save, table, write_results
 from client import KVClient
 from client.integrations.hf import CachedPrefill, layout_for_model
 from server.process import DaemonProcess
@@ -100,20 +100,14 @@ def main() -> None:
 
 
 def _plot(base: list[float], kv: list[float], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    fig, ax = figure()
     ax.plot(base, marker=".", color="#999", label="recompute")
     ax.plot(kv, marker=".", color="#27a", label="kvstore")
     ax.set_xlabel("request (round-robin over users, rounds in order)")
     ax.set_ylabel("TTFT (s)")
     ax.set_title("multi-round QA: TTFT per request")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 if __name__ == "__main__":

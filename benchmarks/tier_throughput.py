@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, table, write_results
+from benchmarks.common import RESULTS, barh, table, write_results
 from client import KVClient
 from kvstore import KVLayout
 from server.process import DaemonProcess
@@ -155,22 +155,10 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    colors = ["#999" if "limit" in r["path"] else "#27a" for r in rows]
-    ax.barh([r["path"] for r in rows], [r["GB/s"] for r in rows], color=colors)
-    for i, r in enumerate(rows):
-        ax.text(r["GB/s"], i, f" {r['GB/s']:.2f} ({r['ratio']:.2f}x)", va="center")
-    ax.invert_yaxis()
-    ax.set_xlabel("GB/s (median)")
-    ax.set_title("kvstore tier throughput vs the machine's limits (same run)")
-    ax.set_xlim(0, max(r["GB/s"] for r in rows) * 1.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    barh(path, [r["path"] for r in rows], [r["GB/s"] for r in rows],
+         [f"{r['GB/s']:.2f} ({r['ratio']:.2f}x)" for r in rows],
+         ["#999" if "limit" in r["path"] else "#27a" for r in rows], "GB/s (median)",
+         "kvstore tier throughput vs the machine's limits (same run)", width=7)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, llama_8b_kv_shaped, table, write_results
+from benchmarks.common import RESULTS, figure, llama_8b_kv_shaped, save, table, write_results
 from client import KVClient
 from client.integrations.hf import CachedPrefill, layout_for_model
 from server.process import DaemonProcess
@@ -110,12 +110,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    fig, ax = figure()
     for run, color in (("cold", "#999"), ("host", "#2a7"), ("disk", "#27a"),
                        ("remote", "#a52")):
         pts = [(r["tokens"], r["TTFT s"]) for r in rows if r["run"] == run]
@@ -127,8 +122,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("TTFT (s)")
     ax.set_title("TTFT: recompute vs kvstore tiers (transformers)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 if __name__ == "__main__":
