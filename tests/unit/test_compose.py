@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -33,3 +35,32 @@ def test_daemon_command_in_compose_parses_natively():
     assert args.socket == "/run/kvstore/kv.sock"
     demo = services["demo"]["command"]
     assert demo[:3] == ["python", "-m", "benchmarks.demo"]
+
+
+def test_every_service_command_exists_natively():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("bench", "model-init"):
+        cmd = services[name]["command"]
+        assert cmd[:2] == ["python", "-m"], name
+        module = ROOT / (cmd[2].replace(".", "/") + ".py")
+        assert module.exists(), f"{name}: {module} missing"
+    vllm = services["vllm"]["command"]
+    flag = next(a for a in vllm if a.startswith("--kv-transfer-config="))
+    cfg = json.loads(flag.split("=", 1)[1])
+    assert cfg["kv_connector"] == "KVStoreConnector"
+    assert (ROOT / (cfg["kv_connector_module_path"].replace(".", "/") + ".py")).exists()
+
+
+def test_monitoring_scrapes_the_daemon_and_charts_exported_metrics():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    port = next(a for a in services["kvstore"]["command"] if a.startswith("--metrics-port="))
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = prom["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == [f"kvstore:{port.split('=')[1]}"]
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/kvstore.json").read_text())
+    used = {m for p in dashboard["panels"] for t in p["targets"]
+            for m in re.findall(r"kvstore_[a-z_]+", t["expr"])}
+    documented = (ROOT / "docs/OPERATIONS.md").read_text()
+    for metric in used:
+        base = re.sub(r"_(bucket|total)$", "", metric)
+        assert base in documented, f"dashboard uses {metric}, not in OPERATIONS.md"
