@@ -33,7 +33,7 @@ def test_daemon_command_in_compose_parses_natively():
     assert cmd[0] == "kvstore-server"
     args = build_parser().parse_args(cmd[1:])  # raises SystemExit on an unknown flag
     assert args.socket == "/run/kvstore/kv.sock"
-    demo = services["demo"]["command"]
+    demo = services["bench"]["command"]
     assert demo[:3] == ["python", "-m", "benchmarks.demo"]
 
 
