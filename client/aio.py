@@ -12,9 +12,12 @@ shape or dtype, non-integer tokens) raises `InvalidArgumentError` naming what is
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -30,8 +33,14 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
+R = TypeVar("R")
 Tokens = Sequence[int] | torch.Tensor | np.ndarray
+BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], None]
+"""`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`)."""
 STREAM_CHUNK = 4 << 20
+# A copy between the arena and a caller's tensor stops between pieces this large when its call
+# is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
+COPY_PIECE_BYTES = 64 << 20
 # Statuses that mean "the daemon can't serve this now": a miss, and back off.
 _OUTAGE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -84,6 +93,7 @@ class AsyncKVClient:
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
         self._arena_id = ""
+        self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
 
     # ---- public API
     def keys(self, tokens: Tokens) -> list[bytes]:
@@ -130,6 +140,49 @@ class AsyncKVClient:
         stored = await self._guard(lambda: self._publish(keys, kv), 0, publish=True)
         return stored * self.layout.block_tokens
 
+    async def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
+                         ) -> int:
+        """Fetch the longest cached prefix of `tokens` and hand its blocks to `consume`, which
+        copies them where the caller wants them: one copy, no tensor allocated here.
+
+        `consume(blocks, views, stop)` runs in a worker thread with the prompt indices of some
+        blocks (ascending, from `skip_blocks` on) and a view of each, `[layers, kv,
+        block_tokens, heads, head_dim]` in the layout's dtype. Over a Unix socket the views are
+        the daemon's shared memory, pinned by a lease for the call only: copy out of them and
+        keep no reference. Over TCP they are views of a buffer received here. `consume` is
+        called once per round of the fetch (more than once when the daemon serves a long prompt
+        in parts); once `stop` is set (the call's deadline passed) it should return soon: the
+        call is then a miss.
+
+        Returns the end, in prompt tokens, of the prefix whose blocks reached `consume` intact
+        (a multiple of block_tokens; 0 on a miss). Blocks handed over past it (the daemon
+        dropped the lease during the copy, so they may have been overwritten meanwhile) must be
+        discarded by the caller.
+        """
+        keys = self.keys(tokens)
+        if skip_blocks < 0:
+            raise InvalidArgumentError(f"skip_blocks must be >= 0, got {skip_blocks}")
+        if skip_blocks >= len(keys):
+            return 0
+        blocks = await self._guard(lambda: self._fetch_with(keys, consume, skip_blocks), 0)
+        return blocks * self.layout.block_tokens
+
+    async def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:
+        """Store the full blocks of `tokens`, written by `produce` straight into the daemon's
+        shared memory (one copy, no staging tensor). Returns the prompt tokens now cached.
+
+        `produce(blocks, views, stop)` runs in a worker thread with the prompt indices of the
+        blocks the daemon lacks and a writable view of each, `[layers, kv, block_tokens, heads,
+        head_dim]`: it fills every view. Blocks already stored are not asked for (over TCP,
+        every block is: the views are then a local buffer, streamed afterwards). As with
+        `fetch_with`, `stop` is set when the deadline passes; nothing is committed then.
+        """
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        stored = await self._guard(lambda: self._publish_with(keys, produce), 0, publish=True)
+        return stored * self.layout.block_tokens
+
     async def stats(self) -> pb.StatsReply | None:
         return await self._guard(lambda: self._unary("Stats", pb.StatsRequest()), None)
 
@@ -143,6 +196,11 @@ class AsyncKVClient:
         return await self._guard(lambda: self._info(), None) is not None
 
     async def close(self) -> None:
+        if self._background:  # give abandoned leases a moment to go back (they expire anyway)
+            _, pending = await asyncio.wait(self._background, timeout=min(self.deadline_s, 0.5))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -220,6 +278,63 @@ class AsyncKVClient:
         self._arena_id = arena_id
         return self._arena
 
+    async def _copy(self, fn: Callable[..., None], *args: object) -> None:
+        """Run a copy between the arena and a tensor in a worker thread, cancellably.
+
+        A cancelled call (its deadline) stops the copy at the next piece and waits for the
+        thread before unwinding: right after, the lease ends and its arena slots can be handed
+        to another caller, and the caller may reuse its tensor. A copy left running would read
+        another block into a result already reported as a miss, or write a dead reservation's
+        bytes over someone else's block.
+        """
+        stop = threading.Event()
+        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, stop))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            stop.set()
+            await asyncio.wait([fut])
+            raise
+
+    async def _leased(self, call: Awaitable[R], lease_of: Callable[[R], int]) -> R:
+        """Await a reply that hands this client a lease. If the caller is cancelled first, the
+        call still completes in the background and the lease it brings is released: the
+        daemon has often granted it already, and would otherwise hold its blocks until
+        `lease_timeout_s`. (The call's own deadline bounds the background part.)"""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def orphaned(t: asyncio.Future[R]) -> None:
+                if not t.cancelled() and t.exception() is None and (lease := lease_of(t.result())):
+                    self._release_later(lease)
+
+            task.add_done_callback(orphaned)
+            self._keep(task)
+            raise
+
+    def _release_later(self, lease_id: int) -> None:
+        """Release a lease of a call that failed or was cancelled, without waiting for the
+        daemon (which may be the reason it failed); an unreleased lease expires anyway."""
+
+        async def release() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                # Nobody waits on it, so it may take longer than a call's deadline.
+                await self._stub_().Release(pb.ReleaseRequest(lease_id=lease_id),
+                                            timeout=max(self.deadline_s, 1.0),
+                                            metadata=self._metadata)
+
+        self._keep(asyncio.get_running_loop().create_task(release()))
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        """Hold a background task until it ends (`close` waits a moment for them)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _piece_blocks(self) -> int:
+        """Blocks per piece of a cancellable copy."""
+        return max(1, COPY_PIECE_BYTES // self.layout.block_bytes)
+
     def _runs(self, arena: Arena, blocks: list[int], refs: list[pb.BlockRef],
               ) -> list[tuple[torch.Tensor, int]]:
         """Pair arena views with prompt positions, merging blocks that are adjacent both in
@@ -275,7 +390,8 @@ class AsyncKVClient:
                               transfer=pb.TRANSFER_SHM if shm else pb.TRANSFER_STREAM)
         call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
-        head = await anext(stream)
+        head = (await self._leased(anext(stream), lambda h: h.lease_id) if shm
+                else await anext(stream))  # a stream's lease ends with the stream
         n = head.hits
         if n == 0:
             return 0, False, out
@@ -284,22 +400,38 @@ class AsyncKVClient:
             out = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
                               dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
         if shm:
+            released = False
             try:
                 arena = await self._arena_for(head.arena_id)
                 if arena is None:
                     return 0, False, out
-                await asyncio.to_thread(self._copy_out, arena, list(head.blocks), out, start)
+                await self._copy(self._copy_out, arena, list(head.blocks), out, start)
+                reply: pb.ReleaseReply = await self._unary(
+                    "Release", pb.ReleaseRequest(lease_id=head.lease_id))
+                released = True
             finally:
-                await self._unary("Release", pb.ReleaseRequest(lease_id=head.lease_id))
+                if not released:
+                    self._release_later(head.lease_id)
+            if not reply.released:
+                # The lease expired (or the daemon restarted) before the copy ended: its
+                # blocks were unpinned meanwhile and may have been overwritten. A miss.
+                log.warning("fetch lease %d ended before the copy finished; a miss",
+                            head.lease_id)
+                return 0, False, out
         else:
             await self._receive(stream, n, out, start)
         return n, head.more, out
 
     def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
-                  start: int) -> None:
+                  start: int, stop: threading.Event) -> None:
         blocks = list(range(start, start + len(refs)))
         for view, first in self._runs(arena, blocks, refs):
-            self._prompt_view(out, first, view.shape[2]).copy_(view)
+            step = self._piece_blocks()
+            for j in range(0, view.shape[2], step):
+                if stop.is_set():
+                    return
+                part = view[:, :, j : j + step]
+                self._prompt_view(out, first + j, part.shape[2]).copy_(part)
 
     async def _receive(self, stream: AsyncIterator[pb.FetchChunk], n: int,
                        out: torch.Tensor, start: int) -> None:
@@ -333,27 +465,34 @@ class AsyncKVClient:
     async def _publish_some(self, keys: list[bytes], start: int, kv: torch.Tensor,
                             ) -> tuple[int, bool]:
         """Reserve, write and commit from block `start` on; returns (blocks covered, more)."""
-        reply: pb.ReserveReply = await self._unary(
+        reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:]))
+                                         keys=keys[start:])), lambda r: r.lease_id)
+        if not reply.lease_id:  # nothing to write: every block is stored or being written
+            return len(reply.needed), reply.more
         committed = False
         try:
             arena = await self._arena_for(reply.arena_id)
             if arena is None:
                 return 0, False
             todo = [start + i for i, needed in enumerate(reply.needed) if needed]
-            await asyncio.to_thread(self._copy_in, arena, todo, list(reply.blocks), kv)
+            await self._copy(self._copy_in, arena, todo, list(reply.blocks), kv)
             await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
             committed = True
         finally:
-            if not committed and reply.blocks:
-                await self._unary("Release", pb.ReleaseRequest(lease_id=reply.lease_id))
+            if not committed:
+                self._release_later(reply.lease_id)
         return len(reply.needed), reply.more
 
     def _copy_in(self, arena: Arena, todo: list[int], refs: list[pb.BlockRef],
-                 kv: torch.Tensor) -> None:
+                 kv: torch.Tensor, stop: threading.Event) -> None:
         for view, first in self._runs(arena, todo, refs):
-            view.copy_(self._prompt_view(kv, first, view.shape[2]))
+            step = self._piece_blocks()
+            for j in range(0, view.shape[2], step):
+                if stop.is_set():
+                    return
+                part = view[:, :, j : j + step]
+                part.copy_(self._prompt_view(kv, first + j, part.shape[2]))
 
     async def _publish_stream(self, keys: list[bytes], kv: torch.Tensor) -> int:
         have = (await self._lookup(keys)).hits
@@ -373,6 +512,107 @@ class AsyncKVClient:
         reply: pb.PublishReply = await self._stub_().Publish(
             messages(), timeout=self.deadline_s, metadata=self._metadata)
         return have + reply.present + reply.stored
+
+    # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
+    def _block_view(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
+        """One block of the arena as `[layers, kv, block_tokens, heads, head_dim]`."""
+        raw = arena.tensor[ref.offset : ref.offset + ref.length]
+        return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)  # type: ignore[arg-type]
+
+    async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int) -> int:
+        """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it, 0 on a miss)."""
+        if self.transfer == "stream":
+            return await self._fetch_with_stream(keys, consume, skip)
+        done = skip
+        while done < len(keys):
+            n, more = await self._fetch_with_some(keys, done, consume)
+            done += n
+            if not more or n == 0:
+                break
+        return done if done > skip else 0
+
+    async def _fetch_with_some(self, keys: list[bytes], start: int, consume: BlockCopy,
+                               ) -> tuple[int, bool]:
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
+                              transfer=pb.TRANSFER_SHM)
+        call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
+        head: pb.FetchChunk = await anext(call.__aiter__())
+        n = head.hits
+        if n == 0:
+            return 0, False
+        released = False
+        try:
+            arena = await self._arena_for(head.arena_id)
+            if arena is None:
+                return 0, False
+            views = [self._block_view(arena, ref) for ref in head.blocks]
+            await self._copy(consume, list(range(start, start + n)), views)
+            del views
+            reply: pb.ReleaseReply = await self._unary(
+                "Release", pb.ReleaseRequest(lease_id=head.lease_id))
+            released = True
+        finally:
+            if not released:
+                self._release_later(head.lease_id)
+        if not reply.released:
+            # The lease ended before the copy did: those blocks may have been overwritten.
+            log.warning("fetch lease %d ended before the copy finished; a miss", head.lease_id)
+            return 0, False
+        return n, head.more
+
+    async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,
+                                 ) -> int:
+        out: torch.Tensor | None = None
+        done = skip
+        while done < len(keys):
+            n, more, out = await self._fetch_some(keys, done, out)
+            done += n
+            if not more or n == 0:
+                break
+        if done == skip or out is None:
+            return 0
+        blocks = list(range(skip, done))
+        await self._copy(consume, blocks,
+                         [self._prompt_view(out, i, 1)[:, :, 0] for i in blocks])
+        return done
+
+    async def _publish_with(self, keys: list[bytes], produce: BlockCopy) -> int:
+        if self.transfer == "stream":
+            kv = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
+                             dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
+            blocks = list(range(len(keys)))
+            await self._copy(produce, blocks,
+                             [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks])
+            return await self._publish_stream(keys, kv)
+        done = 0
+        while done < len(keys):
+            n, more = await self._publish_with_some(keys, done, produce)
+            done += n
+            if not more or n == 0:
+                break
+        return done
+
+    async def _publish_with_some(self, keys: list[bytes], start: int, produce: BlockCopy,
+                                 ) -> tuple[int, bool]:
+        reply: pb.ReserveReply = await self._unary(
+            "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
+                                         keys=keys[start:]))
+        committed = False
+        try:
+            arena = await self._arena_for(reply.arena_id)
+            if arena is None:
+                return 0, False
+            todo = [start + i for i, needed in enumerate(reply.needed) if needed]
+            if todo:
+                views = [self._block_view(arena, ref) for ref in reply.blocks]
+                await self._copy(produce, todo, views)
+                del views
+            await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
+            committed = True
+        finally:
+            if not committed and reply.blocks:
+                self._release_later(reply.lease_id)
+        return len(reply.needed), reply.more
 
 
 def _count(tokens: Tokens) -> int:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from client.aio import AsyncKVClient, Tokens
+from client.aio import AsyncKVClient, BlockCopy, Tokens
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -64,6 +64,16 @@ class KVClient:
 
     def publish(self, tokens: Tokens, kv: torch.Tensor) -> int:
         return self._run(self._aio.publish(tokens, kv), 0)
+
+    def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0) -> int:
+        """See `AsyncKVClient.fetch_with`: `consume(blocks, views, stop)` copies the cached
+        prefix's blocks out of the daemon's memory; returns the end of the intact prefix."""
+        return self._run(self._aio.fetch_with(tokens, consume, skip_blocks=skip_blocks), 0)
+
+    def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:
+        """See `AsyncKVClient.publish_with`: `produce(blocks, views, stop)` writes the blocks
+        the daemon lacks straight into its memory; returns the prompt tokens now cached."""
+        return self._run(self._aio.publish_with(tokens, produce), 0)
 
     def stats(self) -> pb.StatsReply | None:
         return self._run(self._aio.stats(), None)

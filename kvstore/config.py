@@ -70,8 +70,10 @@ class ServerConfig:
                              "0.0.0.0 inside a container network).")
     max_message_bytes: int = _opt(64 << 20, "Largest gRPC message accepted or sent.",
                                   unit="bytes", lo=1 << 20, hi=1 << 30)
-    max_concurrent_rpcs: int = _opt(256, "Concurrent RPCs before RESOURCE_EXHAUSTED.", lo=1,
-                                    hi=100_000)
+    max_concurrent_rpcs: int = _opt(256, "Concurrent calls that create work (Lookup, Fetch, "
+                                    "Publish, Reserve, Clear) before RESOURCE_EXHAUSTED; "
+                                    "Release, Commit, Info, Stats and health are always served.",
+                                    lo=1, hi=100_000)
     lease_timeout_s: float = _opt(30.0, "A fetch or publish lease not released in this time is "
                                   "reclaimed.", unit="seconds", lo=0.1, hi=3600)
     max_blocks_per_call: int = _opt(4096, "Most keys one Lookup/Fetch/Publish may name.", lo=1,
@@ -95,6 +97,10 @@ class ServerConfig:
     remote_queue_blocks: int = _opt(256, "Blocks waiting for write-through to the remote tier; "
                                     "past it new writes are shed (counted), never waited for.",
                                     lo=1, hi=1 << 20)
+    fault_disk_read_delay_s: float = _opt(0.0, "Testing only (fault injection): every disk read "
+                                          "first sleeps this long, as a stalled disk would. "
+                                          "Never set it in production.", unit="seconds", lo=0,
+                                          hi=60)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "Log line format.", choices=("text", "json"))
 

@@ -40,6 +40,8 @@ DEPS=("grpcio>=1.60" "grpcio-health-checking>=1.60" "rocksdict>=0.3.23" "xxhash>
       "prometheus-client>=0.19" "redis>=5" "protobuf>=7.35.1" "pytest>=8" "pytest-timeout>=2.2")
 has "grpc, grpc_health, rocksdict, xxhash, prometheus_client, redis, pytest, pytest_timeout, \
 kvstore.proto.kvstore_pb2" || $PIP install "${DEPS[@]}"
+# The vLLM TTFT benchmark (benchmarks/vllm_ttft.py): progress bar and plot.
+has "matplotlib, tqdm" || $PIP install "matplotlib>=3.8" "tqdm>=4.66"
 # pip only warns on a broken pin: show any conflict but the three packages removed on purpose.
 conflicts=$("$PY" -m pip check 2>&1 | grep -vE \
   "requires (torchvision|torchaudio|torchcodec), which is not installed|No broken" || true)

@@ -21,10 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from server.auth import TokenInterceptor
 from server.metrics import Metrics
-from server.service import KVStoreService
+from server.service import Admission, KVStoreService, add_service
 from server.store import TieredStore
 from tiers.disk import DiskTier
 from tiers.host import HostTier
@@ -63,7 +62,8 @@ class Daemon:
         self.config = config
         self.data_dir = Path(config.data_dir)
         self._lock_fd = _lock_data_dir(self.data_dir)
-        disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync)
+        disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync,
+                         fault_read_delay_s=config.fault_disk_read_delay_s)
                 if config.disk_bytes > 0 else None)
         remote = None
         if config.remote:
@@ -74,18 +74,21 @@ class Daemon:
                                  config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks)
         self.metrics = Metrics(self.store)
+        self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
 
     def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+        # The limit that matters is the service's own (`Admission`: work is shed, lease ends
+        # never are); gRPC's counts every call alike, so it is only a loose backstop here.
         server = grpc.aio.server(
             interceptors=interceptors, options=_grpc_options(self.config),
-            maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+            maximum_concurrent_rpcs=4 * self.config.max_concurrent_rpcs + 64)
         service = KVStoreService(self.store, self.metrics, self.config.max_blocks_per_call,
-                                 self.config.max_message_bytes)
-        pb_grpc.add_KVStoreServicer_to_server(service, server)
+                                 self.config.max_message_bytes, self.admission)
+        add_service(service, server)  # the generated registration, with tolerant decoding
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
         return server

@@ -31,6 +31,8 @@ class StoreCollector(Collector):
             ("kvstore_demotions", c.demotions, "Blocks written down a tier on eviction."),
             ("kvstore_promotions", c.promotions, "Blocks copied up a tier on a hit."),
             ("kvstore_stored_blocks", c.stored_blocks, "Blocks published."),
+            ("kvstore_expired_leases", c.expired_leases,
+             "Leases reclaimed by lease_timeout_s because their client never ended them."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         hits = CounterMetricFamily("kvstore_tier_hits", "Fetched blocks by the tier that held "

@@ -1,7 +1,10 @@
 """The gRPC servicer: validates requests, then maps them onto `TieredStore` calls.
 
 Sizes, counts and layouts are checked before anything is allocated. Errors from the store's
-hierarchy become their gRPC status with the message intact.
+hierarchy become their gRPC status with the message intact. Requests that do not even decode
+are `INVALID_ARGUMENT` too: the service is registered (`add_service`) with deserializers that
+turn a decoding failure into an `Undecodable` value the handlers reject, where gRPC's own
+would answer UNKNOWN or INTERNAL and log a traceback per bad message.
 """
 
 from __future__ import annotations
@@ -43,37 +46,142 @@ def layout_to_proto(layout: KVLayout) -> pb.Layout:
     return pb.Layout(**layout.to_dict())
 
 
+class Undecodable:
+    """What a request that failed to decode becomes; handlers answer INVALID_ARGUMENT."""
+
+    __slots__ = ("error", "type_name")
+
+    def __init__(self, type_name: str, error: str) -> None:
+        # The error's text only: the exception's traceback would keep the raw request alive.
+        self.type_name, self.error = type_name, error
+
+    def reject(self) -> InvalidArgumentError:
+        return InvalidArgumentError(f"request is not a valid {self.type_name}: {self.error}")
+
+
+def _tolerant(message: Any) -> Callable[[bytes], Any]:
+    def decode(raw: bytes) -> Any:
+        try:
+            return message.FromString(raw)
+        except Exception as e:  # DecodeError, or anything else a hostile message provokes
+            return Undecodable(message.DESCRIPTOR.full_name, str(e))
+
+    return decode
+
+
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_service(service: KVStoreService, server: grpc.aio.Server) -> None:
+    """Register `service` as the generated `add_KVStoreServicer_to_server` would, but with
+    `_tolerant` deserializers, built from the proto's own service descriptor."""
+    desc = pb.DESCRIPTOR.services_by_name["KVStore"]
+    handlers = {}
+    for m in desc.methods:
+        make = _HANDLERS[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = make(
+            getattr(service, m.name),
+            request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+    server.add_registered_method_handlers(desc.full_name, handlers)
+
+
 def _code(err: KVStoreError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.grpc_code, grpc.StatusCode.INTERNAL)
 
 
+class OverloadedError(KVStoreError):
+    """More calls that create work are in progress than `max_concurrent_rpcs` allows."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class Admission:
+    """The concurrency limit, shared by every listener of one daemon.
+
+    Only calls that create work count and are shed past the limit (`SHED`). Calls that end
+    work (Release, Commit) or only read a few counters (Info, Stats) are always served: were
+    they shed too, an overloaded daemon would refuse the very calls that unpin its blocks,
+    and every lease of the overload would hold its blocks until `lease_timeout_s`.
+    """
+
+    SHED = frozenset({"Lookup", "Fetch", "Publish", "Reserve", "Clear"})
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit  # 0: no limit
+        self.working = 0
+        self.shed = 0
+
+    def enter(self, method: str) -> bool:
+        """Admit a call (True: call `leave` when it ends); raise `OverloadedError` past the
+        limit."""
+        if method not in self.SHED:
+            return False
+        if self.limit and self.working >= self.limit:
+            self.shed += 1
+            raise OverloadedError(f"{self.working} calls in progress, the limit is {self.limit}; "
+                                  "shedding load")
+        self.working += 1
+        return True
+
+    def leave(self) -> None:
+        self.working -= 1
+
+
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Time the call, map kvstore errors to statuses, never let an internal error go unlogged."""
+    """Admit (or shed) the call, time it, map kvstore errors to statuses, never let an internal
+    error go unlogged."""
 
     @functools.wraps(fn)
     async def unary(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         start, code = time.perf_counter(), "OK"
         self.metrics.gauges["inflight"] += 1
+        admitted = False
+        status: tuple[grpc.StatusCode, str] | None = None
         try:
+            admitted = self.admission.enter(fn.__name__)
+            if isinstance(request, Undecodable):
+                raise request.reject()
             return await fn(self, request, context)
         except KVStoreError as e:
-            code = e.grpc_code
-            await context.abort(_code(e), str(e))
+            code, status = e.grpc_code, (_code(e), str(e))
         except Exception:
             code = "INTERNAL"
             log.exception("%s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error")
+            status = (grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error")
         finally:
+            if admitted:
+                self.admission.leave()
             self.metrics.gauges["inflight"] -= 1
             self.metrics.latency.labels(fn.__name__, code).observe(time.perf_counter() - start)
+        if status is not None:
+            _fail(context, status)
+        return None
 
     return unary
 
 
+def _fail(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]) -> None:
+    """End the call with `status` (the handler then returns nothing).
+
+    Not `context.abort`: it raises, and the exception's traceback holds the handler's frames,
+    which hold the exception (and, chained, the one that was caught): reference cycles that
+    keep every refused request, up to `max_message_bytes` each, alive until the cyclic garbage
+    collector runs, which in a daemon can be thousands of bad requests later."""
+    context.set_code(status[0])
+    context.set_details(status[1])
+
+
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: TieredStore, metrics: Metrics, max_blocks_per_call: int,
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, admission: Admission | None = None) -> None:
         self.store = store
+        self.admission = admission or Admission()
         self.metrics = metrics
         self.max_blocks = max_blocks_per_call
         self.max_message_bytes = max_message_bytes
@@ -112,7 +220,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         start, code = time.perf_counter(), "OK"
         self.metrics.gauges["inflight"] += 1
         lease_id = 0
+        admitted = False
+        status: tuple[grpc.StatusCode, str] | None = None
         try:
+            admitted = self.admission.enter("Fetch")
+            if isinstance(request, Undecodable):
+                raise request.reject()
             layout = layout_from_proto(request.layout)
             keys = self._keys(request.keys)
             lease = await self.store.fetch(keys, layout.digest(), request.namespace,
@@ -121,9 +234,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
                     for e, t in zip(lease.entries, lease.tiers, strict=True)]
             if request.transfer == pb.TRANSFER_SHM:
-                lease_id = 0  # the client releases it after copying
-                yield pb.FetchChunk(hits=len(refs), lease_id=lease.id, blocks=refs,
+                held = lease.id if lease.entries else 0  # a miss holds nothing: ended below
+                yield pb.FetchChunk(hits=len(refs), lease_id=held, blocks=refs,
                                     arena_id=self.store.host.arena.path.name, more=lease.more)
+                # Sent: the client releases it after copying. (Until here a cancelled call
+                # releases it below; one cancelled later leaves it to lease_timeout_s.)
+                lease_id = 0 if held else lease_id
                 return
             yield pb.FetchChunk(hits=len(refs), blocks=refs, more=lease.more)
             for i, entry in enumerate(lease.entries):
@@ -132,13 +248,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     chunk = data[off : off + STREAM_CHUNK].tobytes()
                     yield pb.FetchChunk(block_index=i, chunk_offset=off, data=chunk)
         except KVStoreError as e:
-            code = e.grpc_code
-            await context.abort(_code(e), str(e))
+            code, status = e.grpc_code, (_code(e), str(e))
         finally:
             if lease_id:
                 self.store.release(lease_id)
+            if admitted:
+                self.admission.leave()
             self.metrics.gauges["inflight"] -= 1
             self.metrics.latency.labels("Fetch", code).observe(time.perf_counter() - start)
+        if status is not None:
+            _fail(context, status)
 
     @rpc
     async def Publish(self, request_iterator: Any, context: Any) -> pb.PublishReply:
@@ -147,6 +266,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             raise InvalidArgumentError("empty Publish stream: the first message names the blocks")
+        if isinstance(first, Undecodable):
+            raise first.reject()
         layout = layout_from_proto(first.layout)
         keys = self._keys(first.keys)
         ns = self._namespace(first.namespace)
@@ -157,6 +278,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         target: np.ndarray | None = None
         try:
             async for msg in _chain(first, request_iterator):
+                if isinstance(msg, Undecodable):
+                    raise msg.reject()
                 if not msg.data:
                     continue
                 i, off = msg.block_index, msg.chunk_offset
@@ -196,12 +319,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = self._keys(request.keys)
         ns = self._namespace(request.namespace)
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes)
+        if not lease.entries:  # nothing to write: no lease to hold (Commit(0) is a no-op)
+            self.store.commit(lease.id)  # ranks the chain, as the client's Commit would
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]
-        return pb.ReserveReply(lease_id=lease.id, needed=lease.needed, blocks=refs,
+        return pb.ReserveReply(lease_id=lease.id if lease.entries else 0, needed=lease.needed,
+                               blocks=refs,
                                arena_id=self.store.host.arena.path.name, more=lease.more)
 
     @rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
+        if request.lease_id == 0:  # a Reserve that needed nothing: already ended
+            return pb.CommitReply(stored=0)
         return pb.CommitReply(stored=self.store.commit(request.lease_id))
 
     @rpc
@@ -210,7 +338,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
-        return stats_reply(self.store)
+        # In flight: every call but this one.
+        return stats_reply(self.store, self.metrics.gauges["inflight"] - 1, self.admission.shed)
 
     @rpc
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearReply:
@@ -233,7 +362,7 @@ async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:
 _STARTED = time.monotonic()
 
 
-def stats_reply(store: TieredStore) -> pb.StatsReply:
+def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) -> pb.StatsReply:
     c = store.counters
     tiers = []
     for tier in store.tiers:
@@ -262,4 +391,5 @@ def stats_reply(store: TieredStore) -> pb.StatsReply:
         lookups=c.lookups, hit_blocks=c.hit_blocks, miss_blocks=c.miss_blocks,
         integrity_failures=integrity_failures, active_leases=len(store.leases),
         demotions=c.demotions, promotions=c.promotions, stored_blocks=c.stored_blocks,
-        remote=remote)
+        remote=remote, inflight_rpcs=max(0, inflight_rpcs), expired_leases=c.expired_leases,
+        shed_rpcs=shed_rpcs)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,18 +66,19 @@ class Lease:
 @dataclass
 class _Staged:
     """One block of a fetch in progress: a pinned host hit (`src` None) or a disk hit being
-    read into the host reservation `dst`."""
+    read into the host reservation `dst`, committed and pinned once read."""
 
     tier: str
     dst: BlockEntry
     src: BlockEntry | None = None
     done: bool = False  # the disk read finished (committed or given back)
+    pinned: bool = False  # `dst` is a committed host block this fetch holds a pin on
 
     def abandon(self, store: TieredStore) -> None:
         """Undo on an error or cancellation: unpin, or give the reservation back."""
-        if self.src is None:
+        if self.pinned:
             store.host.complete_load(self.dst)
-        elif not self.done:
+        elif not self.done and self.src is not None:
             if store.disk is not None:
                 store.disk.complete_load(self.src)
             store.host.abort_store(self.dst)
@@ -95,6 +96,7 @@ class StoreCounters:
     remote_lost_writes: int = 0  # queued for write-through, gone from every local tier first
     remote_dropped_writes: int = 0  # write-through given up: refused, or failed too often
     remote_lookup_hits: int = 0  # blocks a lookup found in the remote tier only
+    expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
@@ -150,7 +152,6 @@ class TieredStore:
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
         self.counters = StoreCounters()
-        self._ids = itertools.count(1)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
@@ -253,10 +254,9 @@ class TieredStore:
                 self._integrity_failure(self.disk, s.src, err)
         for i, s in enumerate(staged):
             if i < cut:
-                entry = s.dst if s.src is None else self.host.prepare_load(s.dst.key)
-                lease.entries.append(entry)
+                lease.entries.append(s.dst)
                 lease.tiers.append(s.tier)
-            elif s.src is None:
+            elif s.pinned:
                 self.host.complete_load(s.dst)  # pinned for a block past a failure: unpin
         lease.more = lease.more and cut == len(staged)
         served = len(lease.entries)
@@ -274,7 +274,7 @@ class TieredStore:
         if entry is not None:
             if entry.layout_digest != layout_digest:
                 return None
-            return _Staged(self.host.name, self.host.prepare_load(key))
+            return _Staged(self.host.name, self.host.prepare_load(key), pinned=True)
         if self.disk is None:
             return None
         src = self.disk.get(key)
@@ -309,8 +309,11 @@ class TieredStore:
             s.done = True
             return e
         disk.complete_load(src)
+        # Committed and pinned at once: other reads of this fetch still run, and meanwhile
+        # other calls evict unpinned host blocks to make room.
         self.host.complete_store(s.dst)
-        s.done = True
+        self.host.prepare_load(s.dst.key)
+        s.done = s.pinned = True
         self.counters.promotions += 1
         self.counters.add(self.counters.bytes_read, disk.name, src.length)
         return None
@@ -340,7 +343,7 @@ class TieredStore:
         self.host.complete_store(dst)
         self.counters.promotions += 1
         self.counters.add(self.counters.bytes_read, self.remote.name, len(payload))
-        return _Staged(self.remote.name, self.host.prepare_load(key))
+        return _Staged(self.remote.name, self.host.prepare_load(key), pinned=True)
 
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1
@@ -511,7 +514,12 @@ class TieredStore:
 
     # ---- leases
     def _new_lease(self, kind: Literal["fetch", "publish"]) -> Lease:
-        lease = Lease(next(self._ids), kind, time.monotonic() + self.lease_timeout_s)
+        # Unguessable ids: a lease is a capability (whoever names it may commit or release
+        # it), so another client must not end one, or commit a half-written block, by
+        # counting. Never 0: that means "no lease" on the wire.
+        while (lease_id := secrets.randbits(63)) in self.leases or lease_id == 0:
+            pass
+        lease = Lease(lease_id, kind, time.monotonic() + self.lease_timeout_s)
         self.leases[lease.id] = lease
         return lease
 
@@ -531,8 +539,10 @@ class TieredStore:
         now = time.monotonic()
         expired = [i for i, lease in self.leases.items() if lease.expires <= now]
         for lease_id in expired:
-            log.info("lease %d expired; reclaiming its blocks", lease_id)
+            log.info("%s lease %d expired; reclaiming its blocks", self.leases[lease_id].kind,
+                     lease_id)
             self.release(lease_id)
+            self.counters.expired_leases += 1
         return len(expired)
 
     async def reaper(self, period_s: float = 0.5) -> None:

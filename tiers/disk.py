@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from pathlib import Path
 
 from rocksdict import Options, Rdict, WriteOptions
@@ -29,13 +30,16 @@ _INDEX = struct.Struct("<QQQ32s32s16s")  # seq, unit, length, namespace, layout 
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, directory: str | Path, capacity_bytes: int, sync: str = "always") -> None:
+    def __init__(self, directory: str | Path, capacity_bytes: int, sync: str = "always",
+                 fault_read_delay_s: float = 0.0) -> None:
         if sync not in ("always", "never"):
             raise InvalidArgumentError(f"disk sync must be 'always' or 'never', got {sync!r}")
         super().__init__(capacity_bytes)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sync = sync == "always"
+        # Testing only: a stalled disk, which no test can cause for real (deadline tests).
+        self.fault_read_delay_s = fault_read_delay_s
         self._fd = os.open(self.directory / "blocks.dat", os.O_RDWR | os.O_CREAT, 0o600)
         self._db = Rdict(str(self.directory / "index"), Options(raw_mode=True))
         self._wopts = WriteOptions()
@@ -112,6 +116,8 @@ class DiskTier(Tier):
         """Read and verify a record's payload into `dst`; `IntegrityError` on any damage."""
         if len(dst) != entry.length:
             raise InvalidArgumentError(f"destination is {len(dst)} bytes, block is {entry.length}")
+        if self.fault_read_delay_s:
+            time.sleep(self.fault_read_delay_s)
         head = bytearray(HEADER_BYTES)
         n = os.preadv(self._fd, [head], entry.offset)
         header = decode_header(head[:n])

@@ -11,24 +11,129 @@ elements are K *column-major*, `[head_dim, page_size]` (the QK kernel's B operan
 V row-major, `[page_size, head_dim]`: see `reshape_and_cache` in vLLM's
 `csrc/cpu/cpu_attn_vec.hpp`. Its AMX ISA packs both K and V into tile layouts, which this module
 does not decode. K is then not head_dim-contiguous, which the copy kernels require, so CPU
-caches are copied with torch ops here (the kernels' CPU path is torch too); CUDA caches go through
-`kernels.gather`/`kernels.scatter`.
+caches are copied here: by a small C routine (`vllm_cpu_copy.c`, built at first use with the
+system's C compiler and cached, one pass over the bytes with K transposed in SSE2 registers,
+layers split over a few threads), or with torch ops where no compiler is found (the same bytes,
+about 3x slower: torch moves a strided 2-byte transpose element by element). CUDA caches go
+through `kernels.gather`/`kernels.scatter`.
+
+`scatter_views`/`gather_views` copy between pages and any token-major views, e.g. the daemon's
+shared-memory blocks that `KVClient.fetch_with` and `publish_with` hand out: one copy from
+the store into the engine's cache, none through an intermediate tensor.
 
 Nothing here imports an engine, so the page arithmetic and the copies are tested without one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import kernels
 from kernels.layouts import EngineKV
 
+log = logging.getLogger("kvstore.paged")
+
 VLLM_CPU_ISAS = frozenset({"vec", "vec16"})
 """vLLM CPU attention ISAs whose cache layout `PagedCache.vllm_cpu` decodes."""
+
+NATIVE_SOURCE = Path(__file__).with_name("vllm_cpu_copy.c")
+NATIVE_ENV = "KVSTORE_NATIVE_COPY"
+"""Set to 0 to copy CPU caches with torch ops only (the C routine is used when it builds)."""
+
+View = tuple[torch.Tensor, int, Sequence[int]] | tuple[torch.Tensor, int, Sequence[int], int]
+"""`(kv, first, page_ids[, count])`: `count` tokens (default `len(page_ids) * page_size`; the
+last page may be partial) of `kv` (token-major, `[layers, kv, tokens, heads, head_dim]`) from
+token `first` on, and the engine pages that hold them."""
+_View = tuple[torch.Tensor, int, Sequence[int], int]  # checked, count explicit
+
+_native_lock = threading.Lock()
+_native_fn: object = None  # None: not tried yet; False: unavailable; else the ctypes function
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("KVSTORE_CACHE_DIR"):
+        return Path(os.environ["KVSTORE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
+
+
+def native_copy() -> object | None:
+    """The C copy routine (`vllm_cpu_copy.c`) as a ctypes function, built on first use into
+    `$KVSTORE_CACHE_DIR` (default `~/.cache/kvstore`) under a name that hashes the source and
+    the compiler; None where it cannot be built (no compiler, or `KVSTORE_NATIVE_COPY=0`)."""
+    global _native_fn
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None
+    with _native_lock:
+        if _native_fn is None:
+            _native_fn = _build_native() or False
+        return _native_fn or None
+
+
+def _build_native() -> object | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") \
+        or shutil.which("clang")
+    if cc is None or not NATIVE_SOURCE.exists():
+        log.warning("no C compiler or %s: vLLM CPU caches are copied with torch ops "
+                    "(slower)", NATIVE_SOURCE.name)
+        return None
+    flags = ["-O3", "-shared", "-fPIC", "-fno-strict-aliasing"]
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        digest = hashlib.sha256(NATIVE_SOURCE.read_bytes() + version.encode()
+                                + " ".join(flags).encode() + os.uname().machine.encode())
+        lib = _cache_dir() / f"vllm_cpu_copy-{digest.hexdigest()[:16]}.so"
+        if not lib.exists():
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            # Built under a temporary name and renamed: processes that build at once (vLLM
+            # workers, test runs) never load a half-written library.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *flags, "-o", tmp, str(NATIVE_SOURCE)], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        fn = ctypes.CDLL(str(lib)).kvs_vllm_cpu_copy  # CDLL: calls release the GIL
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("cannot build %s (%s): vLLM CPU caches are copied with torch ops "
+                    "(slower)", NATIVE_SOURCE.name, detail)
+        return None
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.restype = None
+    fn.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32, i32, i32]
+    return fn
+
+
+def copy_threads() -> int:
+    """Threads one copy spreads its layers over: torch's intra-op thread count, at most 4
+    (memory bandwidth, not compute, bounds a copy)."""
+    return max(1, min(4, torch.get_num_threads()))
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _native_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(4, thread_name_prefix="kvstore-copy")
+        return _pool
 
 
 def token_pages(block_ids: Sequence[int], block_size: int, page_size: int, start: int,
@@ -101,15 +206,152 @@ class PagedCache:
         n, ps = len(page_ids), self.page_size
         if n == 0:
             return
-        part = kv[:, :, first_token : first_token + n * ps]
-        if part.shape[2] != n * ps:
+        if kv.shape[2] < first_token + n * ps:
             raise ValueError(f"kv holds {kv.shape[2]} tokens, fewer than the {n} pages from "
                              f"token {first_token} need")
+        self.scatter_views([(kv, first_token, page_ids)])
+
+    def gather(self, page_ids: Sequence[int]) -> torch.Tensor:
+        """Read `page_ids` into new prompt-major KV `[layers, 2, len(page_ids) * page_size,
+        heads, head_dim]` on the CPU."""
+        n, ps = len(page_ids), self.page_size
         if self.engine is not None:
-            # Page-major staging, one page per slot (each slot contiguous, as the kernel wants).
-            staging = part.unflatten(2, (n, ps)).permute(2, 0, 1, 3, 4, 5).contiguous()
-            kernels.scatter(staging.to(self.engine.device), self.engine, list(page_ids))
+            return self._engine_gather(page_ids)
+        out = torch.empty((self.num_layers, 2, n * ps, self.heads, self.head_dim),
+                          dtype=self.dtype)
+        if n:
+            self.gather_views([(out, 0, page_ids)])
+        return out
+
+    def scatter_views(self, views: Sequence[View]) -> None:
+        """Write each `(kv, first, page_ids[, count])`: `count` tokens of the token-major `kv`
+        (`[layers, kv, tokens, heads, head_dim]`, any layer and kv strides, e.g. a block in the
+        daemon's shared memory) from token `first` on, into `page_ids` (only the first `count -
+        (len(page_ids) - 1) * page_size` slots of a partial last page)."""
+        checked = self._check_views(views)
+        if not checked:
             return
+        if self.engine is not None:
+            for kv, first, pages, count in checked:
+                if count != len(pages) * self.page_size:
+                    raise ValueError("partial pages are copied on vLLM CPU caches only")
+                self._engine_scatter(kv, pages, first)
+        elif not self._native(checked, gather=False):
+            for item in checked:
+                self._torch_copy(*item, gather=False)
+
+    def gather_views(self, views: Sequence[View]) -> None:
+        """Read `page_ids` into `count` tokens of each `(kv, first, page_ids[, count])` from
+        token `first` on (the inverse of `scatter_views`)."""
+        checked = self._check_views(views)
+        if not checked:
+            return
+        if self.engine is not None:
+            for kv, first, pages, count in checked:
+                if count != len(pages) * self.page_size:
+                    raise ValueError("partial pages are copied on vLLM CPU caches only")
+                kv[:, :, first : first + count].copy_(self._engine_gather(pages))
+        elif not self._native(checked, gather=True):
+            for item in checked:
+                self._torch_copy(*item, gather=True)
+
+    # ---- copies
+    def _check_views(self, views: Sequence[View]) -> list[_View]:
+        """The non-empty views with explicit counts, each checked against this cache (bounds
+        included: the C routine trusts them)."""
+        out: list[_View] = []
+        num_pages = self.layers[0].shape[0] if self.layers else None
+        want = (self.num_layers, 2, self.heads, self.head_dim)
+        ps = self.page_size
+        for view in views:
+            kv, first, pages = view[0], view[1], view[2]
+            count = view[3] if len(view) > 3 else len(pages) * ps  # type: ignore[misc]
+            if not len(pages):
+                continue
+            got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) if kv.dim() == 5 else ()
+            if got != want or kv.dtype != self.dtype:
+                raise ValueError(f"KV {tuple(kv.shape)} {kv.dtype} does not match the cache: "
+                                 f"[{want[0]}, 2, tokens, {want[2]}, {want[3]}] {self.dtype}")
+            if not (len(pages) - 1) * ps < count <= len(pages) * ps:
+                raise ValueError(f"{count} tokens do not fill the last of {len(pages)} pages "
+                                 f"of {ps}")
+            if not 0 <= first <= first + count <= kv.shape[2]:
+                raise ValueError(f"tokens [{first}, {first + count}) lie outside the KV's "
+                                 f"{kv.shape[2]}")
+            if num_pages is not None and not all(0 <= p < num_pages for p in pages):
+                raise ValueError(f"page ids {list(pages)} outside the cache's {num_pages}")
+            out.append((kv, first, pages, count))
+        return out
+
+    def _native(self, views: list[_View], *, gather: bool) -> bool:
+        """Copy with the C routine; False where it is unavailable or a view's strides are not
+        the token-major ones it walks (the caller then copies with torch)."""
+        fn = native_copy()
+        if fn is None or self.dtype.itemsize not in (2, 4):
+            return False
+        hd, ps = self.heads * self.head_dim, self.page_size
+        groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
+        for kv, first, pages, count in views:
+            if kv.device.type != "cpu" or kv.stride()[2:] != (hd, self.head_dim, 1):
+                return False
+            src, ids, counts = groups.setdefault((kv.stride(0), kv.stride(1)), ([], [], []))
+            step = ps * hd * kv.element_size()
+            base = kv.data_ptr() + first * hd * kv.element_size()
+            src.extend(base + j * step for j in range(len(pages)))
+            ids.extend(int(p) for p in pages)
+            counts.extend(min(ps, count - j * ps) for j in range(len(pages)))
+        layers = torch.tensor([t.data_ptr() for t in self.layers], dtype=torch.int64)
+        threads = min(copy_threads(), self.num_layers)
+        bounds = [self.num_layers * i // threads for i in range(threads + 1)]
+        for (layer_stride, kv_stride), (src, ids, counts) in groups.items():
+            args = (torch.tensor(src, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+                    torch.tensor(counts, dtype=torch.int32))
+
+            def run(l0: int, l1: int, args: tuple[torch.Tensor, ...] = args,
+                    strides: tuple[int, int] = (layer_stride, kv_stride)) -> None:
+                src_t, ids_t, counts_t = args
+                fn(int(gather), self.dtype.itemsize, len(ids_t),  # type: ignore[operator]
+                   src_t.data_ptr(), ids_t.data_ptr(), counts_t.data_ptr(), layers.data_ptr(),
+                   l0, l1, strides[0], strides[1], self.heads, self.head_dim, ps)
+
+            if threads == 1:
+                run(0, self.num_layers)
+            else:
+                pool = _thread_pool()
+                futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+                run(bounds[0], bounds[1])
+                for f in futures:
+                    f.result()
+        return True
+
+    def _torch_copy(self, kv: torch.Tensor, first: int, page_ids: Sequence[int], count: int,
+                    *, gather: bool) -> None:
+        """The torch twin of the C routine: whole pages at once, then a partial last page."""
+        ps = self.page_size
+        full = count // ps
+        if full:
+            copy = self._torch_gather if gather else self._torch_scatter
+            copy(kv, page_ids[:full], first)
+        rest = count - full * ps
+        if not rest:
+            return
+        page, at = int(page_ids[full]), first + full * ps
+        heads, dim = self.heads, self.head_dim
+        for layer, t in enumerate(self.layers):
+            halves = t[page].view(heads, 2, ps * dim)
+            k = halves[:, 0].view(heads, dim, ps)[:, :, :rest].permute(2, 0, 1)
+            v = halves[:, 1].view(heads, ps, dim)[:, :rest].permute(1, 0, 2)
+            src_k, src_v = kv[layer, 0, at : at + rest], kv[layer, 1, at : at + rest]
+            if gather:
+                src_k.copy_(k)
+                src_v.copy_(v)
+            else:
+                k.copy_(src_k)
+                v.copy_(src_v)
+
+    def _torch_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
+        n, ps = len(page_ids), self.page_size
+        part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         heads, dim = self.heads, self.head_dim
         for layer, t in enumerate(self.layers):
@@ -122,21 +364,10 @@ class PagedCache:
             k[index] = part[layer, 0].unflatten(0, (n, ps))
             v[index] = part[layer, 1].unflatten(0, (n, ps))
 
-    def gather(self, page_ids: Sequence[int]) -> torch.Tensor:
-        """Read `page_ids` into new prompt-major KV `[layers, 2, len(page_ids) * page_size,
-        heads, head_dim]` on the CPU."""
+    def _torch_gather(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
         n, ps = len(page_ids), self.page_size
-        if self.engine is not None:
-            shape = kernels.staging_shape(self.engine, n, ps)
-            staging = torch.empty(shape, dtype=self.dtype, device=self.engine.device)
-            if n:
-                kernels.gather(self.engine, staging, list(page_ids))
-            # reshape copies (the permuted dims cannot merge): that copy is the result.
-            out = staging.permute(1, 2, 0, 3, 4, 5).reshape(
-                self.num_layers, 2, n * ps, self.heads, self.head_dim)
-            return out.cpu()
+        part = kv[:, :, first : first + n * ps]
         heads, dim = self.heads, self.head_dim
-        out = torch.empty((self.num_layers, 2, n * ps, heads, dim), dtype=self.dtype)
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         for layer, t in enumerate(self.layers):
             # Whole pages out first (contiguous reads), then K and V into token order: 97 ms
@@ -144,6 +375,25 @@ class PagedCache:
             pages = t.index_select(0, index).view(n, heads, 2, ps * dim)
             k = pages[:, :, 0].view(n, heads, dim, ps).permute(0, 3, 1, 2)
             v = pages[:, :, 1].view(n, heads, ps, dim).permute(0, 2, 1, 3)
-            out[layer, 0].view(n, ps, heads, dim).copy_(k)
-            out[layer, 1].view(n, ps, heads, dim).copy_(v)
-        return out
+            part[layer, 0].unflatten(0, (n, ps)).copy_(k)
+            part[layer, 1].unflatten(0, (n, ps)).copy_(v)
+
+    def _engine_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
+        assert self.engine is not None
+        n, ps = len(page_ids), self.page_size
+        part = kv[:, :, first : first + n * ps]
+        # Page-major staging, one page per slot (each slot contiguous, as the kernel wants).
+        staging = part.unflatten(2, (n, ps)).permute(2, 0, 1, 3, 4, 5).contiguous()
+        kernels.scatter(staging.to(self.engine.device), self.engine, list(page_ids))
+
+    def _engine_gather(self, page_ids: Sequence[int]) -> torch.Tensor:
+        assert self.engine is not None
+        n, ps = len(page_ids), self.page_size
+        shape = kernels.staging_shape(self.engine, n, ps)
+        staging = torch.empty(shape, dtype=self.dtype, device=self.engine.device)
+        if n:
+            kernels.gather(self.engine, staging, list(page_ids))
+        # reshape copies (the permuted dims cannot merge): that copy is the result.
+        out = staging.permute(1, 2, 0, 3, 4, 5).reshape(
+            self.num_layers, 2, n * ps, self.heads, self.head_dim)
+        return out.cpu()

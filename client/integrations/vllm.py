@@ -9,21 +9,32 @@ Load it with
 Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.block_tokens`
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
-`kvstore.tenant`.
+`kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
 published through the transformers integration (`client.integrations.hf`) is found here when the
 model and layout agree.
 
-Scheduler side: `get_num_new_matched_tokens` looks the prompt up (never its last token: vLLM
-needs at least one token to compute), `update_state_after_alloc` records what to load and
+Scheduler side: `get_num_new_matched_tokens` looks the prompt up and claims the cached prefix
+but the prompt's last token (vLLM computes at least one token: a prompt whose blocks are all
+stored loads all but its last token, the last vLLM block partly), `update_state_after_alloc`
+records what to load and
 `build_connector_meta` hands the worker one `LoadSpec` per request with a hit and one `SaveSpec`
-per request whose prefill completes this step. Worker side: `start_load_kv` fetches and scatters
-synchronously before the forward; `wait_for_save` gathers the prompt's full blocks after it and
-publishes them. A failed or short fetch is reported through `get_block_ids_with_load_errors` and
-vLLM recomputes those blocks: never garbage. A daemon that is down is a lookup miss within the
-client's deadline, so vLLM computes as if there were no connector.
+per request whose prefill completes this step. Worker side: `start_load_kv` loads synchronously
+before the forward, copying each block once, from the daemon's shared memory straight into
+vLLM's pages (`KVClient.fetch_with`, under the fetch's lease). `wait_for_save` hands the
+prompt's full blocks to a background thread, which copies them from vLLM's pages straight into
+blocks reserved in the daemon's memory (`KVClient.publish_with`) and commits them: the step that
+returns the first token does not wait for the store. Until that thread is done with a request,
+vLLM keeps its blocks (`request_finished` delays their free and `get_finished` reports the end;
+a preempted request's pending saves are waited for in `handle_preemptions`, before its blocks
+can be reused). A full save queue drops the save (a future miss), never blocks the step.
+`kvstore.async_save=false` publishes synchronously in `wait_for_save` instead.
+
+A failed or short fetch is reported through `get_block_ids_with_load_errors` and vLLM recomputes
+those blocks: never garbage. A daemon that is down is a lookup miss within the client's
+deadline, so vLLM computes as if there were no connector.
 
 Limits: one KV-cache group of full attention (no MLA, sliding-window or hybrid models), tensor
 and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings
@@ -33,7 +44,12 @@ bypass the store).
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +63,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from client.cli import DEFAULT_TARGET
-from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, token_pages
+from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, View, native_copy, token_pages
 from client.sync import KVClient
 from kernels.layouts import EngineKV, EngineLayout
 from kvstore.layout import KVLayout
@@ -63,6 +79,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.vllm")
 _MAX_CLIENTS = 16  # one client per (salt, LoRA) namespace; salts are few in practice
+_COPY_PIECE_BYTES = 64 << 20  # a load checks its deadline between copies of about this size
+_SHUTDOWN_SAVE_S = 10.0  # at shutdown, pending saves get this long to finish
 
 
 class ConnectorConfigError(ValueError):
@@ -88,6 +106,11 @@ class ConnectorConfig:
     """`auto`, `shm` or `stream` (see `AsyncKVClient`)."""
     tenant: str = ""
     """Tenant in the namespace: blocks of different tenants never mix."""
+    async_save: bool = True
+    """Publish in a background thread (the first token does not wait for the store); false:
+    synchronously, in the step that completes the prompt's blocks."""
+    save_queue: int = 64
+    """Saves waiting for the background thread at most; a save past it is dropped."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -101,6 +124,10 @@ class ConnectorConfig:
             values["block_tokens"] = int(values["block_tokens"])
         if "deadline_s" in values:
             values["deadline_s"] = float(values["deadline_s"])
+        if "save_queue" in values:
+            values["save_queue"] = int(values["save_queue"])
+        if "async_save" in values:
+            values["async_save"] = _bool(values["async_save"], "kvstore.async_save")
         cfg = cls(**values)
         # Checked here, at engine start, rather than at the first request's lookup.
         if cfg.deadline_s <= 0:
@@ -109,7 +136,21 @@ class ConnectorConfig:
         if cfg.transfer not in ("auto", "shm", "stream"):
             raise ConnectorConfigError(f"kvstore.transfer must be auto, shm or stream, got "
                                        f"{cfg.transfer!r}")
+        if cfg.save_queue < 1:
+            raise ConnectorConfigError(f"kvstore.save_queue must be positive, got "
+                                       f"{cfg.save_queue}")
         return cfg
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConnectorConfigError(f"{name} must be true or false, got {value!r}")
 
 
 def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
@@ -170,8 +211,9 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: FullAttentionSpec) -> None:
 # ---- what the scheduler tells the workers (pickled across processes: plain fields only)
 @dataclass
 class LoadSpec:
-    """Load tokens `[start, end)` of `tokens` (the prompt's first `end` tokens) into
-    `block_ids` (the request's vLLM blocks from its first token)."""
+    """Load tokens `[start, end)` into `block_ids` (the request's vLLM blocks from its first
+    token). `tokens`: the prompt up to the end of the kvstore block holding token `end - 1`
+    (their keys name the blocks to fetch); `end` need not end a block."""
 
     req_id: str
     tokens: list[int]
@@ -179,10 +221,7 @@ class LoadSpec:
     lora: str
     block_ids: list[int]
     start: int
-
-    @property
-    def end(self) -> int:
-        return len(self.tokens)
+    end: int
 
 
 @dataclass
@@ -200,6 +239,8 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted this step: their pages may be reused by this step's forward."""
 
 
 @dataclass
@@ -213,6 +254,7 @@ class _Request:
     hit_end: int  # tokens kvstore held at lookup
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
+    save_issued: bool = False  # a SaveSpec went to the worker: it reports when it is done
 
 
 def _namespace_of(request: Request) -> tuple[str, str] | None:
@@ -223,6 +265,106 @@ def _namespace_of(request: Request) -> tuple[str, str] | None:
         return None
     lora = request.lora_request
     return request.cache_salt or "", f"{lora.lora_name}@{lora.lora_path}" if lora else ""
+
+
+class _CopyGuard:
+    """Keeps a copy callback from touching vLLM's pages once its call has returned.
+
+    The client runs the callback in a worker thread and, on a deadline, stops it between
+    pieces; but a caller that gave up on a wedged client could otherwise race a late piece
+    against vLLM reusing the pages. Each piece runs under the lock and only while open;
+    `close` waits for a running piece.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = True
+
+    def run(self, stop: threading.Event, piece: Callable[[], None]) -> bool:
+        with self._lock:
+            if not self._open or stop.is_set():
+                return False
+            piece()
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+
+def _pieces(items: list[View], bytes_per_page: int) -> Iterable[list[View]]:
+    """`items` in groups of about `_COPY_PIECE_BYTES` (whole items)."""
+    group: list[View] = []
+    size = 0
+    for item in items:
+        group.append(item)
+        size += len(item[2]) * bytes_per_page
+        if size >= _COPY_PIECE_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+class _Saver:
+    """A background thread that runs saves in order, with a bounded queue, counting the
+    saves pending per request."""
+
+    def __init__(self, save: Callable[[SaveSpec], None], maxsize: int) -> None:
+        self._save = save
+        self._queue: queue.Queue[SaveSpec | None] = queue.Queue(maxsize)
+        self._pending: Counter[str] = Counter()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvstore-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: SaveSpec) -> bool:
+        """Queue a save; False (and nothing pending) when the queue is full."""
+        with self._cond:
+            self._pending[spec.req_id] += 1
+        try:
+            self._queue.put_nowait(spec)
+        except queue.Full:
+            self._done(spec.req_id)
+            return False
+        return True
+
+    def pending(self, req_id: str) -> bool:
+        with self._cond:
+            return self._pending[req_id] > 0
+
+    def wait(self, req_ids: Iterable[str], timeout: float | None = None) -> bool:
+        """Wait until none of `req_ids` has a save pending; False on timeout."""
+        ids = list(req_ids)
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(self._pending[r] for r in ids),
+                                       timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Finish the queued saves within `timeout`; False when some were left running."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (spec := self._queue.get()) is not None:
+            try:
+                self._save(spec)
+            except Exception:  # a failed save is a future miss, never the engine's problem
+                log.exception("kvstore save failed for request %s", spec.req_id)
+            finally:
+                self._done(spec.req_id)
+
+    def _done(self, req_id: str) -> None:
+        with self._cond:
+            self._pending[req_id] -= 1
+            if self._pending[req_id] <= 0:
+                del self._pending[req_id]
+            self._cond.notify_all()
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -239,6 +381,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layout = layout_for_vllm(vllm_config, kv_cache_config, self._cfg)
         self._block_size = vllm_config.cache_config.block_size
         self._clients: dict[tuple[str, str], KVClient] = {}
+        self._clients_lock = threading.Lock()  # the saver thread makes clients too
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
         self._requests: dict[str, _Request] = {}
@@ -246,6 +389,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._cache: PagedCache | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
+        self._saver: _Saver | None = None  # started with the cache, in the worker
+        self._save_reqs: set[str] = set()  # requests whose free the scheduler delayed for us
+        self._finishing: set[str] = set()  # of those, finished ones with saves still pending
         self.loaded_tokens = 0
         self.saved_tokens = 0
         if role == KVConnectorRole.SCHEDULER:
@@ -265,15 +411,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         """The client of one namespace, created on first use in this process (workers are
         spawned: a client made before would not survive)."""
         key = (salt, lora)
-        client = self._clients.get(key)
-        if client is None:
-            if len(self._clients) >= _MAX_CLIENTS:  # close the oldest
-                self._clients.pop(next(iter(self._clients))).close()
-            client = KVClient(self._cfg.target, self._layout, salt=salt, lora=lora,
-                              tenant=self._cfg.tenant, token=self._cfg.token,
-                              deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
-            self._clients[key] = client
-        return client
+        with self._clients_lock:
+            client = self._clients.get(key)
+            if client is None:
+                if len(self._clients) >= _MAX_CLIENTS:  # close the oldest
+                    self._clients.pop(next(iter(self._clients))).close()
+                client = KVClient(self._cfg.target, self._layout, salt=salt, lora=lora,
+                                  tenant=self._cfg.tenant, token=self._cfg.token,
+                                  deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
+                self._clients[key] = client
+            return client
 
     # ==== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
@@ -283,13 +430,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if ns is None or tokens is None or len(tokens) < 2:
             return 0, False
         try:
-            # Never the last prompt token: vLLM must compute at least one token for its logits.
-            hit = self._client(*ns).lookup(tokens[: len(tokens) - 1])
+            hit = self._client(*ns).lookup(tokens)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             return 0, False
         self._matched[request.request_id] = (num_computed_tokens, hit)
-        return max(0, hit - num_computed_tokens), False
+        # Never the last prompt token: vLLM must compute at least one token for its logits.
+        return max(0, min(hit, len(tokens) - 1) - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -308,7 +455,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = state
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata()
+        meta = KVStoreConnectorMetadata(
+            preempted=sorted(scheduler_output.preempted_req_ids or ()))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -333,8 +481,9 @@ class KVStoreConnector(KVConnectorBase_V1):
               meta: KVStoreConnectorMetadata) -> None:
         if state.load is not None:
             start, end = state.load
-            meta.loads.append(LoadSpec(req_id, state.tokens[:end], state.salt, state.lora,
-                                       list(state.block_ids), start))
+            bt = self._layout.block_tokens
+            meta.loads.append(LoadSpec(req_id, state.tokens[: -(-end // bt) * bt], state.salt,
+                                       state.lora, list(state.block_ids), start, end))
             state.load = None
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
@@ -342,12 +491,15 @@ class KVStoreConnector(KVConnectorBase_V1):
                 <= computed + num_scheduled:
             meta.saves.append(SaveSpec(req_id, state.tokens[: state.save_end], state.salt,
                                        state.lora, list(state.block_ids)))
+            state.save_issued = True
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        """With background saves, a request a save was issued for keeps its blocks until the
+        worker reports the save done (`get_finished`)."""
+        state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        return False, None
+        return bool(self._cfg.async_save and state is not None and state.save_issued), None
 
     # ==== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -384,11 +536,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._block_size % cache.page_size:
             raise ConnectorConfigError(f"cache page size {cache.page_size} does not divide "
                                        f"vLLM's block size {self._block_size}")
+        if cache.engine is None:
+            native_copy()  # build (or load) the C copy routine now, not in the first request
         self._cache = cache
+        if self._cfg.async_save and self._saver is None:
+            self._saver = _Saver(self._save, self._cfg.save_queue)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._failed_reqs.clear()
         for spec in self._metadata().loads:
+            began = time.perf_counter()
             try:
                 loaded = self._load(spec)
             except Exception:  # a cache must never take the engine down: recompute instead
@@ -406,8 +563,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                             spec.end - spec.start)
             else:
                 self.loaded_tokens += spec.end - spec.start
-                log.info("kvstore: request %s loaded tokens [%d, %d)", spec.req_id, spec.start,
-                         spec.end)
+                log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
+                         spec.start, spec.end, (time.perf_counter() - began) * 1e3)
 
     def _metadata(self) -> KVStoreConnectorMetadata:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
@@ -418,54 +575,128 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta
 
     def _load(self, spec: LoadSpec) -> int:
-        """Fetch and scatter; returns the end of the tokens now in vLLM's cache."""
-        if self._cache is None:
+        """Copy blocks from the daemon's memory into vLLM's pages; returns the end of the
+        tokens now in vLLM's cache."""
+        cache = self._cache
+        if cache is None:
             return spec.start
-        n, kv = self._client(spec.salt, spec.lora).fetch(spec.tokens)
+        bt, ps = self._layout.block_tokens, cache.page_size
+        bytes_per_page = self._layout.bytes_per_token * ps
+        guard = _CopyGuard()
+
+        def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
+                    ) -> None:
+            items: list[View] = []
+            for b, view in zip(blocks, views, strict=True):
+                # Only tokens vLLM asked for: the ones before `start` it computed itself, and
+                # those pages may be prefix-cache pages other requests are reading; `end` may
+                # fall inside a page (the prompt's last token is vLLM's to compute).
+                lo, hi = max(b * bt, spec.start), min((b + 1) * bt, spec.end)
+                if lo < hi:
+                    pages = token_pages(spec.block_ids, self._block_size, ps, lo,
+                                        -(-hi // ps) * ps)
+                    items.append((view, lo - b * bt, pages, hi - lo))
+            for piece in _pieces(items, bytes_per_page):
+                if not guard.run(stop, lambda piece=piece: cache.scatter_views(piece)):
+                    return
+
+        began = time.perf_counter()
+        try:
+            n = self._client(spec.salt, spec.lora).fetch_with(
+                spec.tokens, consume, skip_blocks=spec.start // bt)
+        finally:
+            guard.close()  # no copy into vLLM's pages after this
         # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
         # keep what arrived, whole vLLM blocks only, and report the rest.
-        end = min(n, spec.end) // self._block_size * self._block_size
-        if kv is None or end <= spec.start:
-            return spec.start
-        pages = token_pages(spec.block_ids, self._block_size, self._cache.page_size,
-                            spec.start, end)
-        self._cache.scatter(kv, pages, spec.start)
-        return end
+        end = spec.end if n >= spec.end else n // self._block_size * self._block_size
+        log.debug("kvstore: request %s fetched tokens [%d, %d) in %.1f ms", spec.req_id,
+                  spec.start, max(end, spec.start), (time.perf_counter() - began) * 1e3)
+        return max(end, spec.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are synchronous (done in `start_load_kv`): nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Blocks are saved whole, all layers at once, in `wait_for_save`."""
+        """Blocks are saved whole, all layers at once, after the forward (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        if self._cache is None:
-            return
         for spec in self._metadata().saves:
-            if spec.req_id in self._failed_reqs:
+            if self._cfg.async_save:
+                self._save_reqs.add(spec.req_id)  # the scheduler holds its blocks for us
+            if self._cache is None or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
                 continue
-            try:
-                pages = token_pages(spec.block_ids, self._block_size, self._cache.page_size,
-                                    0, len(spec.tokens))
-                kv = self._cache.gather(pages)
-                stored = self._client(spec.salt, spec.lora).publish(spec.tokens, kv)
-            except Exception:
-                log.exception("kvstore save failed for request %s", spec.req_id)
-                continue
-            self.saved_tokens += stored
-            log.debug("kvstore: request %s published; %d prompt tokens cached", spec.req_id,
-                      stored)
+            if self._saver is None:
+                try:
+                    self._save(spec)
+                except Exception:
+                    log.exception("kvstore save failed for request %s", spec.req_id)
+            elif not self._saver.submit(spec):
+                log.warning("kvstore: save queue full (%d); request %s is not saved",
+                            self._cfg.save_queue, spec.req_id)
+
+    def _save(self, spec: SaveSpec) -> None:
+        """Copy the prompt's full blocks from vLLM's pages into blocks reserved in the
+        daemon's memory, and commit them (in the saver thread, or in `wait_for_save`)."""
+        cache = self._cache
+        assert cache is not None
+        began = time.perf_counter()
+        pages = token_pages(spec.block_ids, self._block_size, cache.page_size, 0,
+                            len(spec.tokens))
+        per_block = self._layout.block_tokens // cache.page_size
+        bytes_per_page = self._layout.bytes_per_token * cache.page_size
+        guard = _CopyGuard()
+
+        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
+                    ) -> None:
+            items: list[View] = [(view, 0, pages[b * per_block : (b + 1) * per_block])
+                                 for b, view in zip(blocks, views, strict=True)]
+            for piece in _pieces(items, bytes_per_page):
+                if not guard.run(stop, lambda piece=piece: cache.gather_views(piece)):
+                    return
+
+        try:
+            stored = self._client(spec.salt, spec.lora).publish_with(spec.tokens, produce)
+        finally:
+            guard.close()  # no reads of vLLM's pages after this: they may be freed next
+        self.saved_tokens += stored
+        log.debug("kvstore: request %s published in %.1f ms; %d prompt tokens cached",
+                  spec.req_id, (time.perf_counter() - began) * 1e3, stored)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before this step's forward can write into a preempted request's freed pages: wait
+        for its pending saves, which read them."""
+        if self._saver is None or not isinstance(kv_connector_metadata,
+                                                  KVStoreConnectorMetadata):
+            return
+        if kv_connector_metadata.preempted:
+            self._saver.wait(kv_connector_metadata.preempted)
+
+    def get_finished(self, finished_req_ids: set[str],
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose saves are done: vLLM may free their blocks now."""
+        if not self._cfg.async_save:
+            return None, None
+        self._finishing |= finished_req_ids & self._save_reqs
+        saver = self._saver  # None: never started (no cache) or shut down: nothing pending
+        done = {r for r in self._finishing if saver is None or not saver.pending(r)}
+        self._finishing -= done
+        self._save_reqs -= done
+        return done or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        if self._saver is not None and not self._saver.close(_SHUTDOWN_SAVE_S):
+            log.warning("kvstore: saves still running at shutdown were abandoned")
+        self._saver = None
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
 
 
 __all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",

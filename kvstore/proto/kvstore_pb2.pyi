@@ -219,7 +219,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,9 @@ class StatsReply(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_RPCS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    SHED_RPCS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -244,7 +247,10 @@ class StatsReply(_message.Message):
     promotions: int
     stored_blocks: int
     remote: RemoteStats
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+    inflight_rpcs: int
+    expired_leases: int
+    shed_rpcs: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits", "dropped_writes")

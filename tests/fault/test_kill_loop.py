@@ -3,7 +3,8 @@
 A client-side ledger records, for every prompt, the one KV it was ever published with. Keys
 are chained hashes of the tokens, so any non-miss read must be byte-identical to that value:
 the ledger's acknowledged or pending publish. Every read here is a miss or exactly that.
-The fast version runs in `make test`; `KVSTORE_SOAK_KILLS=N make soak` runs N kills.
+The fast version runs in `make test`; `make soak` kills for KV_SOAK_S seconds (at least
+KV_SOAK_KILLS times).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import pytest
 
 from client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
+from tests.reliability import SOAK_S, soak_record
 
-pytestmark = [pytest.mark.fault, pytest.mark.integration]
-KILLS = int(os.environ.get("KVSTORE_SOAK_KILLS", "4"))
+# Wall-clock bounds (the issue's deadlines): a rerun absorbs a noisy neighbour on 2 cores.
+pytestmark = [pytest.mark.fault, pytest.mark.integration,
+              pytest.mark.flaky(reruns=2, reruns_delay=1)]
+KILLS = int(os.environ.get("KV_SOAK_KILLS", "4"))
 
 
 def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
@@ -57,7 +61,8 @@ def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
     for w in workers:
         w.start()
     try:
-        for _ in range(KILLS):
+        began = time.monotonic()
+        while len(restart_s) < KILLS or time.monotonic() - began < SOAK_S:
             time.sleep(rng.uniform(0.3, 1.2))
             d.kill()
             t0 = time.monotonic()
@@ -68,11 +73,17 @@ def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
         stop.set()
         for w in workers:
             w.join(30)
-    print(f"kill loop: {counts}, kills {KILLS}, restart s {[round(x, 2) for x in restart_s]}")
+    soak_record("kill_loop", operations=counts["ops"], kills=len(restart_s),
+                faults=len(restart_s), hits=counts["hits"], misses=counts["misses"],
+                wrong=counts["wrong"], max_restart_s=round(max(restart_s), 2))
     assert counts["wrong"] == 0
     assert counts["hits"] > 0, "the load never read anything back"
     assert max(restart_s) < 10.0  # under 5 s when the machine is idle (see RELIABILITY.md)
     with KVClient(d.target, layout, deadline_s=5) as c:
+        # This process's connection to the socket may still be in its reconnect backoff.
+        deadline = time.monotonic() + 5
+        while not c.ping() and time.monotonic() < deadline:
+            time.sleep(0.05)
         stats = c.stats()
     assert stats is not None
     assert stats.integrity_failures == 0

@@ -1,8 +1,9 @@
 """A `KVStoreConnector` whose fetches come back one kvstore block short, tail poisoned.
 
 It stands for a daemon that evicts or loses blocks between the scheduler's lookup and the
-worker's fetch. The blocks past what the fetch reports hold NaNs: if the connector ever copied
-them into vLLM's cache, the outputs would show it.
+worker's fetch. The blocks past what the fetch reports hold NaNs: if the connector ever kept
+them in vLLM's cache (`fetch`), or trusted what it copied past the reported end (`fetch_with`,
+which hands the connector a NaN view for the prompt's last block), the outputs would show it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ class _ShortFetch:
         short = n - self._client.layout.block_tokens
         kv[:, :, short:] = float("nan")
         return short, kv
+
+    def fetch_with(self, tokens: Any, consume: Any, *, skip_blocks: int = 0) -> int:
+        last = len(self._client.keys(tokens)) - 1
+
+        def poisoned(blocks: list[int], views: list[torch.Tensor], stop: Any) -> None:
+            views = [torch.full_like(v, float("nan")) if b == last else v
+                     for b, v in zip(blocks, views, strict=True)]
+            consume(blocks, views, stop)
+
+        n = self._client.fetch_with(tokens, poisoned, skip_blocks=skip_blocks)
+        return min(n, last * self._client.layout.block_tokens)
 
 
 class FlakyKVStoreConnector(KVStoreConnector):

@@ -103,8 +103,14 @@ def hit_blocks(daemon: DaemonProcess) -> int:
 
 
 def expected_cached(prompt_tokens: int) -> int:
-    """Tokens vLLM should load: the full blocks before the last prompt token."""
-    return (prompt_tokens - 1) // BLOCK * BLOCK
+    """Tokens vLLM should load: the prompt's full blocks, but never its last token (a prompt
+    of whole blocks loads all but that token, its last block partly)."""
+    return min(prompt_tokens // BLOCK * BLOCK, prompt_tokens - 1)
+
+
+def fetched_blocks(cached: int) -> int:
+    """kvstore blocks a load of `cached` tokens reads (a partial last block counts)."""
+    return -(-cached // BLOCK)
 
 
 def assert_same_generation(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -145,7 +151,24 @@ def test_second_run_loads_from_kvstore(engine: Engine, daemon: DaemonProcess) ->
     want = [expected_cached(n) for n in warm["prompt_tokens"]]
     assert all(n > 0 for n in want)
     assert warm["cached"] == want, engine.tail()
-    assert hit_blocks(daemon) - served == sum(want) // BLOCK
+    assert hit_blocks(daemon) - served == sum(fetched_blocks(n) for n in want)
+    assert_same_generation(warm, cold)
+
+
+@pytest.mark.timeout(300)
+def test_prompt_of_whole_blocks_loads_all_but_its_last_token(engine: Engine,
+                                                              model_dir: Path) -> None:
+    """A prompt whose blocks are all stored: vLLM computes only its last token, so the load
+    ends inside the last page (a partial page copy), and the output is unchanged."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(prompts(seed=8)[0])["input_ids"]
+    assert len(ids) >= 6 * BLOCK
+    ids = ids[: 6 * BLOCK]
+    cold = engine.generate([ids])
+    engine.reset()
+    warm = engine.generate([ids])
+    assert warm["cached"] == [len(ids) - 1], engine.tail()
     assert_same_generation(warm, cold)
 
 
@@ -184,7 +207,7 @@ def test_block_published_by_transformers_is_found(engine: Engine, daemon: Daemon
     served = hit_blocks(daemon)
     out = engine.generate([ids])
     assert out["cached"] == [expected_cached(len(ids))], engine.tail()
-    assert hit_blocks(daemon) - served == expected_cached(len(ids)) // BLOCK
+    assert hit_blocks(daemon) - served == fetched_blocks(expected_cached(len(ids)))
     # Two engines' numerics differ in the last bits; on this fp32 model greedy tokens agree.
     assert out["tokens"] == [hf_tokens]
 

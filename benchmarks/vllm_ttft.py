@@ -1,0 +1,457 @@
+"""TTFT in vLLM: recompute vs warm from kvstore's host and disk tiers vs LMCache, one run.
+
+    .venv-vllm/bin/python -m benchmarks.vllm_ttft [--lengths 1024,2048,4096] [--repeats 3]
+
+Set up first: `bash scripts/setup_vllm.sh` (vLLM + kvstore) and `bash scripts/setup_lmcache.sh`
+(vLLM + LMCache 0.5.6 in `.venv-lmcache`: LMCache pulls protobuf 6, which kvstore's generated
+modules refuse, so the two connectors cannot share an interpreter). Without `.venv-lmcache`
+the LMCache rows are skipped (`--no-lmcache` skips them on purpose).
+
+Model: a random-weight Llama with Llama-3-8B's KV shape (32 layers x 8 KV heads x 128 dims,
+bf16: 128 KiB of KV per token) and tiny compute (hidden 256, intermediate 256), saved locally
+with `save_pretrained`; vLLM runs it with `skip_tokenizer_init=True` on token-id prompts
+(random ids, one prompt per length, no shared prefixes).
+
+Each engine runs in a subprocess of its own venv (vLLM spawns workers: `__main__` guard):
+- recompute: vLLM without a connector; then the same prompt again without a reset ("vLLM
+  prefix cache": vLLM's own reuse, of whole blocks only, so it recomputes the prompt's last
+  block, where the connectors below load all but the last token);
+- kvstore: `KVStoreConnector` on a daemon started here. Cold run (computes and publishes), then
+  warm from the host tier; then the daemon is restarted (SIGTERM flushes the host tier to disk,
+  the new daemon starts with an empty host tier) and the warm run loads from the disk tier;
+- LMCache: `LMCacheMPConnector` with LMCache's MP server (`--supported-transfer-mode auto`,
+  `lmcache_driven` transfer through POSIX shared memory, L1 = CPU memory).
+
+TTFT is the wall time of `LLM.generate` of one prompt with `max_tokens=1`, measured in the
+engine process: scheduling, the connector's lookup and load, the prefill of the tokens not
+loaded, and sampling (no detokenisation: no tokenizer). "Warm" is `reset_prefix_cache()`
+(retried until it returns True: a connector still saving holds blocks) and then the same
+prompt again, so every reused token comes from the connector, none from vLLM's own prefix
+cache. A warm run's first token is checked against the recompute run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_VLLM = ROOT / ".venv-vllm" / "bin" / "python"
+VENV_LMCACHE = ROOT / ".venv-lmcache" / "bin" / "python"
+VOCAB = 32000
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
+                         "stream": "ext://sys.stdout"}},
+    "loggers": {name: {"handlers": ["out"], "level": "INFO", "propagate": False}
+                for name in ("vllm", "kvstore")},
+}
+LOAD_LINE = re.compile(r"kvstore: request \S+ loaded tokens \[(\d+), (\d+)\) in ([\d.]+) ms")
+
+
+# ---- engine subprocess: `python -m benchmarks.vllm_ttft --engine '{json}'`
+def engine_main(opts: dict[str, Any]) -> None:
+    """One vLLM engine, driven by JSON lines on stdin; one `RESULT {json}` line per command.
+
+    Imports vLLM only (no kvstore module at import time): this runs in `.venv-lmcache` too.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if opts.get("connector"):
+        ktc = KVTransferConfig(kv_connector=opts["connector"],
+                               kv_connector_module_path=opts.get("module"),
+                               kv_role="kv_both",
+                               kv_connector_extra_config=opts.get("extra", {}))
+    llm = LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True,
+              skip_tokenizer_init=True, block_size=opts["block_size"],
+              max_model_len=opts["max_model_len"],
+              max_num_batched_tokens=opts["max_model_len"], max_num_seqs=4, seed=0,
+              kv_transfer_config=ktc)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, detokenize=False)
+    print("RESULT " + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "reset":
+            start = time.perf_counter()
+            ok = False
+            while not ok and time.perf_counter() - start < cmd.get("timeout", 60):
+                ok = bool(llm.reset_prefix_cache())
+                if not ok:
+                    time.sleep(0.02)
+            result: dict[str, Any] = {"reset": ok, "seconds": time.perf_counter() - start}
+        else:
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": cmd["ids"]}], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            token = out.outputs[0].token_ids[0]
+            logprobs = out.outputs[0].logprobs
+            result = {"seconds": seconds, "cached": out.num_cached_tokens or 0,
+                      "token": token,
+                      "logprob": logprobs[0][token].logprob if logprobs else None}
+        print("RESULT " + json.dumps(result), flush=True)
+    del llm
+
+
+class Engine:
+    """An `engine_main` subprocess; its other output goes to `log`."""
+
+    def __init__(self, python: Path, opts: dict[str, Any], log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+                    "VLLM_CPU_KVCACHE_SPACE": str(opts.pop("kv_space_gib", 4)),
+                    **(env or {})}
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "benchmarks.vllm_ttft", "--engine", json.dumps(opts)],
+            cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        if not self._read().get("ready"):
+            raise RuntimeError(f"engine did not start; see {log}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line.removeprefix("RESULT "))
+            self._log.write(line)
+            self._log.flush()
+        raise RuntimeError(f"engine exited ({self.proc.wait()}); see {self.log_path}:\n"
+                           + self.log_path.read_text()[-3000:])
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, ids: list[int]) -> dict[str, Any]:
+        return self.call(op="generate", ids=ids)
+
+    def reset(self) -> float:
+        r = self.call(op="reset")
+        if not r["reset"]:
+            raise RuntimeError("reset_prefix_cache() stayed False for 60 s")
+        return float(r["seconds"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(RuntimeError, BrokenPipeError):
+                self.call(op="quit")
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+# ---- the driver
+def make_model(path: Path, layers: int) -> Path:
+    import torch
+
+    from benchmarks.common import llama_8b_kv_shaped
+
+    if (path / "config.json").exists():
+        return path
+    model = llama_8b_kv_shaped(layers, vocab=VOCAB, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def lmcache_server(port: int, log: Path, l1_gb: int, chunk: int):  # type: ignore[no-untyped-def]
+    """LMCache's MP server (its own venv), up once it accepts connections on `port`."""
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(
+            [str(VENV_LMCACHE), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+             "--port", str(port), "--l1-size-gb", str(l1_gb), "--chunk-size", str(chunk),
+             "--supported-transfer-mode", "auto", "--eviction-policy", "LRU"],
+            cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"LMCache server exited; see {log}")
+                with contextlib.suppress(OSError), socket.create_connection(
+                        ("127.0.0.1", port), timeout=1):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"LMCache server did not listen; see {log}")
+                time.sleep(0.5)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def load_times(log: Path, seen: int) -> tuple[list[float], int]:
+    """kvstore connector load times (ms) logged since line `seen` of the engine log."""
+    lines = log.read_text().splitlines()
+    found = [float(m.group(3)) for line in lines[seen:] if (m := LOAD_LINE.search(line))]
+    return found, len(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,2048,4096",
+                   help="prompt lengths in tokens (e.g. 1024,2048,4096,8192,16384)")
+    p.add_argument("--repeats", type=int, default=3, help="warm runs per prompt (median)")
+    p.add_argument("--recompute-repeats", type=int, default=2,
+                   help="runs of the engine without a connector per prompt (median)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=128,
+                   help="vLLM block size (a multiple of 32; CPU default 128)")
+    p.add_argument("--kv-block", type=int, default=0,
+                   help="kvstore block_tokens (default: the vLLM block size)")
+    p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size")
+    p.add_argument("--deadline-s", type=float, default=10.0,
+                   help="kvstore client deadline (a disk load of a long prompt takes seconds)")
+    p.add_argument("--no-lmcache", action="store_true")
+    p.add_argument("--no-disk", action="store_true")
+    p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine:
+        engine_main(json.loads(args.engine))
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from benchmarks.common import RESULTS, table, write_results
+    from server.process import DaemonProcess
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    data = (ROOT / args.data_dir).resolve()
+    shutil.rmtree(data / "kvstore", ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
+    model = make_model(data / f"llama-8b-kv-{args.layers}l", args.layers)
+    bytes_per_token = args.layers * 2 * 8 * 128 * 2
+    max_len = max(lengths) + 64
+    kv_space = max(2, -(-2 * max_len * bytes_per_token // (1 << 30)))
+    prompts = {n: prompt_ids(n, seed=n) for n in lengths}
+    warmup = prompt_ids(512, seed=7)  # first-use costs of each engine, outside the figures
+    primer = prompt_ids(2 * args.block_size, seed=11)  # reconnects clients after a restart
+    base = {"model": str(model), "block_size": args.block_size, "max_model_len": max_len,
+            "kv_space_gib": kv_space}
+    lmcache = not args.no_lmcache and VENV_LMCACHE.exists()
+    if not args.no_lmcache and not lmcache:
+        print(f"no {VENV_LMCACHE}: LMCache rows skipped (bash scripts/setup_lmcache.sh)")
+    per_prompt = args.recompute_repeats + args.repeats
+    per_prompt += 1 + args.repeats + (0 if args.no_disk else args.repeats)  # kvstore
+    per_prompt += (1 + args.repeats) if lmcache else 0
+    bar = tqdm(total=len(lengths) * per_prompt, desc="vllm ttft", unit="run")
+    samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
+
+    def measure(engine: Engine, run_name: str, n: int, *, reset: bool) -> dict[str, Any]:
+        if reset:
+            engine.reset()
+        seen = len(engine.log_path.read_text().splitlines())
+        r = engine.generate(prompts[n])
+        r["load_ms"], _ = load_times(engine.log_path, seen)
+        samples.setdefault((n, run_name), []).append(r)
+        bar.set_postfix_str(f"{run_name} {n}: {r['seconds']:.3f} s")
+        bar.update()
+        return r
+
+    def warm_up(engine: Engine) -> None:
+        engine.generate(warmup)
+        engine.reset()
+        engine.generate(warmup)
+
+    # 1. recompute: vLLM alone
+    engine = Engine(VENV_VLLM, dict(base), data / "engine-recompute.log")
+    try:
+        warm_up(engine)
+        for n in lengths:
+            for _ in range(args.recompute_repeats):
+                measure(engine, "recompute", n, reset=True)
+            for _ in range(args.repeats):  # the floor: vLLM's own prefix cache holds it all
+                measure(engine, "vLLM prefix cache", n, reset=False)
+    finally:
+        engine.close()
+
+    # 2. kvstore: host tier, then disk tier after restarts
+    kv_block = args.kv_block or args.block_size
+    host = sum(lengths) * bytes_per_token + (512 << 20)
+    daemon = DaemonProcess(data / "kvstore", "--host-bytes", str(host),
+                           "--disk-bytes", str(2 * host))
+    extra = {"kvstore.target": daemon.target, "kvstore.deadline_s": args.deadline_s,
+             "kvstore.block_tokens": kv_block}
+    daemon.start()
+    # vLLM configures logging in each of its processes from this file: the connector's load
+    # times (logger "kvstore", INFO) reach the engine log with vLLM's own lines.
+    logging_config = data / "logging.json"
+    logging_config.write_text(json.dumps(LOGGING))
+    engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
+                                "module": "client.integrations.vllm", "extra": extra},
+                    data / "engine-kvstore.log",
+                    env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
+    try:
+        warm_up(engine)
+        for n in lengths:
+            measure(engine, "kvstore cold", n, reset=True)
+            for _ in range(args.repeats):
+                measure(engine, "kvstore host", n, reset=True)
+        for _ in range(0 if args.no_disk else args.repeats):
+            daemon.stop()  # SIGTERM: the host tier is flushed to disk
+            daemon.start()  # a new, empty host tier: every hit below is read from disk
+            engine.reset()
+            engine.generate(primer)  # the engine's clients reconnect to the new daemon
+            for n in lengths:
+                measure(engine, "kvstore disk", n, reset=True)
+    finally:
+        engine.close()
+        daemon.stop()
+
+    # 3. LMCache through its MP connector and server
+    if lmcache:
+        port = free_port()
+        l1_gb = max(4, -(-3 * host // (1 << 30)))
+        with lmcache_server(port, data / "lmcache-server.log", l1_gb, args.chunk_size):
+            extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                     "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+            engine = Engine(VENV_LMCACHE, {**base, "connector": "LMCacheMPConnector",
+                                           "extra": extra},
+                            data / "engine-lmcache.log", env={"LMCACHE_TRACK_USAGE": "false"})
+            try:
+                warm_up(engine)
+                for n in lengths:
+                    measure(engine, "LMCache cold", n, reset=True)
+                    for _ in range(args.repeats):
+                        measure(engine, "LMCache warm", n, reset=True)
+            finally:
+                engine.close()
+    bar.close()
+
+    rows = summarize(samples, lengths, args.repeats)
+    print(f"\nvLLM {_vllm_version()} on CPU, {args.layers}-layer Llama with 8B's KV shape "
+          f"({bytes_per_token // 1024} KiB/token, bf16), vLLM block {args.block_size}, "
+          f"kvstore block {kv_block}, LMCache chunk {args.chunk_size}; TTFT = wall time of a "
+          f"1-token generate, median of {args.repeats} (cold: 1 run)\n")
+    columns = ["tokens", "run", "cached", "TTFT s", "load ms", "vs recompute", "vs LMCache",
+               "same token"]
+    print(table(rows, columns))
+    for n in lengths:
+        ratio = next((r["vs LMCache"] for r in rows
+                      if r["tokens"] == n and r["run"] == "kvstore host"), None)
+        if isinstance(ratio, float):
+            print(f"{n} tokens: kvstore host recall = {ratio:.2f}x LMCache's (goal <= 0.5)")
+    payload = {"config": {k: v for k, v in vars(args).items() if k != "engine"},
+               "kv_block": kv_block, "bytes_per_token": bytes_per_token,
+               "vllm": _vllm_version(), "rows": rows,
+               "samples": {f"{n}/{name}": s for (n, name), s in samples.items()}}
+    path = write_results("vllm_ttft", payload)
+    plot(rows, lengths, RESULTS / "vllm_ttft.png")
+    print(f"\nresults: {path} and {RESULTS / 'vllm_ttft.png'}; engine logs in {data}")
+
+
+def summarize(samples: dict[tuple[int, str], list[dict[str, Any]]], lengths: list[int],
+              repeats: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    order = ["recompute", "vLLM prefix cache", "kvstore cold", "kvstore host", "kvstore disk",
+             "LMCache cold", "LMCache warm"]
+    for n in lengths:
+        base = samples.get((n, "recompute"), [])
+        # The recompute engine's first run is its cold one; all of them compute everything.
+        ref_token = base[0]["token"] if base else None
+        recompute = statistics.median(s["seconds"] for s in base) if base else None
+        lm = samples.get((n, "LMCache warm"))
+        lm_ttft = statistics.median(s["seconds"] for s in lm) if lm else None
+        for name in order:
+            runs = samples.get((n, name))
+            if not runs:
+                continue
+            ttft = statistics.median(s["seconds"] for s in runs)
+            loads = [ms for s in runs for ms in s.get("load_ms", [])]
+            row: dict[str, Any] = {
+                "tokens": n, "run": name, "cached": runs[-1]["cached"], "TTFT s": ttft,
+                "load ms": statistics.median(loads) if loads else "",
+                "vs recompute": recompute / ttft if recompute else "",
+                "vs LMCache": (ttft / lm_ttft if lm_ttft and name.startswith("kvstore ")
+                               and name != "kvstore cold" else ""),
+                "same token": all(s["token"] == ref_token for s in runs),
+                "runs": [s["seconds"] for s in runs]}
+            rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], lengths: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [("recompute", "#999999"), ("vLLM prefix cache", "#cccccc"),
+            ("kvstore host", "#22aa77"), ("kvstore disk", "#2277aa"), ("LMCache warm", "#aa5522")]
+    present = [(r, c) for r, c in runs if any(row["run"] == r for row in rows)]
+    width = 0.8 / max(1, len(present))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for i, (run_name, color) in enumerate(present):
+        xs, ys = [], []
+        for j, n in enumerate(lengths):
+            row = next((r for r in rows if r["tokens"] == n and r["run"] == run_name), None)
+            if row:
+                xs.append(j + (i - (len(present) - 1) / 2) * width)
+                ys.append(row["TTFT s"])
+        bars = ax.bar(xs, ys, width, label=run_name, color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s), log scale")
+    ax.set_yscale("log")
+    ax.set_title("vLLM 0.32 CPU TTFT: recompute vs kvstore tiers vs LMCache 0.5.6")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _vllm_version() -> str:
+    try:
+        import importlib.metadata as m
+
+        return m.version("vllm-cpu")
+    except Exception:  # a label only
+        return "?"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The C copy routine of vLLM CPU caches (`client/integrations/vllm_cpu_copy.c`) against an
+index-by-index reference and against its torch twin: every dtype it vectorises, odd shapes that
+take its element-by-element path, partial pages, block views with arena strides, bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.integrations import paged
+from client.integrations.paged import PagedCache
+
+needs_native = pytest.mark.skipif(paged.native_copy() is None,
+                                  reason="no C compiler: the torch copy is used instead")
+
+
+def reference_pages(kv: torch.Tensor, pages: list[int], num_pages: int, ps: int,
+                    count: int | None = None, fill: float = 7.0) -> list[torch.Tensor]:
+    """vLLM "vec" caches holding `kv`'s tokens in `pages`: per (page, head), K as
+    `[head_dim, ps]` then V as `[ps, head_dim]`; other slots hold `fill`."""
+    layers, _, tokens, heads, dim = kv.shape
+    count = tokens if count is None else count
+    out = []
+    for layer in range(layers):
+        t = torch.full((num_pages, heads, 2, ps * dim), fill, dtype=kv.dtype)
+        for token in range(count):
+            page, slot = pages[token // ps], token % ps
+            k = t[page, :, 0].view(heads, dim, ps)
+            v = t[page, :, 1].view(heads, ps, dim)
+            k[:, :, slot] = kv[layer, 0, token]
+            v[:, slot, :] = kv[layer, 1, token]
+        out.append(t.view(num_pages, heads, ps, 2 * dim))
+    return out
+
+
+def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+CASES = [  # (dtype, layers, heads, head_dim, page size): SSE tiles, and odd shapes
+    (torch.bfloat16, 3, 2, 128, 32),
+    (torch.float16, 2, 3, 64, 16),
+    (torch.float32, 2, 2, 16, 8),
+    (torch.float32, 2, 1, 6, 5),  # no whole tile: element by element
+    (torch.bfloat16, 1, 2, 12, 12),  # tiles plus remainders
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "layers", "heads", "dim", "ps"), CASES)
+@pytest.mark.parametrize("native", [True, False])
+def test_scatter_then_gather_matches_reference(dtype, layers, heads, dim, ps, native,
+                                               monkeypatch) -> None:
+    if not native:
+        monkeypatch.setenv(paged.NATIVE_ENV, "0")
+    pages = [5, 0, 3]
+    kv = random((layers, 2, len(pages) * ps, heads, dim), dtype, seed=1)
+    want = reference_pages(kv, pages, 7, ps)
+    got = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(got, "vec")
+    cache.scatter(kv, pages, 0)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(cache.gather(pages), kv)
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "layers", "heads", "dim", "ps"), CASES)
+def test_partial_last_page_writes_only_its_first_slots(dtype, layers, heads, dim, ps,
+                                                       monkeypatch) -> None:
+    pages = [2, 4]
+    count = ps + ps // 2 + 1 if ps > 2 else ps + 1
+    kv = random((layers, 2, 2 * ps, heads, dim), dtype, seed=2)
+    want = reference_pages(kv, pages, 6, ps, count=count)
+    for native in ("1", "0"):
+        monkeypatch.setenv(paged.NATIVE_ENV, native)
+        got = [torch.full_like(t, 7.0) for t in want]
+        cache = PagedCache.vllm_cpu(got, "vec")
+        cache.scatter_views([(kv, 0, pages, count)])
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"native={native}"
+        back = torch.zeros_like(kv)
+        cache.gather_views([(back, 0, pages, count)])
+        assert torch.equal(back[:, :, :count], kv[:, :, :count])
+        assert not back[:, :, count:].any()
+
+
+@needs_native
+def test_block_views_with_arena_strides_and_offsets() -> None:
+    """Blocks as the daemon's arena holds them (`[layers, kv, block_tokens, heads, dim]`
+    each, contiguous), a load that starts inside the first block, mixed with a prompt-major
+    tensor (other layer and kv strides) in one call."""
+    layers, heads, dim, ps, bt = 2, 2, 16, 8, 16
+    arena = random((3, layers, 2, bt, heads, dim), torch.bfloat16, seed=3)
+    prompt = torch.cat([arena[i] for i in range(3)], dim=2)  # [layers, 2, 48, heads, dim]
+    pages = [9, 1, 4, 6, 2, 0]  # the request's pages, 8 tokens each
+    want = reference_pages(prompt, pages, 10, ps)
+    got = [torch.zeros_like(t) for t in want]
+    cache = PagedCache.vllm_cpu(got, "vec")
+    # tokens [8, 48): block 0 from its second page on, block 1 whole, block 2 from `prompt`
+    cache.scatter_views([(arena[0], 8, pages[1:2]), (arena[1], 0, pages[2:4]),
+                         (prompt, 32, pages[4:6])])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[pages[1:]], w[pages[1:]])
+        assert not g[pages[0]].any()  # a page the engine computed itself: untouched
+    out = torch.zeros_like(arena)
+    cache.gather_views([(out[i], 0, pages[2 * i : 2 * i + 2]) for i in range(1, 3)])
+    assert torch.equal(out[1:], arena[1:])
+
+
+def test_views_are_checked_before_any_copy() -> None:
+    ps, dim = 4, 8
+    layers = [torch.zeros(3, 2, ps, 2 * dim) for _ in range(2)]
+    cache = PagedCache.vllm_cpu(layers, "vec")
+    kv = torch.zeros(2, 2, 8, 2, dim)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.scatter_views([(kv, 0, [1, 3])])
+    with pytest.raises(ValueError, match="outside the KV"):
+        cache.scatter_views([(kv, 4, [0, 1])])
+    with pytest.raises(ValueError, match="do not fill"):
+        cache.scatter_views([(kv, 0, [0, 1], 4)])
+    with pytest.raises(ValueError, match="does not match"):
+        cache.scatter_views([(kv.to(torch.float16), 0, [0])])
