@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: setup demo test test-vllm test-all test-slow lint bench bench-throughput simulate proto clean
+.PHONY: soak setup demo test test-vllm test-all test-slow lint bench bench-throughput simulate proto clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,9 @@ test: setup
 
 test-vllm:
 	bash scripts/test_vllm.sh
+
+soak: setup
+	$(PY) scripts/soak.py --seconds $${SOAK_SECONDS:-300}
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
