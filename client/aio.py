@@ -454,13 +454,7 @@ class AsyncKVClient:
     async def _publish(self, keys: list[bytes], kv: torch.Tensor) -> int:
         if self.transfer == "stream":
             return await self._publish_stream(keys, kv)
-        done = 0
-        while done < len(keys):
-            n, more = await self._publish_some(keys, done, kv)
-            done += n
-            if not more or n == 0:
-                break
-        return done
+        return await _in_rounds(len(keys), 0, lambda d: self._publish_some(keys, d, kv))
 
     async def _publish_some(self, keys: list[bytes], start: int, kv: torch.Tensor,
                             ) -> tuple[int, bool]:
@@ -523,12 +517,8 @@ class AsyncKVClient:
         """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it, 0 on a miss)."""
         if self.transfer == "stream":
             return await self._fetch_with_stream(keys, consume, skip)
-        done = skip
-        while done < len(keys):
-            n, more = await self._fetch_with_some(keys, done, consume)
-            done += n
-            if not more or n == 0:
-                break
+        done = await _in_rounds(len(keys), skip,
+                                lambda d: self._fetch_with_some(keys, d, consume))
         return done if done > skip else 0
 
     async def _fetch_with_some(self, keys: list[bytes], start: int, consume: BlockCopy,
@@ -584,13 +574,8 @@ class AsyncKVClient:
             await self._copy(produce, blocks,
                              [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks])
             return await self._publish_stream(keys, kv)
-        done = 0
-        while done < len(keys):
-            n, more = await self._publish_with_some(keys, done, produce)
-            done += n
-            if not more or n == 0:
-                break
-        return done
+        return await _in_rounds(len(keys), 0,
+                                lambda d: self._publish_with_some(keys, d, produce))
 
     async def _publish_with_some(self, keys: list[bytes], start: int, produce: BlockCopy,
                                  ) -> tuple[int, bool]:
@@ -613,6 +598,20 @@ class AsyncKVClient:
             if not committed and reply.blocks:
                 self._release_later(reply.lease_id)
         return len(reply.needed), reply.more
+
+
+async def _in_rounds(total: int, start: int,
+                     step: Callable[[int], Awaitable[tuple[int, bool]]]) -> int:
+    """Run `step(done)` until all `total` blocks are covered, a round covers none, or the daemon
+    says there is no more (`more` false: a miss or an end, not a lack of staging space).
+    Returns the blocks covered, counting from 0."""
+    done = start
+    while done < total:
+        n, more = await step(done)
+        done += n
+        if not more or n == 0:
+            break
+    return done
 
 
 def _count(tokens: Tokens) -> int:

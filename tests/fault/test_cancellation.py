@@ -31,7 +31,9 @@ from kvstore.layout import KVLayout
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import CapacityWatch, soak_record, soak_seconds, stats, wait_quiescent
 
-pytestmark = [pytest.mark.fault, pytest.mark.integration]
+# Random cancellation points race real timers: a rerun absorbs a noisy neighbour on 2 cores.
+pytestmark = [pytest.mark.fault, pytest.mark.integration,
+              pytest.mark.flaky(reruns=2, reruns_delay=1)]
 LEASE_S = 2.0
 CANARY = 0xA5
 MIN_CANCELLED, MIN_HITS = 60, 25
