@@ -22,6 +22,10 @@ Each engine runs in a subprocess of its own venv (vLLM spawns workers: `__main__
 - LMCache: `LMCacheMPConnector` with LMCache's MP server (`--supported-transfer-mode auto`,
   `lmcache_driven` transfer through POSIX shared memory, L1 = CPU memory).
 
+Every engine computes on the same CPUs: vLLM's worker binds its OMP threads to all CPUs but
+`--reserved-cpus` (default 1: on 2 cores, the worker computes on core 0; the scheduler process,
+the kvstore daemon and LMCache's server share core 1).
+
 TTFT is the wall time of `LLM.generate` of one prompt with `max_tokens=1`, measured in the
 engine process: scheduling, the connector's lookup and load, the prefill of the tokens not
 loaded, and sampling (no detokenisation: no tokenizer). "Warm" is `reset_prefix_cache()`
@@ -117,6 +121,7 @@ class Engine:
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     "VLLM_CPU_KVCACHE_SPACE": str(opts.pop("kv_space_gib", 4)),
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": str(opts.pop("reserved_cpus", 1)),
                     **(env or {})}
         self.proc = subprocess.Popen(
             [str(python), "-m", "benchmarks.vllm_ttft", "--engine", json.dumps(opts)],
@@ -242,6 +247,11 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size")
     p.add_argument("--deadline-s", type=float, default=10.0,
                    help="kvstore client deadline (a disk load of a long prompt takes seconds)")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="CPUs vLLM keeps its OMP threads off (VLLM_CPU_NUM_OF_RESERVED_CPU), the "
+                        "same for every engine: without it vLLM reserves one more CPU when a "
+                        "connector is configured, which on 2 cores gives the connector engines "
+                        "2 compute threads and the plain one 1")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
@@ -271,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
     warmup = prompt_ids(512, seed=7)  # first-use costs of each engine, outside the figures
     primer = prompt_ids(2 * args.block_size, seed=11)  # reconnects clients after a restart
     base = {"model": str(model), "block_size": args.block_size, "max_model_len": max_len,
-            "kv_space_gib": kv_space}
+            "kv_space_gib": kv_space, "reserved_cpus": args.reserved_cpus}
     lmcache = not args.no_lmcache and VENV_LMCACHE.exists()
     if not args.no_lmcache and not lmcache:
         print(f"no {VENV_LMCACHE}: LMCache rows skipped (bash scripts/setup_lmcache.sh)")
