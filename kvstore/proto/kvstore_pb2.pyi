@@ -71,12 +71,21 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("hits", "tiers")
+    __slots__ = ("hits", "tiers", "read_bandwidth")
+    class ReadBandwidthEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     HITS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     hits: int
     tiers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+    read_bandwidth: _containers.ScalarMap[str, float]
+    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., read_bandwidth: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class BlockRef(_message.Message):
     __slots__ = ("offset", "length", "tier")
@@ -197,7 +206,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "evictions", "hits", "bytes_read", "bytes_written")
+    __slots__ = ("name", "blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "evictions", "hits", "bytes_read", "bytes_written", "read_bandwidth")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +216,7 @@ class TierStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     used_bytes: int
@@ -216,7 +226,8 @@ class TierStats(_message.Message):
     hits: int
     bytes_read: int
     bytes_written: int
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ...) -> None: ...
+    read_bandwidth: float
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs")
@@ -301,3 +312,33 @@ class ClearReply(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    bytes: int
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "layout", "tiers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    layout: Layout
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+
+class InspectReply(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ClearReply.FromString,
                 _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/kvstore.v1.KVStore/Inspect',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.InspectReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -146,6 +151,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inspect(self, request, context):
+        """Namespaces held and their blocks per tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +205,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ClearReply.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.InspectReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +455,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Clear',
             kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.ClearReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Inspect',
+            kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.InspectReply.FromString,
             options,
             channel_credentials,
             insecure,
