@@ -328,14 +328,16 @@ class TierBlocks(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "layout", "tiers")
+    __slots__ = ("namespace", "layout", "tiers", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class InspectReply(_message.Message):
     __slots__ = ("namespaces",)
