@@ -192,6 +192,10 @@ class AsyncKVClient:
         reply = await self._guard(lambda: self._unary("Clear", req), None)
         return 0 if reply is None else reply.removed
 
+    async def inspect(self) -> pb.InspectReply | None:
+        """Namespaces the daemon holds and their blocks per tier (a TCP tenant: its own)."""
+        return await self._guard(lambda: self._unary("Inspect", pb.InspectRequest()), None)
+
     async def ping(self) -> bool:
         return await self._guard(lambda: self._info(), None) is not None
 

@@ -3,6 +3,7 @@
     kvstore stats  [--target T] [--json]     tiers, capacity, hit rate, traffic
     kvstore ping   [--target T]              exit 0 when the daemon answers
     kvstore clear  (--namespace HEX | --all) remove blocks
+    kvstore inspect [--target T] [--json]    namespaces: layout, tenant, blocks per tier
     kvstore top    [--interval S] [--count N] live view: stats and rates, refreshed
     kvstore config check FILE                validate a TOML configuration file
 
@@ -53,6 +54,29 @@ def format_stats(s: pb.StatsReply) -> str:
     return "\n".join(lines)
 
 
+def format_inspect(r: pb.InspectReply) -> str:
+    if not r.namespaces:
+        return "no blocks stored"
+    tiers = sorted({t.tier for ns in r.namespaces for t in ns.tiers},
+                   key=lambda n: ("gpu", "host", "disk").index(n) if n in ("gpu", "host", "disk")
+                   else 9)
+    head = f"{'namespace':<16} {'tenant':<10} {'layout':<44}"
+    lines = [head + "".join(f" {t + ' blocks':>12}" for t in tiers) + f" {'bytes':>11}"]
+    for ns in r.namespaces:
+        lay = ns.layout
+        desc = (f"{lay.model} {lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim} {lay.dtype} "
+                f"b{lay.block_tokens}" + (f" tp{lay.tp_rank}/{lay.tp_size}" if lay.tp_size > 1
+                                          else "")
+                if ns.HasField("layout") else "(layout not seen since start)")
+        per = {t.tier: t for t in ns.tiers}
+        lines.append(f"{ns.namespace.hex()[:16]:<16} {ns.tenant or '-':<10} {desc[:44]:<44}"
+                     + "".join(f" {per[t].blocks if t in per else 0:>12}" for t in tiers)
+                     + f" {_human(sum(t.bytes for t in ns.tiers)):>11}")
+    total = sum(t.blocks for ns in r.namespaces for t in ns.tiers)
+    lines.append(f"{len(r.namespaces)} namespaces, {total} blocks")
+    return "\n".join(lines)
+
+
 def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     target, _ = normalize_target(args.target)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
@@ -72,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", help="tiers, capacity, hit rate, traffic")
     sub.add_parser("ping", help="check that the daemon answers")
+    sub.add_parser("inspect", help="namespaces held: layout, tenant, blocks per tier")
     top = sub.add_parser("top", help="live view of stats and rates")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -94,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             reply = _call(args, "Stats", pb.StatsRequest())
             print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True))
                   if args.json else format_stats(reply))
+        elif args.command == "inspect":
+            reply = _call(args, "Inspect", pb.InspectRequest())
+            if args.json:
+                out = MessageToDict(reply, always_print_fields_with_no_presence=True)
+                for d, ns in zip(out["namespaces"], reply.namespaces, strict=True):
+                    d["namespace"] = ns.namespace.hex()  # as `kvstore clear --namespace` takes it
+                print(json.dumps(out))
+            else:
+                print(format_inspect(reply))
         elif args.command == "ping":
             info = _call(args, "Info", pb.InfoRequest())
             print(json.dumps({"ok": True, "version": info.version}) if args.json

@@ -81,6 +81,9 @@ class KVClient:
     def clear(self, *, all_namespaces: bool = False) -> int:
         return self._run(self._aio.clear(all_namespaces=all_namespaces), 0)
 
+    def inspect(self) -> pb.InspectReply | None:
+        return self._run(self._aio.inspect(), None)
+
     def ping(self) -> bool:
         return self._run(self._aio.ping(), False)
 

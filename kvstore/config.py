@@ -55,8 +55,13 @@ class ServerConfig:
 
     data_dir: str = _opt(".data/kvstore", "Directory for the disk tier and runtime files.")
     socket: str = _opt("", "Unix socket path to listen on (mode 0600). Default: DATA_DIR/kv.sock.")
-    listen: str = _opt("", "TCP HOST:PORT to listen on as well; requires `token`. Empty: none.")
-    token: str = _opt("", "Shared secret TCP clients must present (bearer token).", secret=True)
+    listen: str = _opt("", "TCP HOST:PORT to listen on as well; requires `token` or "
+                       "`tenant_tokens_file`. Empty: none.")
+    token: str = _opt("", "Admin secret TCP clients may present (bearer token): full, unscoped "
+                      "access, as on the Unix socket.", secret=True)
+    tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
+                                   "presenting a tenant's token is confined to that tenant's "
+                                   "blocks, whatever its requests say. Empty: no tenants.")
     host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
                            lo=0, hi=1 << 44)
     disk_bytes: int = _opt(8 << 30, "Disk tier capacity: payload bytes in the data file.",
@@ -120,8 +125,9 @@ class ServerConfig:
             host, _, port = self.listen.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
-            if not self.token:
-                raise ConfigError("listen: a TCP listener requires `token` (clients authenticate)")
+            if not self.token and not self.tenant_tokens_file:
+                raise ConfigError("listen: a TCP listener requires `token` or "
+                                  "`tenant_tokens_file` (clients authenticate)")
         if self.remote:
             parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
 

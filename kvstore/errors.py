@@ -56,3 +56,9 @@ class AuthError(KVStoreError):
     """The caller did not present a valid token."""
 
     grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVStoreError):
+    """The caller is authenticated but may not do this (a tenant asking for another's data)."""
+
+    grpc_code = "PERMISSION_DENIED"

@@ -22,9 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from server.auth import TokenInterceptor
+from server.inspect import NamespaceBook
 from server.metrics import Metrics
 from server.service import Admission, KVStoreService, add_service
 from server.store import TieredStore
+from server.tenancy import TokenTable, load_tenant_tokens
 from tiers.disk import DiskTier
 from tiers.host import HostTier
 from tiers.remote import RemoteOptions, RemoteTier
@@ -61,6 +63,10 @@ class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
+        # Read before anything is opened: a bad tokens file stops start-up, naming the option.
+        self.tokens = (TokenTable(config.token, load_tenant_tokens(config.tenant_tokens_file)
+                                  if config.tenant_tokens_file else None)
+                       if config.listen else None)
         self._lock_fd = _lock_data_dir(self.data_dir)
         disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync,
                          fault_read_delay_s=config.fault_disk_read_delay_s)
@@ -75,6 +81,7 @@ class Daemon:
                                  remote_queue_blocks=config.remote_queue_blocks)
         self.metrics = Metrics(self.store)
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
+        self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()
@@ -87,7 +94,8 @@ class Daemon:
             interceptors=interceptors, options=_grpc_options(self.config),
             maximum_concurrent_rpcs=4 * self.config.max_concurrent_rpcs + 64)
         service = KVStoreService(self.store, self.metrics, self.config.max_blocks_per_call,
-                                 self.config.max_message_bytes, self.admission)
+                                 self.config.max_message_bytes, self.admission,
+                                 self.namespaces)
         add_service(service, server)  # the generated registration, with tolerant decoding
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.servers.append(server)
@@ -106,7 +114,8 @@ class Daemon:
         await unix.start()
         os.chmod(sock, 0o600)
         if self.config.listen:
-            tcp = self._make_server([TokenInterceptor(self.config.token)])
+            assert self.tokens is not None
+            tcp = self._make_server([TokenInterceptor(self.tokens)])
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
         if self.config.metrics_port:

@@ -1,27 +1,35 @@
-"""Bearer-token authentication for the TCP listener (the Unix socket relies on file mode 0600)."""
+"""Bearer-token authentication for the TCP listener (the Unix socket relies on file mode 0600).
+
+The token a caller presents names its tenant (`server.tenancy`): the admin `token` is
+unscoped, each token of `tenant_tokens_file` scopes the call to its tenant.
+"""
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from server.tenancy import TokenTable, current_tenant
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED.
+    """Rejects calls without a known `authorization: Bearer <token>` with UNAUTHENTICATED, and
+    runs the others with their token's tenant set (`current_tenant`).
 
     Tokens are compared in constant time and never logged. Health checks are open so load
     balancers and orchestrators can probe the port.
     """
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("TokenInterceptor needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: str | TokenTable) -> None:
+        if isinstance(token, str):
+            if not token:
+                raise ValueError("TokenInterceptor needs a non-empty token")
+            token = TokenTable(token)
+        self._table = token
 
     async def intercept_service(
         self,
@@ -35,9 +43,45 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             if key == "authorization":
                 presented = value.encode() if isinstance(value, str) else value
         handler = await continuation(handler_call_details)
-        if handler is None or hmac.compare_digest(presented, self._expected):
+        if handler is None:
             return handler
-        return _deny_like(handler)
+        tenant = self._table.tenant_for(presented)
+        if tenant is None:
+            return _deny_like(handler)
+        return _with_tenant(handler, tenant) if tenant else handler
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, unary: Any, stream: Any) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind whose behaviour is `unary` or `stream`."""
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream, des, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, des, ser)
+    return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+
+
+def _behaviour(handler: grpc.RpcMethodHandler) -> Any:
+    return (handler.stream_stream or handler.stream_unary or handler.unary_stream
+            or handler.unary_unary)
+
+
+def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
+    """Run `handler` with `current_tenant` set to `tenant` (the call's own task context)."""
+    inner = _behaviour(handler)
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        current_tenant.set(tenant)
+        return await inner(request, context)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        current_tenant.set(tenant)
+        async for item in inner(request, context):
+            yield item
+
+    return _rebuild(handler, unary, stream)
 
 
 def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -48,11 +92,4 @@ def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
         yield  # pragma: no cover - makes this an async generator
 
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny_unary, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, des, ser)
-    return grpc.unary_unary_rpc_method_handler(deny_unary, des, ser)
+    return _rebuild(handler, deny_unary, deny_stream)

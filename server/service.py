@@ -19,13 +19,15 @@ import grpc
 import numpy as np
 
 from kvstore import __version__
-from kvstore.errors import InvalidArgumentError, KVStoreError
+from kvstore.errors import InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from server.inspect import NamespaceBook, inspect_reply
 from server.metrics import Metrics
 from server.store import Lease, TieredStore
+from server.tenancy import current_scope
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK = 4 << 20  # bytes per streamed data message
@@ -110,7 +112,7 @@ class Admission:
     and every lease of the overload would hold its blocks until `lease_timeout_s`.
     """
 
-    SHED = frozenset({"Lookup", "Fetch", "Publish", "Reserve", "Clear"})
+    SHED = frozenset({"Lookup", "Fetch", "Publish", "Reserve", "Clear", "Inspect"})
 
     def __init__(self, limit: int = 0) -> None:
         self.limit = limit  # 0: no limit
@@ -179,9 +181,11 @@ def _fail(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: TieredStore, metrics: Metrics, max_blocks_per_call: int,
-                 max_message_bytes: int, admission: Admission | None = None) -> None:
+                 max_message_bytes: int, admission: Admission | None = None,
+                 namespaces: NamespaceBook | None = None) -> None:
         self.store = store
         self.admission = admission or Admission()
+        self.namespaces = namespaces or NamespaceBook()
         self.metrics = metrics
         self.max_blocks = max_blocks_per_call
         self.max_message_bytes = max_message_bytes
@@ -213,7 +217,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
         # Past the local prefix the shared remote tier is asked too (keys there are
         # prefixed by the namespace, so it needs one; a malformed one just skips remote).
-        found = await self.store.lookup_through(self._keys(request.keys), request.namespace)
+        scope = current_scope()  # a TCP tenant's keys and namespace are rewritten (tenancy.py)
+        found = await self.store.lookup_through(scope.keys(self._keys(request.keys)),
+                                                scope.namespace(request.namespace))
         return pb.LookupReply(hits=len(found), tiers=found)
 
     async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
@@ -227,9 +233,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if isinstance(request, Undecodable):
                 raise request.reject()
             layout = layout_from_proto(request.layout)
-            keys = self._keys(request.keys)
-            lease = await self.store.fetch(keys, layout.digest(), request.namespace,
-                                           layout.block_bytes)
+            scope = current_scope()
+            keys = scope.keys(self._keys(request.keys))
+            ns = scope.namespace(request.namespace)
+            if len(ns) == KEY_BYTES:
+                self.namespaces.note(ns, request.layout, scope, request.namespace)
+            lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes)
             lease_id = lease.id
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
                     for e, t in zip(lease.entries, lease.tiers, strict=True)]
@@ -269,8 +278,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if isinstance(first, Undecodable):
             raise first.reject()
         layout = layout_from_proto(first.layout)
-        keys = self._keys(first.keys)
-        ns = self._namespace(first.namespace)
+        scope = current_scope()
+        keys = scope.keys(self._keys(first.keys))
+        ns = scope.namespace(self._namespace(first.namespace))
+        self.namespaces.note(ns, first.layout, scope, first.namespace)
         digest, length = layout.digest(), layout.block_bytes
         stored = present = 0
         block, filled = -1, 0
@@ -316,8 +327,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
         layout = layout_from_proto(request.layout)
-        keys = self._keys(request.keys)
-        ns = self._namespace(request.namespace)
+        scope = current_scope()
+        keys = scope.keys(self._keys(request.keys))
+        ns = scope.namespace(self._namespace(request.namespace))
+        self.namespaces.note(ns, request.layout, scope, request.namespace)
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes)
         if not lease.entries:  # nothing to write: no lease to hold (Commit(0) is a no-op)
             self.store.commit(lease.id)  # ranks the chain, as the client's Commit would
@@ -345,12 +358,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearReply:
         if request.all == bool(request.namespace):
             raise InvalidArgumentError("Clear takes either a namespace or all=true")
-        ns = None if request.all else self._namespace(request.namespace)
+        scope = current_scope()
+        if request.all and scope.scoped:
+            raise PermissionDeniedError("Clear(all) is for the admin token or the Unix socket; "
+                                        "a tenant clears its namespaces one at a time")
+        ns = None if request.all else scope.namespace(self._namespace(request.namespace))
         removed = self.store.clear(ns)
         # The shared tier too, or read-through would bring the cleared blocks straight back.
         # `removed` is then local blocks plus remote values: a block in both counts twice.
         removed += await self.store.clear_remote(ns)
         return pb.ClearReply(removed=removed)
+
+    @rpc
+    async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectReply:
+        return inspect_reply(self.store, self.namespaces, current_scope())
 
 
 async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:

@@ -1,0 +1,68 @@
+"""What `Inspect` reports: the namespaces a daemon holds, their layouts and blocks per tier.
+
+A block carries only its namespace digest; the layout behind a digest is learnt from the calls
+that name it (Fetch, Publish, Reserve carry one), so after a restart a namespace read back from
+disk shows without a layout until a client names it again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from kvstore.proto import kvstore_pb2 as pb
+from server.store import TieredStore
+from server.tenancy import Scope
+
+MAX_NAMESPACES = 4096  # layouts remembered; the oldest is forgotten past it (blocks stay)
+
+
+@dataclass(frozen=True)
+class Seen:
+    layout: pb.Layout
+    tenant: str
+    client_namespace: bytes  # the digest as the client sent it (before tenant scoping)
+
+
+class NamespaceBook:
+    """Layout and tenant of each namespace (by stored digest) seen since start."""
+
+    def __init__(self, limit: int = MAX_NAMESPACES) -> None:
+        self.limit = limit
+        self._seen: dict[bytes, Seen] = {}
+
+    def note(self, stored_ns: bytes, layout: pb.Layout, scope: Scope, client_ns: bytes) -> None:
+        if stored_ns in self._seen:
+            self._seen[stored_ns] = self._seen.pop(stored_ns)  # most recent last
+            return
+        self._seen[stored_ns] = Seen(layout, scope.tenant, client_ns)
+        if len(self._seen) > self.limit:
+            del self._seen[next(iter(self._seen))]
+
+    def get(self, stored_ns: bytes) -> Seen | None:
+        return self._seen.get(stored_ns)
+
+
+def inspect_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.InspectReply:
+    """Every namespace with blocks in a local tier (a tenant: only its own, under the digests
+    it sent). The shared remote tier is not scanned: it spans machines and may be large."""
+    counts: dict[bytes, dict[str, list[int]]] = defaultdict(dict)
+    for tier in store.tiers:
+        for entry in list(tier.entries.values()):
+            if entry.committed:
+                c = counts[entry.namespace].setdefault(tier.name, [0, 0])
+                c[0] += 1
+                c[1] += entry.length
+    out = []
+    for ns, per_tier in sorted(counts.items(), key=lambda kv: -sum(c[1] for c in
+                                                                    kv[1].values())):
+        seen = book.get(ns)
+        tenant = seen.tenant if seen else ""
+        if scope.scoped and (seen is None or tenant != scope.tenant):
+            continue
+        out.append(pb.NamespaceStats(
+            namespace=seen.client_namespace if scope.scoped and seen else ns,
+            layout=seen.layout if seen else None, tenant=tenant,
+            tiers=[pb.TierBlocks(tier=t, blocks=c[0], bytes=c[1])
+                   for t, c in per_tier.items()]))
+    return pb.InspectReply(namespaces=out)

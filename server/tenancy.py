@@ -1,0 +1,132 @@
+"""Tenants: who a TCP caller is, and the server-side scoping that keeps tenants apart.
+
+A tenant is named by the token it authenticated with (`tenant_tokens_file`), never by a request
+field: a client can put anything in its namespace, so isolation cannot rest on it. The daemon
+rewrites a tenant's namespace and keys before they reach the store:
+
+    scope   = SHA256("kvstore-tenant-v1\\0" || tenant)
+    ns'     = SHA256(scope || ns)         key' = SHA256(scope || key)
+
+Two tenants sending identical keys therefore address different blocks: neither can read, probe
+(by timing a hit) or overwrite the other's. Callers on the Unix socket and those presenting the
+admin `token` are unscoped (tenant ""): they see the store as it is.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import re
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+
+TENANT_SCOPE_VERSION = b"kvstore-tenant-v1\x00"
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MIN_TOKEN_CHARS = 16
+
+# The tenant of the call being served ("" = unscoped). Set per call by `TokenInterceptor`'s
+# wrapped handler; each gRPC call runs in its own task, hence its own context.
+current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("kvstore_tenant",
+                                                                     default="")
+
+
+def scope_of(tenant: str) -> bytes:
+    return hashlib.sha256(TENANT_SCOPE_VERSION + tenant.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Rewrites namespaces and keys of one tenant; the identity for tenant ""."""
+
+    tenant: str
+
+    @property
+    def scoped(self) -> bool:
+        return bool(self.tenant)
+
+    def namespace(self, ns: bytes) -> bytes:
+        """The stored namespace; a malformed one (not 32 bytes) passes unchanged, so that
+        validation still reports what the client sent."""
+        if not self.tenant or len(ns) != 32:
+            return ns
+        return hashlib.sha256(scope_of(self.tenant) + ns).digest()
+
+    def keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        if not self.tenant:
+            return list(keys)
+        prefix = scope_of(self.tenant)
+        return [hashlib.sha256(prefix + k).digest() for k in keys]
+
+
+def current_scope() -> Scope:
+    return Scope(current_tenant.get())
+
+
+def load_tenant_tokens(path: str | Path) -> dict[str, str]:
+    """Token -> tenant from a file of `TENANT TOKEN` lines (`#` comments, blank lines).
+
+    Refuses (ConfigError naming `tenant_tokens_file`) a file others can read, malformed lines,
+    tenant names outside `[A-Za-z0-9_.-]`, tokens shorter than 16 characters and a token
+    given twice. A tenant may have several tokens (rotation).
+    """
+    opt = "tenant_tokens_file"
+    p = Path(path)
+    try:
+        st = p.stat()
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{opt}: cannot read {p}: {e.strerror or e}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{opt}: {p} is accessible by group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    tokens: dict[str, str] = {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ConfigError(f"{opt}: {p}:{n}: expected `TENANT TOKEN`")
+        tenant, token = parts
+        if not _TENANT_RE.match(tenant):
+            raise ConfigError(f"{opt}: {p}:{n}: tenant name {tenant!r} must be 1-64 of "
+                              "[A-Za-z0-9_.-], starting with a letter or digit")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"{opt}: {p}:{n}: the token of {tenant!r} is shorter than "
+                              f"{MIN_TOKEN_CHARS} characters")
+        if token in tokens:
+            raise ConfigError(f"{opt}: {p}:{n}: this token is already given to "
+                              f"{tokens[token]!r}")
+        tokens[token] = tenant
+    if not tokens:
+        raise ConfigError(f"{opt}: {p} names no tenants")
+    return tokens
+
+
+class TokenTable:
+    """Maps a presented bearer token to a tenant in constant time over all known tokens."""
+
+    def __init__(self, admin_token: str = "", tenant_tokens: dict[str, str] | None = None) -> None:
+        entries = [(f"Bearer {t}".encode(), tenant)
+                   for t, tenant in (tenant_tokens or {}).items()]
+        if admin_token:
+            if admin_token in (tenant_tokens or {}):
+                raise ConfigError("token: the admin token is also a tenant's token")
+            entries.append((f"Bearer {admin_token}".encode(), ""))
+        if not entries:
+            raise ConfigError("a TCP listener needs `token` or `tenant_tokens_file`")
+        self._entries = entries
+
+    def tenant_for(self, presented: bytes) -> str | None:
+        """The tenant of `presented` ("" for the admin token); None when it matches none.
+        Every entry is compared (no early exit), each with `hmac.compare_digest`."""
+        found: str | None = None
+        for expected, tenant in self._entries:
+            if hmac.compare_digest(presented, expected):
+                found = tenant
+        return found

@@ -1,0 +1,177 @@
+"""Tenant isolation (issue 6, item 13): over TCP the tenant comes from the token, not a field.
+
+Tenant A publishes; tenant B sends the very same keys, namespace and even tenant field and
+misses; A hits (the positive control). A tenant cannot clear or inspect another's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client import KVClient
+from kvstore.errors import ConfigError
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from server.tenancy import Scope, TokenTable, load_tenant_tokens
+from tests.conftest import random_kv, same_bytes, small_layout
+
+TOKEN_A = "alpha-token-0123456789"
+TOKEN_B = "bravo-token-0123456789"
+ADMIN = "admin-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokens_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
+    p = tmp_path / "tenants.txt"
+    p.write_text(text)
+    os.chmod(p, mode)
+    return p
+
+
+@pytest.fixture
+def tenant_daemon(daemon_factory, tmp_path):
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"# tenant token\nalpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", ADMIN,
+                       "--tenant-tokens-file", str(f)).start()
+    return d, f"127.0.0.1:{port}"
+
+
+@pytest.mark.integration
+def test_no_hit_across_tenants_whatever_the_request_says(tenant_daemon):
+    daemon, tcp = tenant_daemon
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = random_kv(layout, 64)
+    # Both clients claim the same tenant field: the daemon goes by the token alone.
+    with KVClient(tcp, layout, token=TOKEN_A, tenant="shared", deadline_s=5) as a:
+        assert a.publish(tokens, kv) == 64
+        n, got = a.fetch(tokens)
+        assert n == 64 and same_bytes(got, kv)  # positive control: a hit within one tenant
+        keys = a.keys(tokens)
+    with KVClient(tcp, layout, token=TOKEN_B, tenant="shared", deadline_s=5) as b:
+        assert b.keys(tokens) == keys  # identical requests on the wire...
+        assert b.lookup(tokens) == 0  # ...and no hit, no probe by timing
+        assert b.fetch(tokens) == (0, None)
+        assert b.clear() == 0  # B clearing "the same" namespace removes none of A's blocks
+        other = random_kv(layout, 64, seed=7)
+        assert b.publish(tokens, other) == 64  # B's own copy, beside A's
+    # Unscoped callers (Unix socket, admin token) see the tenants' blocks under other keys.
+    with KVClient(daemon.target, layout, tenant="shared") as local:
+        assert local.lookup(tokens) == 0
+    with KVClient(tcp, layout, token=TOKEN_A, tenant="shared", deadline_s=5) as a:
+        n, got = a.fetch(tokens)
+        assert n == 64 and same_bytes(got, kv)  # A's blocks untouched by B's publish/clear
+    with KVClient(tcp, layout, token=TOKEN_B, tenant="shared", deadline_s=5) as b:
+        n, got = b.fetch(tokens)
+        assert n == 64 and same_bytes(got, other)
+
+
+@pytest.mark.integration
+def test_tenant_cannot_clear_all_or_inspect_others(tenant_daemon):
+    _, tcp = tenant_daemon
+    layout = small_layout()
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        a.publish(list(range(32)), random_kv(layout, 32))
+        ns_a = a.namespace.digest()
+    with KVClient(tcp, layout, token=TOKEN_B, salt="b", deadline_s=5) as b:
+        b.publish(list(range(48)), random_kv(layout, 48))
+    channel = grpc.insecure_channel(tcp)
+    stub = pb_grpc.KVStoreStub(channel)
+    md_b = (("authorization", f"Bearer {TOKEN_B}"),)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Clear(pb.ClearRequest(all=True), metadata=md_b, timeout=5)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    mine = stub.Inspect(pb.InspectRequest(), metadata=md_b, timeout=5)
+    assert [n.tenant for n in mine.namespaces] == ["bravo"]
+    assert sum(t.blocks for t in mine.namespaces[0].tiers) == 3
+    assert ns_a not in {n.namespace for n in mine.namespaces}
+    admin = stub.Inspect(pb.InspectRequest(),
+                         metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=5)
+    assert sorted(n.tenant for n in admin.namespaces) == ["alpha", "bravo"]
+    # The admin token may clear everything.
+    cleared = stub.Clear(pb.ClearRequest(all=True),
+                         metadata=(("authorization", f"Bearer {ADMIN}"),), timeout=5)
+    assert cleared.removed == 5
+    channel.close()
+
+
+@pytest.mark.integration
+def test_unknown_token_is_unauthenticated(tenant_daemon):
+    _, tcp = tenant_daemon
+    channel = grpc.insecure_channel(tcp)
+    with pytest.raises(grpc.RpcError) as e:
+        pb_grpc.KVStoreStub(channel).Inspect(
+            pb.InspectRequest(), metadata=(("authorization", "Bearer alpha"),), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+
+
+@pytest.mark.integration
+def test_world_readable_tokens_file_stops_startup(daemon_factory, tmp_path):
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n", mode=0o644)
+    d = daemon_factory("--listen", f"127.0.0.1:{_free_port()}", "--tenant-tokens-file", str(f))
+    with pytest.raises(RuntimeError, match=r"tenant_tokens_file.*chmod 600"):
+        d.start(timeout=15)
+
+
+def test_print_config_takes_tenants_without_admin_token(tmp_path):
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--listen",
+                        "127.0.0.1:7001", "--tenant-tokens-file", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tenant_tokens_file"] == str(f)
+    assert TOKEN_A not in r.stdout
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("alpha\n", "expected `TENANT TOKEN`"),
+    ("al/pha " + TOKEN_A + "\n", "tenant name"),
+    ("alpha short\n", "shorter than 16"),
+    (f"alpha {TOKEN_A}\nbravo {TOKEN_A}\n", "already given to 'alpha'"),
+    ("# nothing\n", "names no tenants"),
+])
+def test_tokens_file_errors_name_the_problem(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_tenant_tokens(_tokens_file(tmp_path, text))
+
+
+def test_missing_tokens_file(tmp_path):
+    with pytest.raises(ConfigError, match="tenant_tokens_file: cannot read"):
+        load_tenant_tokens(tmp_path / "absent")
+
+
+def test_token_table_maps_tokens_to_tenants():
+    table = TokenTable(ADMIN, {TOKEN_A: "alpha", TOKEN_A + "x": "alpha", TOKEN_B: "bravo"})
+    assert table.tenant_for(f"Bearer {TOKEN_A}".encode()) == "alpha"
+    assert table.tenant_for(f"Bearer {TOKEN_A}x".encode()) == "alpha"  # rotation: two tokens
+    assert table.tenant_for(f"Bearer {TOKEN_B}".encode()) == "bravo"
+    assert table.tenant_for(f"Bearer {ADMIN}".encode()) == ""
+    assert table.tenant_for(TOKEN_A.encode()) is None  # no "Bearer "
+    assert table.tenant_for(b"") is None
+    with pytest.raises(ConfigError, match="admin token is also a tenant"):
+        TokenTable(TOKEN_A, {TOKEN_A: "alpha"})
+
+
+def test_scope_separates_tenants_and_keeps_unscoped_calls_as_sent():
+    key, ns = bytes(range(32)), bytes(32)
+    a, b, none = Scope("alpha"), Scope("bravo"), Scope("")
+    assert none.keys([key]) == [key] and none.namespace(ns) == ns
+    assert a.keys([key]) != b.keys([key]) and a.keys([key])[0] != key
+    assert a.namespace(ns) != b.namespace(ns)
+    assert a.keys([key]) == Scope("alpha").keys([key])  # deterministic
+    assert a.namespace(b"short") == b"short"  # validation still sees what was sent
