@@ -11,7 +11,9 @@ slower than modelled, so the planner errs towards recomputing (the safe side).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgumentError
@@ -96,3 +98,101 @@ def plan(
     compute = (total_tokens - best_k * block_tokens) / prefill_tokens_per_s
     return Plan(best_k, best_k * block_tokens, tuple(tiers[:best_k]), best_load, compute,
                 recompute)
+
+
+def serial_bandwidth(*legs: float | None) -> float:
+    """Bytes/s of a transfer made of legs that run one after another (each byte goes through
+    every leg): the harmonic sum. A leg of None costs nothing; no costly leg at all is
+    infinitely fast."""
+    inverse = sum(1.0 / leg for leg in legs if leg is not None and leg > 0)
+    if any(leg is not None and leg <= 0 for leg in legs):
+        return 0.0  # a leg that moves nothing stops the whole transfer
+    return 1.0 / inverse if inverse else math.inf
+
+
+def end_to_end_bandwidth(tiers: Iterable[str], read: Mapping[str, float],
+                         copy: float | None = None, consume: float | None = None,
+                         ) -> dict[str, float]:
+    """Bytes/s from each tier into the engine, as three legs in series.
+
+    - `read`: the daemon's measured read into its staging memory, per tier. Host hits are
+      pinned in place (zero copy), so the host tier has no read leg; a tier the daemon has not
+      measured yet uses its prior (`DEFAULT_BANDWIDTH`), and a tier with neither is left out
+      (`plan` never loads from it).
+    - `copy`: the client's own copy out of the daemon's memory (or its receive, over TCP),
+      which every block pays whatever its tier; None: the host prior.
+    - `consume`: the engine taking the copied blocks into its own cache (a layout conversion);
+      None: free.
+    """
+    copy_leg = copy if copy is not None else DEFAULT_BANDWIDTH["host"]
+    out: dict[str, float] = {}
+    for tier in set(tiers):
+        if tier == "host":
+            out[tier] = serial_bandwidth(copy_leg, consume)
+            continue
+        leg = read.get(tier) or DEFAULT_BANDWIDTH.get(tier)
+        if leg is None:
+            continue
+        out[tier] = serial_bandwidth(leg, copy_leg, consume)
+    return out
+
+
+@dataclass
+class PrefillModel:
+    """An engine's prefill time as a function of prompt length, fitted online from its own
+    full recomputes: `t(n) = a*n + b*n^2` (the linear layers, and attention's quadratic term).
+
+    Least squares on relative error (each sample weighted by `1/t`), so short and long prompts
+    count alike, over the last `window` samples, with `a, b >= 0`. The per-call overhead of a
+    forward pass is not modelled apart: a cached prefill pays it too, so it is not a saving.
+    """
+
+    window: int = 32
+    samples: deque[tuple[int, float]] = field(default_factory=deque)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Fold in one forward pass over `tokens` prompt tokens (nothing cached) that took
+        `seconds`."""
+        if tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
+            return
+        self.samples.append((tokens, seconds))
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """`(a, b)`, or None before the first sample."""
+        if not self.samples:
+            return None
+        # Rows divided by t: minimise sum(((a*n + b*n^2) - t) / t)^2.
+        xs = [(n / t, n * n / t) for n, t in self.samples]
+        s11 = sum(x * x for x, _ in xs)
+        s12 = sum(x * y for x, y in xs)
+        s22 = sum(y * y for _, y in xs)
+        r1 = sum(x for x, _ in xs)
+        r2 = sum(y for _, y in xs)
+        det = s11 * s22 - s12 * s12
+        if len({n for n, _ in self.samples}) >= 2 and det > 1e-12 * s11 * s22:
+            a = (r1 * s22 - r2 * s12) / det
+            b = (r2 * s11 - r1 * s12) / det
+            if a >= 0 and b >= 0:
+                return a, b
+        # One length, or a fit that wants a negative term: the better of the one-term fits.
+        linear = (r1 / s11, 0.0)
+        quadratic = (0.0, r2 / s22)
+        return min(linear, quadratic, key=self._residual)
+
+    def _residual(self, ab: tuple[float, float]) -> float:
+        a, b = ab
+        return sum(((a * n + b * n * n) - t) ** 2 / (t * t) for n, t in self.samples)
+
+    def seconds(self, tokens: int) -> float | None:
+        """Predicted time to prefill `tokens` tokens from nothing; None before any sample."""
+        ab = self.coefficients()
+        if ab is None:
+            return None
+        return ab[0] * tokens + ab[1] * tokens * tokens
+
+    def tokens_per_s(self, tokens: int) -> float | None:
+        """The average prefill speed over a prompt of `tokens` tokens (what `plan` takes)."""
+        t = self.seconds(tokens)
+        return tokens / t if t else None
