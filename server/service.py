@@ -220,7 +220,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         scope = current_scope()  # a TCP tenant's keys and namespace are rewritten (tenancy.py)
         found = await self.store.lookup_through(scope.keys(self._keys(request.keys)),
                                                 scope.namespace(request.namespace))
-        return pb.LookupReply(hits=len(found), tiers=found)
+        bw = self.store.read_bandwidth()  # measured tiers only (the host tier never is)
+        return pb.LookupReply(hits=len(found), tiers=found,
+                              read_bandwidth={t: bw[t] for t in set(found) if t in bw})
 
     async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
         start, code = time.perf_counter(), "OK"
@@ -385,6 +387,7 @@ _STARTED = time.monotonic()
 
 def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) -> pb.StatsReply:
     c = store.counters
+    bw = store.read_bandwidth()  # 0: not measured (the host tier never is: a hit is a pin)
     tiers = []
     for tier in store.tiers:
         s = tier.stats()
@@ -392,14 +395,16 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
             name=s.name, blocks=s.blocks, used_bytes=s.used_bytes,
             capacity_bytes=s.capacity_bytes, pinned_blocks=s.pinned_blocks,
             evictions=s.evictions, hits=c.tier_hits.get(s.name, 0),
-            bytes_read=c.bytes_read.get(s.name, 0), bytes_written=c.bytes_written.get(s.name, 0)))
+            bytes_read=c.bytes_read.get(s.name, 0), bytes_written=c.bytes_written.get(s.name, 0),
+            read_bandwidth=bw.get(s.name, 0.0)))
     remote, integrity_failures = None, c.integrity_failures
     if store.remote is not None and store.write_queue is not None:
         r, q = store.remote.stats(), store.write_queue.stats()
         integrity_failures += r.integrity_failures
         tiers.append(pb.TierStats(
             name=store.remote.name, hits=c.tier_hits.get(store.remote.name, 0),
-            bytes_read=c.bytes_read.get(store.remote.name, 0), bytes_written=r.bytes_written))
+            bytes_read=c.bytes_read.get(store.remote.name, 0), bytes_written=r.bytes_written,
+            read_bandwidth=bw.get(store.remote.name, 0.0)))
         remote = pb.RemoteStats(
             url=r.url, available=r.available, queue_depth=q.depth, queue_capacity=q.capacity,
             queued_writes=q.queued, shed_writes=q.shed, written_blocks=r.blocks_written,

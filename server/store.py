@@ -33,6 +33,7 @@ from typing import Literal, TypeVar
 
 from kvstore.errors import CapacityError, IntegrityError, NotFoundError
 from kvstore.keys import KEY_BYTES
+from kvstore.planner import BandwidthModel
 from server.remote_writer import RemoteWriter
 from server.write_through import WriteThroughQueue
 from tiers.base import BlockEntry, Tier
@@ -116,15 +117,20 @@ class _RemoteReads:
         self.layout_digest, self.batch = layout_digest, batch
         self.start = 0
         self.values: list[memoryview | None] = []
+        self.seconds = 0.0  # spent in GETs (network and verification), for the read rate
+        self.nbytes = 0  # payload bytes those GETs brought
 
     async def take(self, i: int) -> memoryview | None:
         """The verified payload of `keys[i]`, or None; each value is handed out once. Keys
         come in order; those held locally are skipped over."""
         if not self.start <= i < self.start + len(self.values):
             self.start = i
+            began = time.perf_counter()
             try:
                 self.values = await self.remote.get(
                     self.namespace, self.keys[i : i + self.batch], self.layout_digest)
+                self.seconds += time.perf_counter() - began
+                self.nbytes += sum(len(v) for v in self.values if v is not None)
             except RemoteUnavailableError as e:
                 log.debug("remote read skipped: %s", e)
                 self.values = []
@@ -152,6 +158,9 @@ class TieredStore:
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
         self.counters = StoreCounters()
+        # Measured read bandwidth per tier (bytes/s into host staging, an EWMA over fetches);
+        # a tier is absent until measured. See `read_bandwidth`.
+        self.read_rates = BandwidthModel(bandwidth={}, latency={})
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
@@ -239,7 +248,9 @@ class TieredStore:
                     break
                 staged.append(item)
             reads = [s for s in staged if s.src is not None]
+            began = time.perf_counter()
             errors = await asyncio.gather(*(self._read_disk(s) for s in reads))
+            read_s = time.perf_counter() - began
         except BaseException:
             for s in staged:
                 s.abandon(self)
@@ -259,6 +270,12 @@ class TieredStore:
             elif s.pinned:
                 self.host.complete_load(s.dst)  # pinned for a block past a failure: unpin
         lease.more = lease.more and cut == len(staged)
+        if self.disk is not None:
+            self.read_rates.observe(self.disk.name, sum(
+                s.src.length for s, err in zip(reads, errors, strict=True)
+                if err is None and s.src is not None), read_s)
+        if remote is not None and self.remote is not None:
+            self.read_rates.observe(self.remote.name, remote.nbytes, remote.seconds)
         served = len(lease.entries)
         self.counters.hit_blocks += served
         self.counters.miss_blocks += len(keys) - served
@@ -266,6 +283,18 @@ class TieredStore:
             self.counters.add(self.counters.tier_hits, name, 1)
         self.touch_chain(keys[:served])
         return lease
+
+    def read_bandwidth(self) -> dict[str, float]:
+        """Measured read bandwidth of each tier, bytes/s: the daemon's side of a fetch (disk:
+        the wall time of a fetch's concurrent reads and their verification into host staging;
+        remote: its batched GETs), an EWMA over fetches. A tier not measured yet is absent.
+
+        The host tier is never measured: a host hit is pinned where it lies (zero copy), and
+        what it costs is the client's copy out of shared memory, which only the client sees
+        (and which depends on the client: its transfer mode, its destination memory). Clients
+        measure that leg themselves and add it to every tier (`kvstore.planner`).
+        """
+        return dict(self.read_rates.bandwidth)
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease,
                      staged: list[_Staged]) -> _Staged | None:

@@ -466,3 +466,31 @@ def test_expired_lease_timing_is_monotonic(store: TieredStore) -> None:
     before = time.monotonic()
     lease = asyncio.run(main())
     assert before + 30.0 <= lease.expires <= time.monotonic() + 30.0
+
+
+def test_disk_read_bandwidth_is_measured_and_host_never_is(tmp_path: Path) -> None:
+    host = HostTier(3 * 2 * PAGE, shm_dir=tmp_path)
+    delay = 0.05
+    disk = DiskTier(tmp_path / "disk", 16 * 3 * PAGE, sync="never", fault_read_delay_s=delay)
+    s = TieredStore(host, disk, io_threads=2)
+    first = [key(i) for i in range(3)]
+    second = [key(i) for i in range(3, 6)]
+
+    async def main() -> None:
+        await publish(s, first)
+        await publish(s, second)  # the first chain is demoted to disk
+        lease = await s.fetch(second, LAYOUT)  # host hits: a pin moves no bytes
+        s.release(lease.id)
+        assert s.read_bandwidth() == {}
+        lease = await s.fetch(first, LAYOUT)
+        assert lease.tiers == ["disk"] * 3
+        s.release(lease.id)
+
+    try:
+        asyncio.run(main())
+        bw = s.read_bandwidth()
+        assert set(bw) == {"disk"}
+        # 3 reads on 2 I/O threads, each stalled `delay`: at least two rounds of it
+        assert 0 < bw["disk"] <= 3 * LENGTH / (2 * delay)
+    finally:
+        s.close()

@@ -40,6 +40,7 @@ class FakeRemote:
         self.puts: list[bytes] = []
         self.batches: list[int] = []  # sizes of the GET batches asked for
         self.down = False
+        self.get_delay_s = 0.0  # each GET takes at least this long (a slow network)
         self.transient_once: set[bytes] = set()  # keys whose next write fails transiently
         self.breaker = CircuitBreaker("fake", 0.01, 0.02, 0.1, logging.getLogger("fake"))
 
@@ -59,6 +60,8 @@ class FakeRemote:
                   ) -> list[memoryview | None]:
         self._check()
         self.batches.append(len(keys))
+        if self.get_delay_s:
+            await asyncio.sleep(self.get_delay_s)
         raws = [self.values.get((namespace, k)) for k in keys]
         return [read_frame(r, k, layout_digest) if r is not None else None
                 for r, k in zip(raws, keys, strict=True)]
@@ -275,3 +278,23 @@ def test_clear_drops_queued_write_through(tmp_path, remote) -> None:
     asyncio.run(main())
     assert remote.values == {} and s.counters.remote_lost_writes == 0
     s.close()
+
+
+def test_remote_read_bandwidth_is_measured_from_the_gets(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+    remote.get_delay_s = 0.05
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        assert b.read_bandwidth() == {}
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["remote"] * 4
+        b.release(lease.id)
+
+    asyncio.run(main())
+    bw = b.read_bandwidth()
+    assert set(bw) == {"remote"}  # the host tier (where the blocks now are) is never measured
+    # one batched GET of 4 blocks that took at least its delay: the rate cannot be higher
+    assert 0 < bw["remote"] <= 4 * LENGTH / remote.get_delay_s
