@@ -250,6 +250,10 @@ class AsyncKVClient:
                     ("grpc.max_send_message_length", self._max_msg),
                     ("grpc.initial_reconnect_backoff_ms", 50),
                     ("grpc.max_reconnect_backoff_ms", 1000),
+                    # Own subchannels: gRPC otherwise shares them across a process's channels,
+                    # and a new client would inherit an old one's reconnect backoff (instant
+                    # misses for up to a second after a daemon restart).
+                    ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.enable_retries", 0)]
             self._channel = grpc.aio.insecure_channel(self.target, options=opts)
             self._stub = pb_grpc.KVStoreStub(self._channel)

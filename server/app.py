@@ -49,7 +49,7 @@ def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def _lock_data_dir(data_dir: Path) -> int:
     """Hold an exclusive lock so two daemons never share one data directory."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,13 +38,20 @@ class DaemonProcess:
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("READY"):
-                return self
-            if not line and self.proc.poll() is not None:
+        fd, seen = self.proc.stdout.fileno(), b""
+        while (left := deadline - time.monotonic()) > 0:
+            # Raw reads under a timeout: a daemon that hangs silently must not hang us.
+            if not select.select([fd], [], [], left)[0]:
                 break
-        raise RuntimeError(f"daemon did not start; log:\n{self.log.read_text()[-3000:]}")
+            chunk = os.read(fd, 4096)
+            seen += chunk
+            if b"READY" in seen:
+                return self
+            if not chunk:  # the daemon exited
+                break
+        self.kill()
+        raise RuntimeError(f"daemon did not start within {timeout:.0f} s; "
+                           f"log:\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -36,7 +36,7 @@ class DiskTier(Tier):
             raise InvalidArgumentError(f"disk sync must be 'always' or 'never', got {sync!r}")
         super().__init__(capacity_bytes)
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.sync = sync == "always"
         # Testing only: a stalled disk, which no test can cause for real (deadline tests).
         self.fault_read_delay_s = fault_read_delay_s

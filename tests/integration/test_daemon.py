@@ -216,6 +216,9 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
 
 
 def test_socket_mode_and_clean_sigterm(daemon):
+    # The data directory (disk tier, its index, the socket) is the daemon user's alone.
+    for path in (daemon.data_dir, daemon.data_dir / "disk"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
     assert mode & 0o077 == 0, oct(mode)
     prefix = f"kvstore-{daemon.proc.pid}-"
@@ -254,3 +257,20 @@ def test_listen_without_token_refuses_to_start(daemon_factory):
     d = daemon_factory("--listen", "127.0.0.1:1")
     with pytest.raises(RuntimeError, match="token"):
         d.start(timeout=10)
+
+
+def test_new_client_after_restart_does_not_inherit_an_old_clients_backoff(daemon_factory):
+    # gRPC shares subchannels between a process's channels by default: a client created
+    # after a restart would start inside the old client's reconnect backoff and miss.
+    d = daemon_factory().start()
+    layout = small_layout()
+    tokens = list(range(32))
+    old = KVClient(d.target, layout, deadline_s=2)
+    assert old.publish(tokens, random_kv(layout, 32)) == 32
+    assert d.stop() == 0  # flushed to disk: the blocks survive the restart
+    for _ in range(3):
+        assert old.lookup(tokens) == 0  # down: misses, and the old channel backs off
+    d.start()
+    with KVClient(d.target, layout, deadline_s=2) as new:
+        assert new.lookup(tokens) == 32  # the first call already reaches the daemon
+    old.close()
