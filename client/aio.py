@@ -26,7 +26,7 @@ import torch
 from client.backoff import BackoffPolicy, Breaker
 from kvstore.arena import Arena
 from kvstore.errors import InvalidArgumentError, KVStoreError
-from kvstore.keys import Namespace, chain_keys
+from kvstore.keys import KeyCache, Namespace
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -83,6 +83,8 @@ class AsyncKVClient:
         self.layout = layout
         self.namespace = Namespace(layout, lora=lora, tenant=tenant, salt=salt)
         self._ns = self.namespace.digest()
+        # lookup, fetch and publish of one prompt (and the next turn extending it) hash once
+        self._key_cache = KeyCache(self._ns, layout.block_tokens)
         self._layout_pb = pb.Layout(**layout.to_dict())
         self.deadline_s = deadline_s
         self.transfer = transfer if self.is_unix else "stream"
@@ -98,7 +100,7 @@ class AsyncKVClient:
     # ---- public API
     def keys(self, tokens: Tokens) -> list[bytes]:
         """Chained keys of the full blocks of `tokens` in this client's namespace."""
-        return chain_keys(self._ns, tokens, self.layout.block_tokens)
+        return self._key_cache.keys(tokens)
 
     async def lookup(self, tokens: Tokens) -> int:
         """Tokens in the longest cached prefix of `tokens` (a multiple of block_tokens)."""

@@ -194,10 +194,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(keys) > self.max_blocks:
             raise InvalidArgumentError(f"{len(keys)} keys in one call; the limit is "
                                        f"{self.max_blocks}")
-        for i, k in enumerate(keys):
-            if len(k) != KEY_BYTES:
-                raise InvalidArgumentError(f"keys[{i}] is {len(k)} bytes, keys are {KEY_BYTES}")
-        return list(keys)
+        keys = list(keys)  # each access to a repeated field makes a new bytes object: once
+        if keys and set(map(len, keys)) != {KEY_BYTES}:
+            i, k = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+            raise InvalidArgumentError(f"keys[{i}] is {len(k)} bytes, keys are {KEY_BYTES}")
+        return keys
 
     @staticmethod
     def _namespace(ns: bytes) -> bytes:

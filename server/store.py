@@ -177,12 +177,19 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tier names of the longest prefix of `keys` held anywhere."""
         self.counters.lookups += 1
+        # Key by key, not a binary search: a chain's blocks need not be a contiguous prefix (a
+        # block published while its unpinned parent was evicted, a corrupt block dropped).
+        # Plain loops: a generator per key cost ~1 us, 0.6 ms of a 512-key lookup.
         found: list[str] = []
+        append = found.append
+        tiers = self.tiers
         for key in keys:
-            tier = next((t for t in self.tiers if t.contains(key)), None)
-            if tier is None:
+            for tier in tiers:
+                if tier.contains(key):
+                    append(tier.name)
+                    break
+            else:
                 break
-            found.append(tier.name)
         self.touch_chain(keys[: len(found)])
         return found
 

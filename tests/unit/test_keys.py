@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.keys import KEY_BYTES, KEY_VERSION, Namespace, chain_keys, tokens_to_array
+from kvstore.keys import KEY_BYTES, KEY_VERSION, KeyCache, Namespace, chain_keys, tokens_to_array
 from kvstore.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,3 +209,90 @@ def test_keys_module_never_uses_builtin_hash() -> None:
              if tok.type == tokenize.NAME]  # comments and strings are not NAME tokens
     assert "hashlib" in names  # the scan sees the code
     assert "hash" not in names
+
+
+@pytest.mark.parametrize("tokens", [[2**63], [2**70], [np.uint64(2**63)],
+                                    [1, np.uint64(2**64 - 1)]])
+def test_huge_list_tokens_rejected_as_out_of_range(tokens: list) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2\*\*31 - 1\]"):
+        chain_keys(NS, tokens)
+
+
+def test_int_subclasses_and_mixed_numpy_scalars_are_ints() -> None:
+    class TokenId(int):
+        pass
+
+    tokens = toks(2 * BT)
+    mixed = [TokenId(t) if i % 3 == 0 else np.int32(t) if i % 3 == 1 else t
+             for i, t in enumerate(tokens)]
+    assert chain_keys(NS, mixed) == chain_keys(NS, tokens)
+
+
+def test_key_cache_matches_chain_keys_for_repeats_prefixes_extensions_and_forks() -> None:
+    cache = KeyCache(NS.digest(), BT, max_entries=4)
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 50_000, 12 * BT).tolist()
+    prompts = [base, base, base[: 5 * BT], base[: 5 * BT + 3], base + toks(3 * BT),
+               base[:7 * BT] + toks(2 * BT), base[: BT - 1], [], torch.tensor(base),
+               np.asarray(base[: 9 * BT], dtype=np.int32)]
+    for _ in range(40):  # forks and extensions of what was seen, in random order
+        src = prompts[int(rng.integers(len(prompts)))]
+        cut = int(rng.integers(0, len(src) + 1))
+        head = np.asarray(src, dtype=np.int64)[:cut].tolist()
+        prompts.append(head + rng.integers(0, 50_000, int(rng.integers(0, 3 * BT))).tolist())
+    for p in prompts:
+        assert cache.keys(p) == chain_keys(NS, p)
+    assert cache.hits > 0
+    assert len(cache._entries) <= 4
+
+
+def test_key_cache_reuses_keys_and_hashes_only_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.keys as keys_mod
+
+    hashed: list[int] = []
+    real = keys_mod._chain
+
+    def counting(prev: bytes, raw: bytes, step: int, n_blocks: int, *a: object, **kw: object):
+        keys = real(prev, raw, step, n_blocks, *a, **kw)  # type: ignore[arg-type]
+        hashed.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(keys_mod, "_chain", counting)
+    cache = KeyCache(NS.digest(), BT)
+    cache.keys(toks(4 * BT))
+    cache.keys(toks(4 * BT))        # the same prompt: nothing hashed
+    cache.keys(toks(2 * BT + 5))    # a prefix of it: nothing hashed
+    cache.keys(toks(6 * BT))        # an extension: the 2 new blocks only
+    assert hashed == [4, 2]
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+def test_key_cache_is_exact_and_bounded() -> None:
+    cache = KeyCache(NS.digest(), BT, max_entries=3, max_bytes=8 * BT * 4)
+    t = torch.arange(4 * BT)
+    first = cache.keys(t)
+    first.append(b"caller's own list")  # what the caller does with its list stays there
+    t[BT + 3] += 1  # the same tensor, changed in place: a different prompt from block 1 on
+    assert cache.keys(t) == chain_keys(NS, t)
+    assert cache.keys(torch.arange(4 * BT)) == chain_keys(NS, torch.arange(4 * BT))
+    for i in range(5):  # distinct prompts push the oldest out
+        cache.keys(toks(2 * BT, start=1000 * (i + 1)))
+    assert len(cache._entries) <= 3
+    assert sum(len(raw) for raw, _ in cache._entries) <= 8 * BT * 4
+    big = toks(9 * BT)  # more token bytes than the cache may hold: computed, not kept
+    assert cache.keys(big) == chain_keys(NS, big)
+    assert all(len(raw) < 9 * BT * 4 for raw, _ in cache._entries)
+
+
+def test_key_cache_other_namespace_or_block_size_never_shares() -> None:
+    tokens = toks(4 * BT)
+    a = KeyCache(NS.digest(), BT).keys(tokens)
+    b = KeyCache(Namespace(LAYOUT, salt="x").digest(), BT).keys(tokens)
+    c = KeyCache(NS.digest(), 2 * BT).keys(tokens)
+    assert a == chain_keys(NS, tokens)
+    assert not set(a) & set(b)
+    assert c == chain_keys(NS.digest(), tokens, block_tokens=2 * BT)
+    with pytest.raises(InvalidArgumentError, match="block_tokens"):
+        KeyCache(NS.digest(), 0)
+    with pytest.raises(InvalidArgumentError, match="32 bytes"):
+        KeyCache(b"short", BT)
