@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +30,8 @@ from kvstore.arena import Arena
 from kvstore.errors import InvalidArgumentError, KVStoreError
 from kvstore.keys import KeyCache, Namespace
 from kvstore.layout import KVLayout
+from kvstore.planner import BandwidthModel, Plan, end_to_end_bandwidth
+from kvstore.planner import plan as plan_prefix
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -96,6 +100,9 @@ class AsyncKVClient:
         self._arena: Arena | None = None
         self._arena_id = ""
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
+        # This client's own leg of every fetch: its copy out of the daemon's memory (or its
+        # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
+        self._copy_rate = BandwidthModel(bandwidth={}, latency={})
 
     # ---- public API
     def keys(self, tokens: Tokens) -> list[bytes]:
@@ -110,14 +117,15 @@ class AsyncKVClient:
         reply = await self._guard(lambda: self._lookup(keys), None)
         return 0 if reply is None else reply.hits * self.layout.block_tokens
 
-    async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None,
-                    ) -> tuple[int, torch.Tensor | None]:
+    async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
+                    max_blocks: int | None = None) -> tuple[int, torch.Tensor | None]:
         """`(n, kv)`: the longest cached prefix, `kv` shaped `[layers, kv, n, heads, head_dim]`.
 
         With `into` (a tensor shaped for all of `tokens`), blocks are written into its first `n`
-        tokens and `into[:, :, :n]` is returned. A miss is `(0, None)`.
+        tokens and `into[:, :, :n]` is returned. A miss is `(0, None)`. `max_blocks` loads at
+        most that many blocks of the prefix (`plan(...).load_blocks`); None: all of them.
         """
-        keys = self.keys(tokens)
+        keys = self.keys(tokens)[: _limit(max_blocks)]
         if into is not None:
             self.layout.check_kv(into, into.shape[2] if into.dim() == 5 else -1)
             if into.shape[2] < len(keys) * self.layout.block_tokens:
@@ -143,7 +151,7 @@ class AsyncKVClient:
         return stored * self.layout.block_tokens
 
     async def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
-                         ) -> int:
+                         max_blocks: int | None = None) -> int:
         """Fetch the longest cached prefix of `tokens` and hand its blocks to `consume`, which
         copies them where the caller wants them: one copy, no tensor allocated here.
 
@@ -159,9 +167,10 @@ class AsyncKVClient:
         Returns the end, in prompt tokens, of the prefix whose blocks reached `consume` intact
         (a multiple of block_tokens; 0 on a miss). Blocks handed over past it (the daemon
         dropped the lease during the copy, so they may have been overwritten meanwhile) must be
-        discarded by the caller.
+        discarded by the caller. `max_blocks` ends the prefix after that many blocks (counted
+        from the prompt's start, as `plan(...).load_blocks` is).
         """
-        keys = self.keys(tokens)
+        keys = self.keys(tokens)[: _limit(max_blocks)]
         if skip_blocks < 0:
             raise InvalidArgumentError(f"skip_blocks must be >= 0, got {skip_blocks}")
         if skip_blocks >= len(keys):
@@ -184,6 +193,65 @@ class AsyncKVClient:
             return 0
         stored = await self._guard(lambda: self._publish_with(keys, produce), 0, publish=True)
         return stored * self.layout.block_tokens
+
+    async def plan(self, tokens: Tokens, prefill_tokens_per_s: float,
+                   bytes_per_token: int | None = None, *,
+                   consume_bytes_per_s: float | None = None) -> Plan:
+        """Load or recompute: how many blocks of the cached prefix of `tokens` are worth
+        loading, given that the engine prefills `prefill_tokens_per_s` tokens/s.
+
+        One `Lookup` says where each cached block is and the daemon's measured read bandwidth
+        of those tiers; this client adds its own measured copy rate (every block is copied out
+        of the daemon's memory, whatever its tier) and, when given, `consume_bytes_per_s` (the
+        engine taking loaded blocks into its cache, e.g. a layout conversion). A block is worth
+        loading when that beats recomputing it: `bandwidth > bytes_per_token x prefill speed`
+        (`kvstore.planner.plan`). Load `plan.load_blocks` blocks (`fetch(..., max_blocks=)`)
+        and compute the rest. At least the last token is always computed.
+
+        `bytes_per_token`: bytes loaded per token; default the layout's. A daemon that is down
+        or slow is a plan of 0 blocks (recompute) within the deadline, never an exception.
+        """
+        none = self._recompute_plan(tokens, prefill_tokens_per_s, bytes_per_token)
+        if consume_bytes_per_s is not None and not consume_bytes_per_s > 0:
+            raise InvalidArgumentError(f"consume_bytes_per_s must be positive, got "
+                                       f"{consume_bytes_per_s}")
+        bt = self.layout.block_tokens
+        keys = self.keys(tokens)[: max(_count(tokens) - 1, 0) // bt]  # the last token: computed
+        if not keys:
+            return none
+        reply: pb.LookupReply | None = await self._guard(lambda: self._lookup(keys), None)
+        if reply is None or reply.hits == 0:
+            return none
+        tiers = list(reply.tiers)
+        bandwidth = end_to_end_bandwidth(tiers, dict(reply.read_bandwidth),
+                                         self.copy_bandwidth, consume_bytes_per_s)
+        return plan_prefix(tiers, _count(tokens), bt, self._bpt(bytes_per_token),
+                           prefill_tokens_per_s, bandwidth)
+
+    @property
+    def copy_bandwidth(self) -> float | None:
+        """This client's measured copy rate out of the daemon (bytes/s); None until its first
+        fetch with hits."""
+        return self._copy_rate.bandwidth.get("copy")
+
+    def _observe_copy(self, refs: Sequence[pb.BlockRef], seconds: float) -> None:
+        self._copy_rate.observe("copy", sum(r.length for r in refs), seconds)
+
+    def _bpt(self, bytes_per_token: int | None) -> int:
+        return self.layout.bytes_per_token if bytes_per_token is None else bytes_per_token
+
+    def _recompute_plan(self, tokens: Tokens, prefill_tokens_per_s: float,
+                        bytes_per_token: int | None) -> Plan:
+        """The plan that loads nothing (what a miss is); validates the arguments."""
+        if not (isinstance(prefill_tokens_per_s, int | float)
+                and math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s > 0):
+            raise InvalidArgumentError(f"prefill_tokens_per_s must be a positive number, got "
+                                       f"{prefill_tokens_per_s!r}")
+        bpt = self._bpt(bytes_per_token)
+        if not isinstance(bpt, int) or bpt <= 0:
+            raise InvalidArgumentError(f"bytes_per_token must be a positive int, got {bpt!r}")
+        return plan_prefix([], _count(tokens), self.layout.block_tokens, bpt,
+                           prefill_tokens_per_s)
 
     async def stats(self) -> pb.StatsReply | None:
         return await self._guard(lambda: self._unary("Stats", pb.StatsRequest()), None)
@@ -415,7 +483,9 @@ class AsyncKVClient:
                 arena = await self._arena_for(head.arena_id)
                 if arena is None:
                     return 0, False, out
+                began = time.perf_counter()
                 await self._copy(self._copy_out, arena, list(head.blocks), out, start)
+                self._observe_copy(head.blocks, time.perf_counter() - began)
                 reply: pb.ReleaseReply = await self._unary(
                     "Release", pb.ReleaseRequest(lease_id=head.lease_id))
                 released = True
@@ -429,7 +499,9 @@ class AsyncKVClient:
                             head.lease_id)
                 return 0, False, out
         else:
+            began = time.perf_counter()
             await self._receive(stream, n, out, start)
+            self._observe_copy(head.blocks, time.perf_counter() - began)
         return n, head.more, out
 
     def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
@@ -546,7 +618,9 @@ class AsyncKVClient:
             if arena is None:
                 return 0, False
             views = [self._block_view(arena, ref) for ref in head.blocks]
+            began = time.perf_counter()
             await self._copy(consume, list(range(start, start + n)), views)
+            self._observe_copy(head.blocks, time.perf_counter() - began)
             del views
             reply: pb.ReleaseReply = await self._unary(
                 "Release", pb.ReleaseRequest(lease_id=head.lease_id))
@@ -622,6 +696,15 @@ async def _in_rounds(total: int, start: int,
         if not more or n == 0:
             break
     return done
+
+
+def _limit(max_blocks: int | None) -> int | None:
+    """A `max_blocks` argument as a slice end (None: no limit)."""
+    if max_blocks is None:
+        return None
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 0:
+        raise InvalidArgumentError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
+    return max_blocks
 
 
 def _count(tokens: Tokens) -> int:

@@ -16,6 +16,7 @@ import torch
 from client.aio import AsyncKVClient, BlockCopy, Tokens
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from kvstore.planner import Plan
 from kvstore.proto import kvstore_pb2 as pb
 
 T = TypeVar("T")
@@ -58,17 +59,33 @@ class KVClient:
     def lookup(self, tokens: Tokens) -> int:
         return self._run(self._aio.lookup(tokens), 0)
 
-    def fetch(self, tokens: Tokens, into: torch.Tensor | None = None,
-              ) -> tuple[int, torch.Tensor | None]:
-        return self._run(self._aio.fetch(tokens, into), (0, None))
+    def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
+              max_blocks: int | None = None) -> tuple[int, torch.Tensor | None]:
+        return self._run(self._aio.fetch(tokens, into, max_blocks=max_blocks), (0, None))
+
+    def plan(self, tokens: Tokens, prefill_tokens_per_s: float,
+             bytes_per_token: int | None = None, *,
+             consume_bytes_per_s: float | None = None) -> Plan:
+        """See `AsyncKVClient.plan`: how many cached prefix blocks are worth loading at this
+        prefill speed; a plan of 0 blocks (recompute) when the daemon is down or slow."""
+        none = self._aio._recompute_plan(tokens, prefill_tokens_per_s, bytes_per_token)
+        return self._run(self._aio.plan(tokens, prefill_tokens_per_s, bytes_per_token,
+                                        consume_bytes_per_s=consume_bytes_per_s), none)
+
+    @property
+    def copy_bandwidth(self) -> float | None:
+        """See `AsyncKVClient.copy_bandwidth`."""
+        return self._aio.copy_bandwidth
 
     def publish(self, tokens: Tokens, kv: torch.Tensor) -> int:
         return self._run(self._aio.publish(tokens, kv), 0)
 
-    def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0) -> int:
+    def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
+                   max_blocks: int | None = None) -> int:
         """See `AsyncKVClient.fetch_with`: `consume(blocks, views, stop)` copies the cached
         prefix's blocks out of the daemon's memory; returns the end of the intact prefix."""
-        return self._run(self._aio.fetch_with(tokens, consume, skip_blocks=skip_blocks), 0)
+        return self._run(self._aio.fetch_with(tokens, consume, skip_blocks=skip_blocks,
+                                              max_blocks=max_blocks), 0)
 
     def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:
         """See `AsyncKVClient.publish_with`: `produce(blocks, views, stop)` writes the blocks

@@ -117,3 +117,75 @@ def test_daemon_down_still_generates(tmp_path):
         tokens, r = CachedPrefill(model, c).generate(ids, 8)
     assert r.cached_tokens == 0
     assert tokens == reference(model, ids, 8)[1]
+
+
+@torch.inference_mode()
+def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torch.Tensor:
+    """Without kvstore: the K/V of a full pass over `ids` (the pass that published them),
+    cut to the first `cached` tokens, then the rest of the prompt over them. A cached prefill
+    of `cached` tokens must give exactly these logits."""
+    out = model(ids, use_cache=True)
+    if cached == 0:
+        return out.logits[0, -1].float()
+    cache = out.past_key_values
+    cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
+    return model(ids[:, cached:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+
+
+def test_planner_loads_host_blocks_and_recomputes_slow_disk_ones(daemon_factory):
+    """Half the cached prefix in host, half on a stalled disk: the planner loads the host
+    half only, and the logits are those of the same split without kvstore."""
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB",
+                       "--fault-disk-read-delay-s", "0.05").start()
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(11))
+    with KVClient(d.target, layout) as c:
+        assert CachedPrefill(model, c).prefill(ids).published_tokens == 192
+    d.stop()  # SIGTERM: every block to disk
+    d.start()
+    counter = TokenCounter(model)
+    with KVClient(d.target, layout) as c:
+        assert c.fetch(ids[0], max_blocks=3)[0] == 96  # promoted to host; disk measured
+        # 5000 tokens/s: 6.4 ms of compute per 32-token block; the stalled disk (3 blocks of
+        # 16 KiB in >= 50 ms) needs >= 16 ms per block, the host tier only the client's copy.
+        engine = CachedPrefill(model, c, prefill_tokens_per_s=5000.0)
+        counter.tokens = 0
+        r = engine.prefill(ids, publish=False)
+    assert r.plan is not None
+    assert r.plan.tiers == ("host",) * 3
+    assert r.cached_tokens == 96
+    assert counter.tokens == 200 - 96
+    assert (r.logits - split_logits(model, ids, 96)).abs().max().item() == 0.0
+
+
+def test_planner_recompute_and_online_speed_keep_logits_identical(daemon):
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(13))
+    want, _ = reference(model, ids, 0)
+    with KVClient(daemon.target, layout) as c:
+        CachedPrefill(model, c).prefill(ids)  # publish the 6 blocks
+        # An engine so fast that no tier beats recomputing: nothing is loaded.
+        fast = CachedPrefill(model, c, prefill_tokens_per_s=1e12).prefill(ids, publish=False)
+        assert fast.plan is not None and fast.plan.load_blocks == 0
+        assert fast.cached_tokens == 0
+        assert (fast.logits - want).abs().max().item() == 0.0
+        # A slow one loads every block it may.
+        slow = CachedPrefill(model, c, prefill_tokens_per_s=1.0).prefill(ids, publish=False)
+        assert slow.plan is not None and slow.cached_tokens == 192
+        assert (slow.logits - split_logits(model, ids, 192)).abs().max().item() == 0.0
+        # "online": no speed until this engine has recomputed a prompt (then: load all)...
+        online = CachedPrefill(model, c, prefill_tokens_per_s="online")
+        first = online.prefill(ids, publish=False)
+        assert first.plan is None and first.cached_tokens == 192
+        assert not online.prefill_model.samples  # a cached prefill is not a recompute
+        other = torch.randint(0, 512, (1, 150), generator=torch.Generator().manual_seed(14))
+        online.prefill(other, publish=False)  # a miss: a full recompute, measured
+        assert [n for n, _ in online.prefill_model.samples] == [150]
+        r = online.prefill(ids, publish=False)
+        assert r.plan is not None  # whatever it chose, the output is the model's own
+        assert r.cached_tokens == r.plan.load_tokens
+        assert (r.logits - split_logits(model, ids, r.cached_tokens)).abs().max().item() == 0.0
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        CachedPrefill(model, c, prefill_tokens_per_s=0.0)
