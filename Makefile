@@ -39,6 +39,7 @@ bench-throughput: setup
 	$(PY) -m benchmarks.tier_throughput
 	$(PY) -m benchmarks.remote_throughput
 	$(PY) -m benchmarks.lookup_scaling
+	$(PY) -m benchmarks.alternatives
 
 simulate: setup
 	$(PY) -m benchmarks.simulate
