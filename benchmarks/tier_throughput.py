@@ -85,9 +85,10 @@ def main() -> None:
     data = Path(args.data_dir)
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    # Host holds one prompt (plus slack), so alternating two prompts makes every fetch a disk
-    # read (promotion) whose demotion costs nothing (both prompts are already on disk).
-    host = nbytes + 64 * 2**20
+    # Host holds exactly one prompt (blocks are page multiples), so alternating two prompts
+    # makes every block of every fetch a disk read (promotion) whose demotion costs nothing
+    # (both prompts are already on disk). Checked below with the promotion counter.
+    host = nbytes
     daemon = DaemonProcess(data / "kvstore", "--host-bytes", str(host),
                            "--disk-bytes", str(4 * nbytes), "--disk-sync", "never")
     bar = tqdm(total=4 + 4 * args.repeats, desc="tier throughput", unit="step")
@@ -120,6 +121,7 @@ def main() -> None:
                     assert torch.equal(out.view(torch.int16), kvs[0].view(torch.int16))
             # disk: publish both prompts; the second demotes the first; then alternate.
             c.publish(prompts[1], kvs[1])
+            promoted_before = c.stats().promotions
             for r in range(args.repeats):
                 which = r % 2
                 _drop_cache(disk_file)
@@ -130,6 +132,8 @@ def main() -> None:
                 bar.update(2)
             assert torch.equal(out.view(torch.int16), kvs[(args.repeats - 1) % 2].view(torch.int16))
             stats = c.stats()
+            assert stats.promotions - promoted_before == args.repeats * args.blocks, (
+                "a disk fetch was served partly from host")
         bar.update()
     finally:
         daemon.stop()
