@@ -45,6 +45,11 @@ STREAM_CHUNK = 4 << 20
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
 # is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
 COPY_PIECE_BYTES = 64 << 20
+# A same-node fetch asks for the prompt in windows of about this many bytes and asks for the
+# next window before copying the current one, so the daemon stages (reads from disk or the
+# remote tier) window k+1 while this client copies window k. One window for host-sized
+# prompts; a few round trips more for long ones, which the overlap more than pays for.
+FETCH_WINDOW_BYTES = 64 << 20
 # Statuses that mean "the daemon can't serve this now": a miss, and back off.
 _OUTAGE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -446,62 +451,137 @@ class AsyncKVClient:
         bt = self.layout.block_tokens
         return slice(i * bt, (i + 1) * bt)
 
+    def _new_out(self, blocks: int) -> torch.Tensor:
+        return torch.empty(self.layout.kv_shape(blocks * self.layout.block_tokens),
+                           dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
+
     async def _fetch(self, keys: list[bytes], into: torch.Tensor | None,
                      ) -> tuple[int, torch.Tensor | None]:
         out = into
-        done = 0
-        while done < len(keys):
-            n, more, out = await self._fetch_some(keys, done, out)
-            done += n
-            if not more or n == 0:
-                break
+        if self.transfer == "stream":
+            done = 0
+            while done < len(keys):
+                n, more, out = await self._fetch_some(keys, done, out)
+                done += n
+                if not more or n == 0:
+                    break
+        else:
+            async def take(arena: Arena, head: pb.FetchChunk, first: int) -> None:
+                nonlocal out
+                if out is None:  # sized for every block asked for: later windows fill the rest
+                    out = self._new_out(len(keys))
+                await self._copy(self._copy_out, arena, list(head.blocks), out, first)
+
+            done = await self._windows(keys, 0, take)
         if done == 0 or out is None:
             return 0, None
         tokens = done * self.layout.block_tokens
         return tokens, out[:, :, :tokens]
 
+    def _window_blocks(self) -> int:
+        return max(1, FETCH_WINDOW_BYTES // self.layout.block_bytes)
+
+    async def _windows(self, keys: list[bytes], start: int,
+                       take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> int:
+        """Same-node fetch of `keys[start:]`, window by window: the next window's Fetch is
+        asked for before `take` copies the current one, so the daemon's staging (disk reads)
+        overlaps this client's copy. Returns the end of the prefix copied intact (`start` when
+        nothing was). `take(arena, head, first)` copies `head`'s blocks, the first being block
+        `first` of `keys`; the lease is released here, and a lease that ended during the copy
+        makes that window a miss (its blocks may have been overwritten meanwhile)."""
+        window = self._window_blocks()
+        done = start
+        ahead: asyncio.Future[tuple[pb.FetchChunk, int]] | None = asyncio.ensure_future(
+            self._fetch_head(keys, done, window))
+        overlapped = False  # `ahead` was asked for while this client held the window before
+        try:
+            while ahead is not None:
+                head, asked = await ahead
+                ahead = None
+                n = head.hits
+                if n == 0 and overlapped:
+                    # Asked for while the previous window was pinned: the daemon may have
+                    # lacked staging space for both. Ask again, now that it is released.
+                    head, asked = await self._fetch_head(keys, done, window)
+                    n = head.hits
+                if n == 0:
+                    break
+                overlapped = n == asked and done + n < len(keys)
+                if overlapped:  # a full window: ask for the next one now
+                    ahead = asyncio.ensure_future(self._fetch_head(keys, done + n, window))
+                if not await self._take_leased(head, done, take):
+                    break
+                done += n
+                if n < asked and head.more:  # cut for staging space: ask for the rest
+                    ahead = asyncio.ensure_future(self._fetch_head(keys, done, window))
+        finally:
+            if ahead is not None:
+                self._drop_head(ahead)
+        return done
+
+    async def _fetch_head(self, keys: list[bytes], start: int, window: int,
+                          ) -> tuple[pb.FetchChunk, int]:
+        """One SHM Fetch of up to `window` keys from `start`: its header (a lease when hit)."""
+        ask = keys[start : start + window]
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=ask,
+                              transfer=pb.TRANSFER_SHM)
+        call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
+        head: pb.FetchChunk = await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
+        return head, len(ask)
+
+    def _drop_head(self, ahead: asyncio.Future[tuple[pb.FetchChunk, int]]) -> None:
+        """Give back a window fetched ahead but not taken (the fetch ended before it)."""
+        if not ahead.done():
+            ahead.cancel()  # `_leased` releases a lease that arrives after the cancellation
+            ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._keep(ahead)
+        elif not ahead.cancelled() and ahead.exception() is None:
+            head, _ = ahead.result()
+            if head.lease_id:
+                self._release_later(head.lease_id)
+
+    async def _take_leased(self, head: pb.FetchChunk, first: int,
+                           take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> bool:
+        """Copy a leased window with `take`, then release it; False when the copy cannot be
+        trusted (no arena, or the lease ended before the copy did)."""
+        released = False
+        try:
+            arena = await self._arena_for(head.arena_id)
+            if arena is None:
+                return False
+            began = time.perf_counter()
+            await take(arena, head, first)
+            self._observe_copy(head.blocks, time.perf_counter() - began)
+            reply: pb.ReleaseReply = await self._unary(
+                "Release", pb.ReleaseRequest(lease_id=head.lease_id))
+            released = True
+        finally:
+            if not released:
+                self._release_later(head.lease_id)
+        if not reply.released:
+            # The lease expired (or the daemon restarted) before the copy ended: its blocks
+            # were unpinned meanwhile and may have been overwritten. A miss.
+            log.warning("fetch lease %d ended before the copy finished; a miss", head.lease_id)
+            return False
+        return True
+
     async def _fetch_some(self, keys: list[bytes], start: int, out: torch.Tensor | None,
                           ) -> tuple[int, bool, torch.Tensor | None]:
-        """Fetch from block `start` on, into `out` (allocated for all keys on first need)."""
-        shm = self.transfer != "stream"
+        """Streamed fetch (TCP) from block `start` on, into `out` (allocated for all keys on
+        first need)."""
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_SHM if shm else pb.TRANSFER_STREAM)
+                              transfer=pb.TRANSFER_STREAM)
         call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
-        head = (await self._leased(anext(stream), lambda h: h.lease_id) if shm
-                else await anext(stream))  # a stream's lease ends with the stream
+        head = await anext(stream)  # a stream's lease ends with the stream
         n = head.hits
         if n == 0:
             return 0, False, out
         if out is None:
-            # Sized for every block asked for: the rest may still come in later rounds.
-            out = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
-                              dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
-        if shm:
-            released = False
-            try:
-                arena = await self._arena_for(head.arena_id)
-                if arena is None:
-                    return 0, False, out
-                began = time.perf_counter()
-                await self._copy(self._copy_out, arena, list(head.blocks), out, start)
-                self._observe_copy(head.blocks, time.perf_counter() - began)
-                reply: pb.ReleaseReply = await self._unary(
-                    "Release", pb.ReleaseRequest(lease_id=head.lease_id))
-                released = True
-            finally:
-                if not released:
-                    self._release_later(head.lease_id)
-            if not reply.released:
-                # The lease expired (or the daemon restarted) before the copy ended: its
-                # blocks were unpinned meanwhile and may have been overwritten. A miss.
-                log.warning("fetch lease %d ended before the copy finished; a miss",
-                            head.lease_id)
-                return 0, False, out
-        else:
-            began = time.perf_counter()
-            await self._receive(stream, n, out, start)
-            self._observe_copy(head.blocks, time.perf_counter() - began)
+            out = self._new_out(len(keys))
+        began = time.perf_counter()
+        await self._receive(stream, n, out, start)
+        self._observe_copy(head.blocks, time.perf_counter() - began)
         return n, head.more, out
 
     def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
@@ -599,40 +679,13 @@ class AsyncKVClient:
         """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it, 0 on a miss)."""
         if self.transfer == "stream":
             return await self._fetch_with_stream(keys, consume, skip)
-        done = await _in_rounds(len(keys), skip,
-                                lambda d: self._fetch_with_some(keys, d, consume))
-        return done if done > skip else 0
 
-    async def _fetch_with_some(self, keys: list[bytes], start: int, consume: BlockCopy,
-                               ) -> tuple[int, bool]:
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_SHM)
-        call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
-        head: pb.FetchChunk = await anext(call.__aiter__())
-        n = head.hits
-        if n == 0:
-            return 0, False
-        released = False
-        try:
-            arena = await self._arena_for(head.arena_id)
-            if arena is None:
-                return 0, False
+        async def take(arena: Arena, head: pb.FetchChunk, first: int) -> None:
             views = [self._block_view(arena, ref) for ref in head.blocks]
-            began = time.perf_counter()
-            await self._copy(consume, list(range(start, start + n)), views)
-            self._observe_copy(head.blocks, time.perf_counter() - began)
-            del views
-            reply: pb.ReleaseReply = await self._unary(
-                "Release", pb.ReleaseRequest(lease_id=head.lease_id))
-            released = True
-        finally:
-            if not released:
-                self._release_later(head.lease_id)
-        if not reply.released:
-            # The lease ended before the copy did: those blocks may have been overwritten.
-            log.warning("fetch lease %d ended before the copy finished; a miss", head.lease_id)
-            return 0, False
-        return n, head.more
+            await self._copy(consume, list(range(first, first + len(views))), views)
+
+        done = await self._windows(keys, skip, take)
+        return done if done > skip else 0
 
     async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,
                                  ) -> int:
