@@ -123,6 +123,10 @@ def end_to_end_bandwidth(tiers: Iterable[str], read: Mapping[str, float],
       which every block pays whatever its tier; None: the host prior.
     - `consume`: the engine taking the copied blocks into its own cache (a layout conversion);
       None: free.
+
+    In series is the conservative reading: a same-node fetch of a long prompt overlaps the
+    daemon's reads of one window with the client's copy of the previous one, so it approaches
+    its slowest leg. The estimate then errs towards recomputing.
     """
     copy_leg = copy if copy is not None else DEFAULT_BANDWIDTH["host"]
     out: dict[str, float] = {}
