@@ -164,3 +164,30 @@ def test_async_plan(daemon):
             assert (await c.plan(prompt(5), 10.0)).load_blocks == 0  # nothing cached
 
     asyncio.run(main())
+
+
+def test_remote_tier_bandwidth_is_measured_through_real_redis(daemon_factory, redis_server):
+    """Two daemons sharing one Redis: the second reads a prompt through and then reports the
+    remote tier's measured bandwidth in Stats and in Lookup."""
+    args = ("--host-bytes", "8MiB", "--disk-bytes", "32MiB", "--remote", redis_server.url)
+    a = daemon_factory(*args, name="a").start()
+    b = daemon_factory(*args, name="b").start()
+    layout = small_layout()
+    with KVClient(a.target, layout) as c:
+        c.publish(prompt(0), random_kv(layout, len(prompt(0))))
+        c.publish(prompt(1), random_kv(layout, len(prompt(1)), seed=1))
+        deadline = time.monotonic() + 10
+        while c.stats().remote.written_blocks < 2 * BLOCKS:
+            assert time.monotonic() < deadline, "write-through did not finish"
+            time.sleep(0.05)
+    with KVClient(b.target, layout) as c:
+        ns = c.namespace.digest()
+        before = lookup(b.target, c.keys(prompt(1)), ns)
+        assert list(before.tiers) == ["remote"] * BLOCKS
+        assert dict(before.read_bandwidth) == {}
+        assert c.fetch(prompt(0))[0] == BLOCKS * 16  # read through from Redis
+        measured = tier(c.stats(), "remote").read_bandwidth
+        assert measured > 0
+        after = lookup(b.target, c.keys(prompt(1)), ns)
+        assert dict(after.read_bandwidth) == {"remote": pytest.approx(measured)}
+        assert tier(c.stats(), "disk").read_bandwidth == 0  # no disk read happened here
