@@ -45,11 +45,6 @@ STREAM_CHUNK = 4 << 20
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
 # is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
 COPY_PIECE_BYTES = 64 << 20
-# A same-node fetch asks for the prompt in windows of about this many bytes and asks for the
-# next window before copying the current one, so the daemon stages (reads from disk or the
-# remote tier) window k+1 while this client copies window k. One window for host-sized
-# prompts; a few round trips more for long ones, which the overlap more than pays for.
-FETCH_WINDOW_BYTES = 64 << 20
 # Statuses that mean "the daemon can't serve this now": a miss, and back off.
 _OUTAGE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
@@ -478,67 +473,57 @@ class AsyncKVClient:
         tokens = done * self.layout.block_tokens
         return tokens, out[:, :, :tokens]
 
-    def _window_blocks(self) -> int:
-        return max(1, FETCH_WINDOW_BYTES // self.layout.block_bytes)
-
     async def _windows(self, keys: list[bytes], start: int,
                        take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> int:
-        """Same-node fetch of `keys[start:]`, window by window: the next window's Fetch is
-        asked for before `take` copies the current one, so the daemon's staging (disk reads)
-        overlaps this client's copy. Returns the end of the prefix copied intact (`start` when
-        nothing was). `take(arena, head, first)` copies `head`'s blocks, the first being block
-        `first` of `keys`; the lease is released here, and a lease that ended during the copy
-        makes that window a miss (its blocks may have been overwritten meanwhile)."""
-        window = self._window_blocks()
+        """Same-node fetch of `keys[start:]`. The daemon answers a window at a time (it stops
+        after `fetch_window_bytes` of disk or remote reads, or when its staging space runs
+        out, with `more` set); the rest is asked for before `take` copies the current window,
+        so the daemon's reads overlap this client's copy. Returns the end of the prefix copied
+        intact (`start` when nothing was). `take(arena, head, first)` copies `head`'s blocks,
+        the first being block `first` of `keys`; the lease is released here, and a lease that
+        ended during the copy makes that window a miss (its blocks may have been overwritten
+        meanwhile)."""
         done = start
-        ahead: asyncio.Future[tuple[pb.FetchChunk, int]] | None = asyncio.ensure_future(
-            self._fetch_head(keys, done, window))
+        ahead: asyncio.Future[pb.FetchChunk] | None = asyncio.ensure_future(
+            self._fetch_head(keys, done))
         overlapped = False  # `ahead` was asked for while this client held the window before
         try:
             while ahead is not None:
-                head, asked = await ahead
+                head = await ahead
                 ahead = None
-                n = head.hits
-                if n == 0 and overlapped:
+                if head.hits == 0 and overlapped:
                     # Asked for while the previous window was pinned: the daemon may have
                     # lacked staging space for both. Ask again, now that it is released.
-                    head, asked = await self._fetch_head(keys, done, window)
-                    n = head.hits
+                    head = await self._fetch_head(keys, done)
+                n = head.hits
                 if n == 0:
                     break
-                overlapped = n == asked and done + n < len(keys)
-                if overlapped:  # a full window: ask for the next one now
-                    ahead = asyncio.ensure_future(self._fetch_head(keys, done + n, window))
+                overlapped = head.more and done + n < len(keys)
+                if overlapped:
+                    ahead = asyncio.ensure_future(self._fetch_head(keys, done + n))
                 if not await self._take_leased(head, done, take):
                     break
                 done += n
-                if n < asked and head.more:  # cut for staging space: ask for the rest
-                    ahead = asyncio.ensure_future(self._fetch_head(keys, done, window))
         finally:
             if ahead is not None:
                 self._drop_head(ahead)
         return done
 
-    async def _fetch_head(self, keys: list[bytes], start: int, window: int,
-                          ) -> tuple[pb.FetchChunk, int]:
-        """One SHM Fetch of up to `window` keys from `start`: its header (a lease when hit)."""
-        ask = keys[start : start + window]
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=ask,
+    async def _fetch_head(self, keys: list[bytes], start: int) -> pb.FetchChunk:
+        """One SHM Fetch of `keys[start:]`: its header (with a lease when it hit)."""
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
                               transfer=pb.TRANSFER_SHM)
         call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
-        head: pb.FetchChunk = await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
-        return head, len(ask)
+        return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
 
-    def _drop_head(self, ahead: asyncio.Future[tuple[pb.FetchChunk, int]]) -> None:
-        """Give back a window fetched ahead but not taken (the fetch ended before it)."""
+    def _drop_head(self, ahead: asyncio.Future[pb.FetchChunk]) -> None:
+        """Give back a window asked for ahead but not taken (the fetch ended before it)."""
         if not ahead.done():
             ahead.cancel()  # `_leased` releases a lease that arrives after the cancellation
             ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._keep(ahead)
-        elif not ahead.cancelled() and ahead.exception() is None:
-            head, _ = ahead.result()
-            if head.lease_id:
-                self._release_later(head.lease_id)
+        elif not ahead.cancelled() and ahead.exception() is None and ahead.result().lease_id:
+            self._release_later(ahead.result().lease_id)
 
     async def _take_leased(self, head: pb.FetchChunk, first: int,
                            take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> bool:

@@ -75,12 +75,17 @@ def verify(
     layout_digest: bytes,
 ) -> None:
     """Check a decoded header and its payload against the key and layout they are read under."""
+    verify_binding(header, len(memoryview(payload)), key, layout_digest)
+    if checksum([payload]) != header.checksum:
+        raise IntegrityError("payload checksum mismatch")
+
+
+def verify_binding(header: FrameHeader, length: int, key: bytes, layout_digest: bytes) -> None:
+    """The header's key, layout and length against what the reader expects (not the payload:
+    a reader that hashes while it reads compares the checksum itself)."""
     if header.key != key:
         raise IntegrityError("payload belongs to another key")
     if header.layout_digest != layout_digest:
         raise IntegrityError("payload was written under another layout")
-    n = len(memoryview(payload))
-    if header.length != n:
-        raise IntegrityError(f"payload length {n} != framed length {header.length}")
-    if checksum([payload]) != header.checksum:
-        raise IntegrityError("payload checksum mismatch")
+    if header.length != length:
+        raise IntegrityError(f"payload length {length} != framed length {header.length}")

@@ -78,7 +78,8 @@ class Daemon:
                 retry_s=config.remote_retry_s))
         self.store = TieredStore(HostTier(config.host_bytes, config.shm_dir), disk,
                                  config.lease_timeout_s, remote=remote,
-                                 remote_queue_blocks=config.remote_queue_blocks)
+                                 remote_queue_blocks=config.remote_queue_blocks,
+                                 fetch_window_bytes=config.fetch_window_bytes)
         self.metrics = Metrics(self.store)
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect

@@ -146,8 +146,11 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 class TieredStore:
     def __init__(self, host: HostTier, disk: DiskTier | None, lease_timeout_s: float = 30.0,
                  io_threads: int = 4, remote: RemoteTier | None = None,
-                 remote_queue_blocks: int = 256) -> None:
+                 remote_queue_blocks: int = 256, fetch_window_bytes: int = 64 << 20) -> None:
         self.host = host
+        # Bytes one fetch promotes (disk and remote reads) before it answers with `more`: the
+        # client asks for the rest at once and copies this part meanwhile (0: no limit).
+        self.fetch_window_bytes = fetch_window_bytes
         self.disk = disk
         self.tiers: list[Tier] = [host] + ([disk] if disk is not None else [])
         # The remote tier is not in `tiers`: it is shared, with no local space or LRU to keep.
@@ -237,7 +240,9 @@ class TieredStore:
         so the disk sees a deep queue instead of one read at a time. Remote hits are read in
         batches during the first pass and copied into host at once (their bytes are already
         in memory), then pinned like host hits. The remote tier is asked only when
-        `namespace` is given; `block_bytes` sizes its batches.
+        `namespace` is given; `block_bytes` sizes its batches. Past `fetch_window_bytes` of
+        promotions the lease stops short with `more` set: the client asks for the rest while it
+        copies this part, so the next reads overlap its copy.
         """
         lease = self._new_lease("fetch")
         staged: list[_Staged] = []
@@ -246,14 +251,21 @@ class TieredStore:
             assert self.remote is not None
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
             remote = _RemoteReads(self.remote, namespace, keys, layout_digest, batch)
+        window = self.fetch_window_bytes
+        promoted = 0
         try:
             for i, key in enumerate(keys):
+                if window and promoted >= window:
+                    lease.more = True  # the rest in the client's next call, while it copies
+                    break
                 item = await self._stage(key, layout_digest, lease, staged)
                 if item is None and remote is not None and not lease.more:
                     item = await self._stage_remote(remote, i, key, lease, staged)
                 if item is None:
                     break
                 staged.append(item)
+                if item.tier != self.host.name:
+                    promoted += item.dst.length
             reads = [s for s in staged if s.src is not None]
             began = time.perf_counter()
             errors = await asyncio.gather(*(self._read_disk(s) for s in reads))
