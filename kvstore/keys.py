@@ -69,8 +69,11 @@ def tokens_to_array(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> np.nda
         raise InvalidArgumentError(f"tokens must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX):
-        raise InvalidArgumentError("token ids must be in [0, 2**31 - 1]")
+    if arr.size:  # a pass over the tokens only for a bound their dtype does not keep
+        bounds = np.iinfo(arr.dtype)
+        if ((bounds.min < 0 and int(arr.min()) < 0)
+                or (bounds.max > _INT32_MAX and int(arr.max()) > _INT32_MAX)):
+            raise InvalidArgumentError("token ids must be in [0, 2**31 - 1]")
     return arr.astype("<i4", copy=False)
 
 
@@ -187,18 +190,22 @@ class KeyCache:
         n_blocks = len(arr) // self.block_tokens
         if n_blocks == 0:
             return []
-        raw = arr[: n_blocks * self.block_tokens].tobytes()
-        known: list[bytes] = []
+        # The tokens' bytes in place: a hit compares them without copying them out.
+        view = memoryview(np.ascontiguousarray(arr[: n_blocks * self.block_tokens])).cast("B")
         with self._lock:
             for i in range(len(self._entries) - 1, -1, -1):
-                cached_raw, cached_keys = self._entries[i]
-                if cached_raw.startswith(raw):  # this prompt, or a prefix of a cached one
+                if self._entries[i][0].startswith(view):  # this prompt, or a prefix of one
+                    cached_keys = self._entries[i][1]
                     self._entries.append(self._entries.pop(i))
                     self.hits += 1
                     return cached_keys[:n_blocks]
-                if len(cached_keys) > len(known) and raw.startswith(cached_raw):
-                    known = cached_keys
             self.misses += 1
+            entries = list(self._entries)
+        raw = view.tobytes()
+        known: list[bytes] = []  # the keys of the longest cached prompt this one extends
+        for cached_raw, cached_keys in entries:
+            if len(cached_keys) > len(known) and raw.startswith(cached_raw):
+                known = cached_keys
         step = self.block_tokens * 4
         keys = known + _chain(known[-1] if known else self._start, raw, step, n_blocks,
                               first=len(known))
