@@ -31,7 +31,7 @@ from kvstore.integrity import (
 )
 from tiers.base import PAGE, BlockEntry, Tier
 
-READ_PIECE = 1 << 20  # bytes read, then hashed, at a time: fits the CPU's cache
+READ_PIECE = 8 << 20  # bytes read, then hashed, at a time: big for readahead, cache-sized
 _INDEX = struct.Struct("<QQQ32s32s16s")  # seq, unit, length, namespace, layout digest, checksum
 
 
