@@ -191,7 +191,7 @@ class KeyCache:
         if n_blocks == 0:
             return []
         # The tokens' bytes in place: a hit compares them without copying them out.
-        view = memoryview(np.ascontiguousarray(arr[: n_blocks * self.block_tokens])).cast("B")
+        view = np.ascontiguousarray(arr[: n_blocks * self.block_tokens]).data.cast("B")
         with self._lock:
             for i in range(len(self._entries) - 1, -1, -1):
                 if self._entries[i][0].startswith(view):  # this prompt, or a prefix of one
