@@ -40,6 +40,7 @@ bench-throughput: setup
 	$(PY) -m benchmarks.remote_throughput
 	$(PY) -m benchmarks.lookup_scaling
 	$(PY) -m benchmarks.alternatives
+	$(PY) -m benchmarks.planner
 
 simulate: setup
 	$(PY) -m benchmarks.simulate
