@@ -119,7 +119,7 @@ def test_window_asked_ahead_is_released_when_the_fetch_fails(daemon_factory, hea
     # Every disk read stalls 0.4 s; the client's deadline is 0.6 s. Window 1 arrives at 0.4 s;
     # window 2, asked for then, is still being read when the deadline ends the call. Its
     # lease, granted after the client gave up, must still be released.
-    d, tokens, kv = on_disk_only(daemon_factory, 9, "--host-bytes", host_of(9),
+    d, tokens, _ = on_disk_only(daemon_factory, 9, "--host-bytes", host_of(9),
                                  "--fault-disk-read-delay-s", "0.4", "--lease-timeout-s", "30")
     d.start()
     with KVClient(d.target, LAYOUT, deadline_s=0.6) as c:
