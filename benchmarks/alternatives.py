@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import drop_page_cache  # torch + standard library: fine in either venv
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_LMCACHE = ROOT / ".venv-lmcache" / "bin" / "python"
 GOAL_LMCACHE = 1.5
@@ -71,16 +73,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _tokens(prompt: int, n_tokens: int) -> list[int]:
     return [prompt * 10**6 + t for t in range(n_tokens)]
-
-
-def _drop_cache(path: Path | str) -> None:
-    """Write a file's dirty pages, then drop its page cache (as tier_throughput does)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 # ---- LMCache worker: `.venv-lmcache/bin/python -m benchmarks.alternatives --lmcache-worker`
@@ -185,7 +177,7 @@ class _LMCacheBench:
 
     def disk_fetch(self, check: bool) -> dict[str, Any]:
         for k in self.disk_keys:
-            _drop_cache(self.disk._key_to_path(k))
+            drop_page_cache(self.disk._key_to_path(k))
         t = time.perf_counter()
         self._retrieve(self.disk, 0)
         fetch = time.perf_counter() - t
@@ -439,7 +431,7 @@ def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk:
                 promotions = c.stats().promotions
                 for r in range(repeats):
                     which = (r + 1) % 2  # the prompt that is on disk only
-                    _drop_cache(disk_file)
+                    drop_page_cache(disk_file)
                     t = time.perf_counter()
                     n, _ = c.fetch(prompts[which], into=out)
                     record("kvstore disk", "fetch", _gbps(nbytes, time.perf_counter() - t))

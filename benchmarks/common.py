@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -77,3 +78,15 @@ def barh(path: Path, labels: list[str], values: list[float], notes: list[str], c
     ax.set_title(title)
     ax.set_xlim(0, max(values) * 1.35)
     save(fig, path)
+
+
+def drop_page_cache(path: Path | str) -> None:
+    """Write a file's dirty pages, then drop its page cache: the next read comes from the disk,
+    as a disk tier's file is read before each disk fetch. (Torch and the standard library
+    only: the LMCache worker of `alternatives` imports this under its own venv.)"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

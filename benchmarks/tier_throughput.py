@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, barh, table, write_results
+from benchmarks.common import RESULTS, barh, drop_page_cache, table, write_results
 from client import KVClient
 from kvstore import KVLayout
 from server.process import DaemonProcess
@@ -33,15 +33,6 @@ LAYOUT = KVLayout(model="llama-8b-shaped", num_layers=32, num_kv_heads=8, head_d
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def measure_memcpy(nbytes: int, repeats: int) -> float:
@@ -63,7 +54,7 @@ def measure_raw_read(path: Path, nbytes: int, repeats: int) -> float:
     buf = bytearray(nbytes)
     times = []
     for _ in range(repeats):
-        _drop_cache(path)
+        drop_page_cache(path)
         fd = os.open(path, os.O_RDONLY)
         t = time.perf_counter()
         os.preadv(fd, [memoryview(buf)], 0)
@@ -124,7 +115,7 @@ def main() -> None:
             promoted_before = c.stats().promotions
             for r in range(args.repeats):
                 which = r % 2
-                _drop_cache(disk_file)
+                drop_page_cache(disk_file)
                 t = time.perf_counter()
                 n, _ = c.fetch(prompts[which], into=out)
                 res["disk fetch"].append(_gbps(nbytes, time.perf_counter() - t))
