@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
+import math
 import os
 import signal
 from pathlib import Path
@@ -80,6 +82,8 @@ class Daemon:
                                  config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes)
+        self._rates_file = self.data_dir / "read_bandwidth.json"
+        self.store.read_rates.bandwidth.update(load_rates(self._rates_file))
         self.metrics = Metrics(self.store)
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect
@@ -164,7 +168,31 @@ class Daemon:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._writer
             await self.store.close_remote()
+        save_rates(self._rates_file, self.store.read_bandwidth())
         self.store.close()
         self.config.socket_path.unlink(missing_ok=True)
         os.close(self._lock_fd)
         log.info("stopped")
+
+
+def load_rates(path: Path) -> dict[str, float]:
+    """Tier read bandwidths measured before the last clean shutdown, so that the first
+    fetches after a restart are planned from measurements, not priors. A missing or
+    malformed file is no measurement."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): float(v) for k, v in data.items()
+            if isinstance(v, int | float) and math.isfinite(v) and v > 0}
+
+
+def save_rates(path: Path, rates: dict[str, float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(rates))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not save measured read bandwidth: %s", e)

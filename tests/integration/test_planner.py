@@ -76,6 +76,23 @@ def test_lookup_and_stats_report_bandwidth_measured_by_a_disk_fetch(daemon_facto
         assert dict(host.read_bandwidth) == {}  # only the tiers of the reply, and host never
 
 
+def test_measured_bandwidth_survives_a_clean_restart(daemon_factory):
+    d, layout = on_disk(daemon_factory, "--fault-disk-read-delay-s", str(DELAY))
+    with KVClient(d.target, layout) as c:
+        c.fetch(prompt(0))  # measured: a stalled disk
+        measured = tier(c.stats(), "disk").read_bandwidth
+    assert measured > 0
+    assert d.stop() == 0  # SIGTERM: saved with the rest of the daemon's state
+    d.start()
+    with KVClient(d.target, layout) as c:
+        assert tier(c.stats(), "disk").read_bandwidth == pytest.approx(measured)
+    (d.data_dir / "read_bandwidth.json").write_text('{"disk": "fast", "remote": -1}')
+    d.kill()  # a file it cannot trust (and a crash, which saves nothing): priors again
+    d.start()
+    with KVClient(d.target, layout) as c:
+        assert tier(c.stats(), "disk").read_bandwidth == 0
+
+
 def test_plan_recomputes_from_a_slow_tier_and_loads_from_a_fast_one(daemon_factory):
     d, layout = on_disk(daemon_factory, "--fault-disk-read-delay-s", str(DELAY))
     bpt = layout.bytes_per_token
