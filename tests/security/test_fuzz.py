@@ -17,6 +17,7 @@ their block. Pass:
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -134,27 +135,31 @@ def publish_streams() -> st.SearchStrategy[list[bytes]]:
 
 
 # ---- calls with raw bytes
+Metadata = tuple[tuple[str, str], ...] | None
+
+
 def raw_call(channel: grpc.Channel, method: str, payload: bytes | list[bytes],
-             ) -> grpc.RpcError | None:
+             metadata: Metadata = None) -> grpc.RpcError | None:
     """Send `payload` (serialized messages) to `method`; the error it ended with, if any."""
     path = f"/{SERVICE.full_name}/{method}"
     client_stream, server_stream, _ = SHAPES[method]
     try:
         if client_stream:
             msgs = payload if isinstance(payload, list) else [payload]
-            channel.stream_unary(path)(iter(msgs), timeout=10)
+            channel.stream_unary(path)(iter(msgs), timeout=10, metadata=metadata)
         elif server_stream:
-            for _ in channel.unary_stream(path)(payload, timeout=10):
+            for _ in channel.unary_stream(path)(payload, timeout=10, metadata=metadata):
                 pass
         else:
-            channel.unary_unary(path)(payload, timeout=10)
+            channel.unary_unary(path)(payload, timeout=10, metadata=metadata)
     except grpc.RpcError as e:
         return e
     return None
 
 
-def call(channel: grpc.Channel, method: str, payload: bytes | list[bytes]) -> grpc.StatusCode:
-    error = raw_call(channel, method, payload)
+def call(channel: grpc.Channel, method: str, payload: bytes | list[bytes],
+         metadata: Metadata = None) -> grpc.StatusCode:
+    error = raw_call(channel, method, payload, metadata)
     return grpc.StatusCode.OK if error is None else error.code()
 
 
@@ -167,8 +172,32 @@ def fuzz_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     d.kill()
 
 
-def test_fuzzed_requests_get_clear_statuses_and_the_daemon_survives(fuzz_daemon):
-    d = fuzz_daemon
+TENANT_TOKEN = "fuzzing-tenant-0123456789"
+
+
+@pytest.fixture(params=["unix", "tenant-tcp"])
+def fuzz_target(request, tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, Metadata]]:
+    """The daemon, where the fuzzer connects, and its metadata: the Unix socket, or TCP as a
+    tenant (its calls go through the token interceptor and the tenant's key scoping)."""
+    args = ["--host-bytes", "8MiB", "--disk-bytes", "32MiB", "--max-message-bytes",
+            str(MAX_MESSAGE), "--lease-timeout-s", str(LEASE_S)]
+    metadata: Metadata = None
+    if request.param == "tenant-tcp":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            tcp = f"127.0.0.1:{s.getsockname()[1]}"
+        tokens = tmp_path / "tenants"
+        tokens.write_text(f"fuzzer {TENANT_TOKEN}\n")
+        tokens.chmod(0o600)
+        args += ["--listen", tcp, "--tenant-tokens-file", str(tokens)]
+        metadata = (("authorization", f"Bearer {TENANT_TOKEN}"),)
+    d = DaemonProcess(tmp_path / "fuzz", *args).start()
+    yield d, (tcp if metadata else d.target), metadata
+    d.kill()
+
+
+def test_fuzzed_requests_get_clear_statuses_and_the_daemon_survives(fuzz_target):
+    d, target, metadata = fuzz_target
     tokens = list(range(128))
     kv = random_kv(LAYOUT, 128)
     with KVClient(d.target, LAYOUT, deadline_s=5) as c:
@@ -177,13 +206,15 @@ def test_fuzzed_requests_get_clear_statuses_and_the_daemon_survives(fuzz_daemon)
     anon0 = rss_bytes(d.proc.pid)["RssAnon"]
     codes: Counter[str] = Counter()
     bad: list[str] = []
-    channel = grpc.insecure_channel(d.target, options=[
+    channel = grpc.insecure_channel(target, options=[
         ("grpc.max_send_message_length", 4 * MAX_MESSAGE)])
 
     def check(method: str, payload: bytes | list[bytes]) -> None:
-        code = call(channel, method, payload)
+        code = call(channel, method, payload, metadata)
         codes[f"{method}:{code.name}"] += 1
         allowed = OK_CODES | ({grpc.StatusCode.NOT_FOUND} if method == "Commit" else set())
+        if metadata and method == "Clear":  # a tenant's Clear(all) is refused
+            allowed |= {grpc.StatusCode.PERMISSION_DENIED}
         if code not in allowed:
             bad.append(f"{method} -> {code.name}: {payload!r:.200}")
 
@@ -235,8 +266,8 @@ def test_fuzzed_requests_get_clear_statuses_and_the_daemon_survives(fuzz_daemon)
     channel.close()
     sent = sum(codes.values())
     peak = rss_bytes(d.proc.pid)
-    soak_record("fuzz", operations=sent, faults=sent, rounds=rounds, wrong=0,
-                crashes=int(d.proc.poll() is not None), unexpected=len(bad),
+    soak_record("fuzz[tenant-tcp]" if metadata else "fuzz", operations=sent, faults=sent,
+                rounds=rounds, wrong=0, crashes=int(d.proc.poll() is not None), unexpected=len(bad),
                 anon_growth_mib=round((peak["RssAnon"] - anon0) / 2**20, 1))
     assert not bad, bad[:10]
     assert d.proc.poll() is None, "the daemon died"
