@@ -43,12 +43,13 @@ def format_stats(s: pb.StatsReply) -> str:
     lines = [f"kvstore {s.version}  up {s.uptime_s:.0f}s  hit rate {rate} "
              f"({s.hit_blocks} of {served} blocks fetched)  leases {s.active_leases}",
              f"{'tier':<6} {'blocks':>8} {'used':>11} {'capacity':>11} {'use':>6} {'hits':>8} "
-             f"{'read':>11} {'written':>11} {'evicted':>8}"]
+             f"{'read':>11} {'written':>11} {'evicted':>8} {'read rate':>11}"]
     for t in s.tiers:
         use = f"{100 * t.used_bytes / t.capacity_bytes:.0f}%" if t.capacity_bytes else "-"
         lines.append(f"{t.name:<6} {t.blocks:>8} {_human(t.used_bytes):>11} "
                      f"{_human(t.capacity_bytes):>11} {use:>6} {t.hits:>8} "
-                     f"{_human(t.bytes_read):>11} {_human(t.bytes_written):>11} {t.evictions:>8}")
+                     f"{_human(t.bytes_read):>11} {_human(t.bytes_written):>11} {t.evictions:>8} "
+                     f"{_human(t.read_bandwidth) + '/s' if t.read_bandwidth else '-':>11}")
     lines.append(f"published {s.stored_blocks}  demoted {s.demotions}  promoted {s.promotions}  "
                  f"integrity failures {s.integrity_failures}")
     return "\n".join(lines)

@@ -59,7 +59,13 @@ class StoreCollector(Collector):
             hits.add_metric(["remote"], c.tier_hits.get("remote", 0))
             moved.add_metric(["remote", "read"], c.bytes_read.get("remote", 0))
             moved.add_metric(["remote", "write"], remote.bytes_written)
-        yield from (hits, moved, evictions, used, cap, blocks)
+        rates = GaugeMetricFamily(
+            "kvstore_tier_read_bandwidth_bytes_per_second", "Measured read bandwidth of a tier "
+            "into host staging (an average over fetches; what clients plan loads from).",
+            labels=["tier"])
+        for name, rate in sorted(self.store.read_bandwidth().items()):
+            rates.add_metric([name], rate)
+        yield from (hits, moved, evictions, used, cap, blocks, rates)
         if remote is not None:
             yield from self._remote(remote)
         yield GaugeMetricFamily("kvstore_active_leases", "Open fetch and publish leases.",

@@ -64,11 +64,14 @@ def test_cli_reports_an_unreachable_daemon(tmp_path):
 
 def test_metrics_are_exported_after_publish_and_fetch(daemon_factory):
     port = _free_port()
-    d = daemon_factory("--metrics-port", str(port)).start()
     layout = small_layout()
+    d = daemon_factory("--metrics-port", str(port), "--host-bytes",
+                       str(2 * layout.block_bytes)).start()  # host holds one 2-block prompt
     with KVClient(d.target, layout) as c:
         c.publish(list(range(32)), random_kv(layout, 32))
-        assert c.fetch(list(range(32)))[0] == 32
+        assert c.fetch(list(range(32)))[0] == 32  # from host
+        c.publish(list(range(100, 132)), random_kv(layout, 32))  # pushes the first to disk
+        assert c.fetch(list(range(32)))[0] == 32  # from disk: its read bandwidth is measured
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     documented = set(re.findall(r"`(kvstore_[a-z_]+)", OPERATIONS.read_text()))
     assert len(documented) > 10
@@ -76,6 +79,8 @@ def test_metrics_are_exported_after_publish_and_fetch(daemon_factory):
     missing = {n for n in documented if not any(e.startswith(n) for e in exported)}
     assert not missing, f"documented in OPERATIONS.md but not exported: {sorted(missing)}"
     assert 'kvstore_tier_hits_total{tier="host"} 2.0' in text
+    assert 'kvstore_tier_hits_total{tier="disk"} 2.0' in text
+    assert 'kvstore_tier_read_bandwidth_bytes_per_second{tier="disk"}' in text
     assert 'kvstore_rpc_seconds_count{code="OK",method="Reserve"}' in text
 
 
