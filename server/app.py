@@ -83,7 +83,7 @@ class Daemon:
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes)
         self._rates_file = self.data_dir / "read_bandwidth.json"
-        self.store.read_rates.bandwidth.update(load_rates(self._rates_file))
+        self.store.saved_read_bandwidth = load_rates(self._rates_file)
         self.metrics = Metrics(self.store)
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect

@@ -164,6 +164,9 @@ class TieredStore:
         # Measured read bandwidth per tier (bytes/s into host staging, an EWMA over fetches);
         # a tier is absent until measured. See `read_bandwidth`.
         self.read_rates = BandwidthModel(bandwidth={}, latency={})
+        # Rates saved by the previous run: reported until this run measures the tier, then
+        # replaced outright (not averaged in: the disk or its throttle may have changed).
+        self.saved_read_bandwidth: dict[str, float] = {}
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
@@ -306,14 +309,15 @@ class TieredStore:
     def read_bandwidth(self) -> dict[str, float]:
         """Measured read bandwidth of each tier, bytes/s: the daemon's side of a fetch (disk:
         the wall time of a fetch's concurrent reads and their verification into host staging;
-        remote: its batched GETs), an EWMA over fetches. A tier not measured yet is absent.
+        remote: its batched GETs), an EWMA over fetches. A tier not measured yet by this run
+        reports the figure saved by the previous run, or is absent.
 
         The host tier is never measured: a host hit is pinned where it lies (zero copy), and
         what it costs is the client's copy out of shared memory, which only the client sees
         (and which depends on the client: its transfer mode, its destination memory). Clients
         measure that leg themselves and add it to every tier (`kvstore.planner`).
         """
-        return dict(self.read_rates.bandwidth)
+        return {**self.saved_read_bandwidth, **self.read_rates.bandwidth}
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease,
                      staged: list[_Staged]) -> _Staged | None:

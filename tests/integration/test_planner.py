@@ -86,6 +86,15 @@ def test_measured_bandwidth_survives_a_clean_restart(daemon_factory):
     d.start()
     with KVClient(d.target, layout) as c:
         assert tier(c.stats(), "disk").read_bandwidth == pytest.approx(measured)
+    d.stop()
+    # A disk 8x slower after the restart: its first fetch replaces the saved figure outright
+    # (an average with it would stay above 0.7x the old, fast one).
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB",
+                       "--fault-disk-read-delay-s", str(8 * DELAY)).start()
+    with KVClient(d.target, layout) as c:
+        assert tier(c.stats(), "disk").read_bandwidth == pytest.approx(measured)
+        c.fetch(prompt(1))
+        assert 0 < tier(c.stats(), "disk").read_bandwidth < 0.5 * measured
     (d.data_dir / "read_bandwidth.json").write_text('{"disk": "fast", "remote": -1}')
     d.kill()  # a file it cannot trust (and a crash, which saves nothing): priors again
     d.start()
