@@ -14,9 +14,9 @@ noise of a shared machine; p99s are over all windows of each kind.
 
 Pass:
 - the excess gets RESOURCE_EXHAUSTED (counted in Stats.shed_rpcs), and no other error;
-- the admitted calls' p99 stays within `P99_BOUND` x the unloaded p99 (the issue asks for 2x;
-  on 2 shared cores, with the load generator on the same cores, the measured ratio is
-  1.4-2x, so the assertion is looser and the figure is reported, see docs/RELIABILITY.md);
+- the admitted calls' p99 stays within `P99_BOUND` = 2x the unloaded p99 (the issue's
+  bound; measured 1.3-1.5x on an idle 2-core machine, up to 1.98x while other work shared
+  the cores, see docs/RELIABILITY.md; a rerun absorbs a noisy neighbour);
 - memory stays within budget: host usage within capacity throughout, and the daemon's
   anonymous memory grows by less than `MEM_BUDGET` under overload;
 - throughput recovers to 80% of the unloaded rate within 5 s of the overload ending;
@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration,
               pytest.mark.flaky(reruns=2, reruns_delay=1)]
 C = 4
 RECOMPUTE_S = 0.010  # what a refused caller does before its next request
-P99_BOUND = 3.0
+P99_BOUND = 2.0
 MEM_BUDGET = 32 << 20
 LAYOUT = small_layout(num_layers=8)  # 32 KiB blocks
 PROMPTS = [[p * 1000 + t for t in range(64)] for p in range(16)]  # 4 blocks each, 2 MiB in all
