@@ -601,11 +601,19 @@ class AsyncKVClient:
     async def _publish(self, keys: list[bytes], kv: torch.Tensor) -> int:
         if self.transfer == "stream":
             return await self._publish_stream(keys, kv)
-        return await _in_rounds(len(keys), 0, lambda d: self._publish_some(keys, d, kv))
 
-    async def _publish_some(self, keys: list[bytes], start: int, kv: torch.Tensor,
-                            ) -> tuple[int, bool]:
-        """Reserve, write and commit from block `start` on; returns (blocks covered, more)."""
+        async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
+            await self._copy(self._copy_in, arena, todo, refs, kv)
+
+        return await _in_rounds(len(keys), 0, lambda d: self._reserve_write(keys, d, write))
+
+    async def _reserve_write(
+            self, keys: list[bytes], start: int,
+            write: Callable[[Arena, list[int], list[pb.BlockRef]], Awaitable[None]],
+    ) -> tuple[int, bool]:
+        """Reserve from block `start` on, `write(arena, todo, refs)` the blocks the daemon
+        lacks (prompt indices `todo`, arena offsets `refs`), commit; returns (blocks covered,
+        more). A write that fails or is cancelled gives its reservation back."""
         reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
                                          keys=keys[start:])), lambda r: r.lease_id)
@@ -617,7 +625,7 @@ class AsyncKVClient:
             if arena is None:
                 return 0, False
             todo = [start + i for i, needed in enumerate(reply.needed) if needed]
-            await self._copy(self._copy_in, arena, todo, list(reply.blocks), kv)
+            await write(arena, todo, list(reply.blocks))
             await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
             committed = True
         finally:
@@ -696,30 +704,11 @@ class AsyncKVClient:
             await self._copy(produce, blocks,
                              [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks])
             return await self._publish_stream(keys, kv)
-        return await _in_rounds(len(keys), 0,
-                                lambda d: self._publish_with_some(keys, d, produce))
 
-    async def _publish_with_some(self, keys: list[bytes], start: int, produce: BlockCopy,
-                                 ) -> tuple[int, bool]:
-        reply: pb.ReserveReply = await self._unary(
-            "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:]))
-        committed = False
-        try:
-            arena = await self._arena_for(reply.arena_id)
-            if arena is None:
-                return 0, False
-            todo = [start + i for i, needed in enumerate(reply.needed) if needed]
-            if todo:
-                views = [self._block_view(arena, ref) for ref in reply.blocks]
-                await self._copy(produce, todo, views)
-                del views
-            await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
-            committed = True
-        finally:
-            if not committed and reply.blocks:
-                self._release_later(reply.lease_id)
-        return len(reply.needed), reply.more
+        async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
+            await self._copy(produce, todo, [self._block_view(arena, ref) for ref in refs])
+
+        return await _in_rounds(len(keys), 0, lambda d: self._reserve_write(keys, d, write))
 
 
 async def _in_rounds(total: int, start: int,

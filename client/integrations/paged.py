@@ -228,21 +228,16 @@ class PagedCache:
         (`[layers, kv, tokens, heads, head_dim]`, any layer and kv strides, e.g. a block in the
         daemon's shared memory) from token `first` on, into `page_ids` (only the first `count -
         (len(page_ids) - 1) * page_size` slots of a partial last page)."""
-        checked = self._check_views(views)
-        if not checked:
-            return
-        if self.engine is not None:
-            for kv, first, pages, count in checked:
-                if count != len(pages) * self.page_size:
-                    raise ValueError("partial pages are copied on vLLM CPU caches only")
-                self._engine_scatter(kv, pages, first)
-        elif not self._native(checked, gather=False):
-            for item in checked:
-                self._torch_copy(*item, gather=False)
+        self._copy_views(views, gather=False)
 
     def gather_views(self, views: Sequence[View]) -> None:
         """Read `page_ids` into `count` tokens of each `(kv, first, page_ids[, count])` from
         token `first` on (the inverse of `scatter_views`)."""
+        self._copy_views(views, gather=True)
+
+    def _copy_views(self, views: Sequence[View], gather: bool) -> None:
+        """Both directions of `scatter_views` / `gather_views`: the copy kernels for an engine
+        cache, else the native routine, else torch."""
         checked = self._check_views(views)
         if not checked:
             return
@@ -250,10 +245,13 @@ class PagedCache:
             for kv, first, pages, count in checked:
                 if count != len(pages) * self.page_size:
                     raise ValueError("partial pages are copied on vLLM CPU caches only")
-                kv[:, :, first : first + count].copy_(self._engine_gather(pages))
-        elif not self._native(checked, gather=True):
+                if gather:
+                    kv[:, :, first : first + count].copy_(self._engine_gather(pages))
+                else:
+                    self._engine_scatter(kv, pages, first)
+        elif not self._native(checked, gather=gather):
             for item in checked:
-                self._torch_copy(*item, gather=True)
+                self._torch_copy(*item, gather=gather)
 
     # ---- copies
     def _check_views(self, views: Sequence[View]) -> list[_View]:
