@@ -36,14 +36,12 @@ Goals (issue 7): kvstore fetch >= 1.5x LMCache fetch, >= 3x Redis fetch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -53,6 +51,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import drop_page_cache  # torch + standard library: fine in either venv
+from benchmarks.worker import JsonLineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_LMCACHE = ROOT / ".venv-lmcache" / "bin" / "python"
@@ -216,47 +215,23 @@ def lmcache_worker() -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-class LMCacheProcess:
+class LMCacheProcess(JsonLineWorker):
     """The `lmcache_worker` subprocess; its other output goes to `log`."""
 
     def __init__(self, opts: dict[str, Any], log: Path) -> None:
-        self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                "LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING",
                "PYTHONHASHSEED": "0"}
-        self.proc = subprocess.Popen(
-            [str(VENV_LMCACHE), "-m", "benchmarks.alternatives", "--lmcache-worker"],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True)
+        super().__init__("LMCache worker", [str(VENV_LMCACHE), "-m", "benchmarks.alternatives",
+                                            "--lmcache-worker"], cwd=ROOT, env=env,
+                         log_path=log)
         ready = self.call(**opts)
         if not ready.get("ready"):
             raise RuntimeError(f"LMCache worker did not start; see {log}")
         self.version = ready["version"]
 
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line.removeprefix("RESULT "))
-            self._log.write(line)
-        self._log.flush()
-        raise RuntimeError(f"LMCache worker exited ({self.proc.wait()}); see {self.log_path}:\n"
-                           + self.log_path.read_text()[-3000:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(RuntimeError, BrokenPipeError):
-                self.call(op="quit")
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+    def close(self, timeout: float = 30) -> None:
+        super().close(timeout)
 
 
 # ---- "just use Redis"

@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.worker import JsonLineWorker
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_VLLM = ROOT / ".venv-vllm" / "bin" / "python"
 VENV_LMCACHE = ROOT / ".venv-lmcache" / "bin" / "python"
@@ -112,39 +114,19 @@ def engine_main(opts: dict[str, Any]) -> None:
     del llm
 
 
-class Engine:
+class Engine(JsonLineWorker):
     """An `engine_main` subprocess; its other output goes to `log`."""
 
     def __init__(self, python: Path, opts: dict[str, Any], log: Path,
                  env: dict[str, str] | None = None) -> None:
-        self.log_path = log
-        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     "VLLM_CPU_KVCACHE_SPACE": str(opts.pop("kv_space_gib", 4)),
                     "VLLM_CPU_NUM_OF_RESERVED_CPU": str(opts.pop("reserved_cpus", 1)),
                     **(env or {})}
-        self.proc = subprocess.Popen(
-            [str(python), "-m", "benchmarks.vllm_ttft", "--engine", json.dumps(opts)],
-            cwd=ROOT, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
-        if not self._read().get("ready"):
+        super().__init__("engine", [str(python), "-m", "benchmarks.vllm_ttft", "--engine",
+                                    json.dumps(opts)], cwd=ROOT, env=full_env, log_path=log)
+        if not self.read().get("ready"):
             raise RuntimeError(f"engine did not start; see {log}")
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line.removeprefix("RESULT "))
-            self._log.write(line)
-            self._log.flush()
-        raise RuntimeError(f"engine exited ({self.proc.wait()}); see {self.log_path}:\n"
-                           + self.log_path.read_text()[-3000:])
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
 
     def generate(self, ids: list[int]) -> dict[str, Any]:
         return self.call(op="generate", ids=ids)
@@ -154,17 +136,6 @@ class Engine:
         if not r["reset"]:
             raise RuntimeError("reset_prefix_cache() stayed False for 60 s")
         return float(r["seconds"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(RuntimeError, BrokenPipeError):
-                self.call(op="quit")
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
 
 
 # ---- the driver

@@ -7,12 +7,10 @@ can stop the daemon under a live engine.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.worker import JsonLineWorker
 from server.process import ROOT, DaemonProcess
 
 if importlib.util.find_spec("vllm") is None:
@@ -37,53 +36,23 @@ LOGPROB_TOL = 1e-3  # loaded KV are the recompute run's bytes; only the suffix m
 DOWN_BOUND_S = 30.0  # a generate with the daemon gone: recompute, bounded by client deadlines
 
 
-class Engine:
+class Engine(JsonLineWorker):
     """A `vllm_runner` subprocess: one vLLM engine with the connector."""
 
     def __init__(self, model: Path, target: str, **opts: Any) -> None:
         args = {"model": str(model), "target": target, "block_size": BLOCK, **opts}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
                "PYTHONUNBUFFERED": "1"}
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.vllm_runner", json.dumps(args)], cwd=ROOT,
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
-        if not self._read().get("ready"):
+        super().__init__("engine", [sys.executable, "-m", "tests.vllm.vllm_runner",
+                                    json.dumps(args)], cwd=ROOT, env=env)
+        if not self.read().get("ready"):
             raise RuntimeError("engine did not start:\n" + self.tail())
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line.removeprefix("RESULT "))
-            self.log.append(line)
-        raise RuntimeError(f"engine exited ({self.proc.wait()}):\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        return "".join(self.log[-n:])
-
-    def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
 
     def generate(self, prompts: list[Any]) -> dict[str, Any]:
         return self.call(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
 
     def reset(self) -> None:
         assert self.call(op="reset")["reset"], "vLLM's prefix cache did not reset"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(RuntimeError, BrokenPipeError):
-                self.call(op="quit")
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 def prompts(seed: int) -> list[str]:
