@@ -47,12 +47,9 @@ def inspect_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.I
     """Every namespace with blocks in a local tier (a tenant: only its own, under the digests
     it sent). The shared remote tier is not scanned: it spans machines and may be large."""
     counts: dict[bytes, dict[str, list[int]]] = defaultdict(dict)
-    for tier in store.tiers:
-        for entry in list(tier.entries.values()):
-            if entry.committed:
-                c = counts[entry.namespace].setdefault(tier.name, [0, 0])
-                c[0] += 1
-                c[1] += entry.length
+    for tier in store.tiers:  # counts the tiers keep as blocks come and go: no walk of blocks
+        for ns, (blocks, nbytes) in tier.by_namespace.items():
+            counts[ns][tier.name] = [blocks, nbytes]
     out = []
     for ns, per_tier in sorted(counts.items(), key=lambda kv: -sum(c[1] for c in
                                                                     kv[1].values())):

@@ -60,6 +60,10 @@ class Tier(ABC):
         self.policy = TierPolicy(self.name, self.capacity_bytes)
         self.alloc = ExtentAllocator(self.capacity_bytes // PAGE)
         self.entries: dict[bytes, BlockEntry] = {}
+        # Committed blocks and their bytes per namespace, kept as blocks come and go, so that
+        # Stats, metrics scrapes and Inspect never walk every entry on the daemon's loop.
+        self.committed_blocks = 0
+        self.by_namespace: dict[bytes, list[int]] = {}  # namespace -> [blocks, bytes]
 
     # ---- sizes
     def units_for(self, length: int) -> int:
@@ -107,8 +111,25 @@ class Tier(ABC):
         return entry
 
     def complete_store(self, entry: BlockEntry) -> None:
-        entry.committed = True
+        if not entry.committed:
+            entry.committed = True
+            self._count(entry, 1)
         self.policy.unpin(entry.key)
+
+    def _count(self, entry: BlockEntry, sign: int) -> None:
+        """Account a committed block in (`sign` 1) or out (-1) of the counts."""
+        self.committed_blocks += sign
+        counts = self.by_namespace.setdefault(entry.namespace, [0, 0])
+        counts[0] += sign
+        counts[1] += sign * entry.length
+        if counts[0] == 0:
+            del self.by_namespace[entry.namespace]
+
+    def _forget_all(self) -> None:
+        """Drop every entry and its counts (a tier being closed)."""
+        self.entries.clear()
+        self.committed_blocks = 0
+        self.by_namespace.clear()
 
     def abort_store(self, entry: BlockEntry) -> None:
         if self.entries.get(entry.key) is entry:
@@ -149,6 +170,8 @@ class Tier(ABC):
 
     def _drop(self, entry: BlockEntry) -> None:
         del self.entries[entry.key]
+        if entry.committed:
+            self._count(entry, -1)
         self.policy.remove(entry.key)
         self.alloc.free(entry.unit, entry.units)
         self._on_drop(entry)
@@ -161,8 +184,8 @@ class Tier(ABC):
 
     def stats(self) -> TierStats:
         s = self.policy.stats()
-        return TierStats(self.name, sum(1 for e in self.entries.values() if e.committed),
-                         s.used_bytes, s.capacity_bytes, s.pinned_blocks, s.evictions)
+        return TierStats(self.name, self.committed_blocks, s.used_bytes, s.capacity_bytes,
+                         s.pinned_blocks, s.evictions)
 
     @abstractmethod
     def close(self) -> None:

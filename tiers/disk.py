@@ -88,6 +88,7 @@ class DiskTier(Tier):
                 continue
             entry = BlockEntry(key, ns, layout, length, unit, units, committed=True, checksum=csum)
             self.entries[key] = entry
+            self._count(entry, 1)
             self.policy.add(key, units * PAGE)
             self._seq = max(self._seq, seq)
         return dropped
@@ -157,4 +158,4 @@ class DiskTier(Tier):
             self._db.close()
             os.close(self._fd)
             self._fd = -1
-        self.entries.clear()
+        self._forget_all()

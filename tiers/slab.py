@@ -30,4 +30,4 @@ class SlabTier(Tier):
         return v.data if isinstance(v, np.ndarray) else v.numpy().data
 
     def close(self) -> None:
-        self.entries.clear()
+        self._forget_all()
