@@ -7,7 +7,9 @@ check the same way:
 - `CapacityWatch`: a thread sampling Stats (and the disk file) while a test runs; host and disk
   usage must stay within capacity, the remote write-through queue within its bound;
 - `soak_record`: the counts a test saw (operations, kills, faults, wrong blocks), printed and,
-  under `make soak` (`KV_SOAK_REPORT` set), appended to a JSON-lines report.
+  under `make soak` (`KV_SOAK_REPORT` set), appended to a JSON-lines report;
+- `Worker`: a thread whose exception (a failed assert included) reaches the test, and
+  `wait_until`: poll a condition with a deadline instead of sleeping and hoping.
 `KV_SOAK_S` (seconds) turns the time-bounded tests into their long versions.
 """
 
@@ -17,6 +19,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,37 @@ def soak_record(test: str, **counts: int | float) -> None:
     if report:
         with open(report, "a") as f:
             f.write(json.dumps({"test": test, **counts}) + "\n")
+
+
+class Worker(threading.Thread):
+    """A thread for tests: an exception in its target (an assert included) is kept and raised
+    again in the test by `result`; a plain thread would only print it or warn."""
+
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as e:
+            self.error = e
+
+    def result(self, timeout: float) -> None:
+        """Join; raise what the target raised, or AssertionError if it is still running."""
+        self.join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"thread {self.name} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+
+def wait_until(cond: Callable[[], object], timeout: float, what: str,
+               period_s: float = 0.01) -> None:
+    """Poll `cond` until it is true; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(period_s)
 
 
 def stub(target: str) -> tuple[grpc.Channel, pb_grpc.KVStoreStub]:
@@ -112,7 +146,7 @@ class CapacityWatch:
     capacity: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _thread: Worker | None = None
 
     def sample(self) -> None:
         try:
@@ -141,14 +175,16 @@ class CapacityWatch:
             self.sample()
 
     def __enter__(self) -> CapacityWatch:
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = Worker(target=self._run, daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: Any) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10)
+            if exc_type is None:  # else the test's own error is the one to see
+                self._thread.result(0)
 
     def check(self) -> None:
         self.sample()

@@ -24,11 +24,13 @@ from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import (
     SOAK_S,
     CapacityWatch,
+    Worker,
     layout_pb,
     soak_record,
     stub,
     tier,
     wait_quiescent,
+    wait_until,
 )
 
 # Wall-clock bounds (the deadlines): a rerun absorbs a noisy neighbour on 2 cores.
@@ -133,29 +135,34 @@ def test_daemon_lost_during_fetch_is_a_miss_within_deadline(daemon_factory, tran
     rng = random.Random(7)
     rounds = 10 if SOAK_S else 1
     record: list[tuple[float, int, str]] = []
+
+    def served_since(i: int, hit: bool) -> int:
+        return sum(1 for _, n, _ in record[i:] if (n > 0) == hit)
+
     for _ in range(rounds):
         stop = threading.Event()
-        worker = threading.Thread(target=_fetch_loop,
-                                  args=(d.target, layout, tokens, kv, transfer, stop, record))
+        worker = Worker(target=_fetch_loop,
+                        args=(d.target, layout, tokens, kv, transfer, stop, record))
+        start = len(record)
         worker.start()
-        time.sleep(rng.uniform(0.2, 0.5))
+        wait_until(lambda i=start: served_since(i, hit=True), 10, "a fetch served before the fault")
+        time.sleep(rng.uniform(0, 0.3))  # on purpose: the fault lands at a random moment
+        faulted = len(record)
         if how == "kill":
             d.kill()
-            time.sleep(0.3)  # fetches against a dead socket
         else:
             d.proc.send_signal(signal.SIGSTOP)
-            time.sleep(DEADLINE_S * 3)  # fetches against a hung daemon: the deadline decides
+        # Fetches against a dead socket, or a hung daemon (where the deadline decides).
+        wait_until(lambda i=faulted: served_since(i, hit=False) >= 2, 10, "misses after the fault")
+        if how == "hang":
             d.proc.send_signal(signal.SIGCONT)
         stop.set()
-        worker.join(30)
-        assert not worker.is_alive()
+        worker.result(30)
         if how == "kill":
             d.start()
             with KVClient(d.target, layout, deadline_s=5) as c:  # host-only: the kill lost it
                 # (the process's gRPC connection to the socket may be in its reconnect backoff)
-                deadline = time.monotonic() + 5
-                while not c.ping() and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_until(c.ping, 5, "the restarted daemon answers a ping", period_s=0.05)
                 assert c.publish(tokens, kv) == len(tokens)
         else:  # the hung daemon resumes; what the abandoned calls pinned goes back
             wait_quiescent(d.target, 2 + 1.5)

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, small_layout
-from tests.reliability import layout_pb, soak_record, stub
+from tests.reliability import Worker, layout_pb, soak_record, stats, stub, wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -65,7 +65,7 @@ def test_sigterm_drains_then_exits_clean(daemon_factory, stall_s, grace_s):
     assert _arena_files(pid)
     seen: list[tuple[float, int]] = []
     ready = threading.Event()
-    watcher = threading.Thread(target=_watch_health, args=(d.target, seen, ready))
+    watcher = Worker(target=_watch_health, args=(d.target, seen, ready))
     watcher.start()
     assert ready.wait(5) and seen[0][1] == SERVING
 
@@ -84,15 +84,16 @@ def test_sigterm_drains_then_exits_clean(daemon_factory, stall_s, grace_s):
                 result["code"] = e.code()
         result["t"] = time.monotonic()
 
-    caller = threading.Thread(target=in_flight)
+    caller = Worker(target=in_flight)
     caller.start()
-    time.sleep(0.15)  # the fetch is inside its stalled reads
+    # Its lease is the first thing the fetch makes; its stalled reads start right after.
+    wait_until(lambda: stats(d.target).active_leases > 0, 5, "the fetch reached the store")
     t_term = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     code = d.proc.wait(grace_s + stall_s + 10)
     t_exit = time.monotonic()
-    caller.join(10)
-    watcher.join(10)
+    caller.result(10)
+    watcher.result(10)
 
     assert code == 0
     assert any(s == NOT_SERVING and t >= t_term for t, s in seen), seen

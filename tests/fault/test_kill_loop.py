@@ -18,7 +18,7 @@ import pytest
 
 from client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.reliability import SOAK_S, soak_record
+from tests.reliability import SOAK_S, Worker, soak_record, wait_until
 
 # Wall-clock bounds (the deadlines): a rerun absorbs a noisy neighbour on 2 cores.
 pytestmark = [pytest.mark.fault, pytest.mark.integration,
@@ -57,7 +57,7 @@ def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
                 if p not in ledger or not same_bytes(got, values[p][:, :, :n]):
                     counts["wrong"] += 1
 
-    workers = [threading.Thread(target=load, args=(s,)) for s in range(2)]
+    workers = [Worker(target=load, args=(s,)) for s in range(2)]
     for w in workers:
         w.start()
     try:
@@ -68,11 +68,14 @@ def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
             t0 = time.monotonic()
             d.start()
             restart_s.append(time.monotonic() - t0)
-        time.sleep(0.5)
+        hits = counts["hits"]
+        wait_until(lambda: counts["hits"] > hits, 10, "a hit after the last restart")
     finally:
         stop.set()
         for w in workers:
             w.join(30)
+    for w in workers:
+        w.result(0)  # a load thread's exception fails the test
     soak_record("kill_loop", operations=counts["ops"], kills=len(restart_s),
                 faults=len(restart_s), hits=counts["hits"], misses=counts["misses"],
                 wrong=counts["wrong"], max_restart_s=round(max(restart_s), 2))
@@ -81,9 +84,7 @@ def test_kill_loop_never_serves_a_wrong_block(daemon_factory):
     assert max(restart_s) < 10.0  # under 5 s when the machine is idle (see RELIABILITY.md)
     with KVClient(d.target, layout, deadline_s=5) as c:
         # This process's connection to the socket may still be in its reconnect backoff.
-        deadline = time.monotonic() + 5
-        while not c.ping() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(c.ping, 5, "the daemon answers a ping", period_s=0.05)
         stats = c.stats()
     assert stats is not None
     assert stats.integrity_failures == 0

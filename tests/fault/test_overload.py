@@ -44,6 +44,7 @@ from server.process import ROOT
 from tests.conftest import random_kv, small_layout
 from tests.reliability import (
     CapacityWatch,
+    Worker,
     layout_pb,
     rss_bytes,
     soak_record,
@@ -175,7 +176,7 @@ def test_overload_sheds_excess_and_keeps_admitted_latency(daemon_factory):
         while not stop.wait(0.05):
             peak_anon = max(peak_anon, rss_bytes(d.proc.pid)["RssAnon"])
 
-    sampler = threading.Thread(target=sample_memory)
+    sampler = Worker(target=sample_memory)
     calls, recovery = Calls(), Calls("after")
     try:
         assert gen.stdout is not None
@@ -198,6 +199,7 @@ def test_overload_sheds_excess_and_keeps_admitted_latency(daemon_factory):
         gen.kill()
         if sampler.is_alive():
             sampler.join(5)
+    sampler.result(0)  # a sampler that died would leave peak_anon too low
     watch.check()
     end = stats(d.target)
     shed = end.shed_rpcs - shed0

@@ -7,7 +7,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
+from tests.reliability import Worker, wait_until
 
 pytestmark = pytest.mark.integration
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
@@ -122,12 +122,11 @@ def test_daemon_killed_during_fetch_is_a_miss_within_deadline(daemon_factory):
                 results.append((time.monotonic() - t, n))
                 assert n == 0 or same_bytes(got, kv[:, :, :n])
 
-        worker = threading.Thread(target=fetch_loop)
+        worker = Worker(target=fetch_loop)
         worker.start()
-        time.sleep(0.3)
+        wait_until(lambda: any(n for _, n in results), 10, "a fetch served before the kill")
         d.kill()
-        worker.join(60)
-    assert not worker.is_alive()
+        worker.result(60)
     assert any(n == 0 for _, n in results), "the kill never hit a fetch"
     assert max(t for t, _ in results) < 0.5 + 0.3
 
