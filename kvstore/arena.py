@@ -2,10 +2,17 @@
 
 Data between an engine and the daemon on one machine crosses no socket: the client copies
 into or out of the mapping at offsets the daemon hands out under a lease.
+
+The daemon reserves the whole file at creation (`posix_fallocate`): a sparse file on a tmpfs
+that runs out would kill whoever touches an unbacked page with SIGBUS, a same-node engine
+included. It also holds an exclusive `flock` on the file for its lifetime, which is how other
+daemons tell a live arena from a stale one (a pid is reused, or belongs to another pid
+namespace sharing the same /dev/shm; a lock is released by the kernel when its holder dies).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -24,21 +31,33 @@ class Arena:
     def __init__(self, path: Path, size: int, *, create: bool) -> None:
         self.path = path
         self.size = size
+        self._lock_fd = -1  # the creator's locked descriptor, held until `unlink`
+        # The creator makes the file under a hidden name, locks it, then renames it: another
+        # daemon's `remove_stale` never sees an arena that is not locked yet.
+        made = path.with_name(f".{path.name}.new") if create else path
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(made, flags, 0o600)
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.ftruncate(fd, size)
+                if size:
+                    os.posix_fallocate(fd, 0, size)  # every page backed now, or ENOSPC now
+                os.rename(made, path)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"arena {path} is smaller than the {size} bytes announced")
             # mmap refuses an empty mapping; a zero-byte arena is a valid (useless) tier.
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE) if size else None
         except BaseException:
+            os.close(fd)
             if create:  # do not leave a stray file in /dev/shm
+                made.unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
             raise
-        finally:
+        if create:
+            self._lock_fd = fd
+        else:
             os.close(fd)
         self.array = (np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap is not None
                       else np.zeros(0, dtype=np.uint8))
@@ -65,19 +84,34 @@ class Arena:
 
     @staticmethod
     def remove_stale(directory: str | Path) -> int:
-        """Delete arena files left by daemons that died without cleaning up (SIGKILL, OOM)."""
+        """Delete arena files left by daemons that died without cleaning up (SIGKILL, OOM).
+
+        An arena is stale iff its lock can be taken: a live daemon holds it, whatever its pid
+        or pid namespace. (The pid in the name is informative only.)"""
         removed = 0
-        for path in Path(directory).glob("kvstore-*-*.arena"):
+        d = Path(directory)
+        for path in [*d.glob("kvstore-*-*.arena"), *d.glob(".kvstore-*-*.arena.new")]:
             try:
-                pid = int(path.name.split("-")[1])
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                path.unlink(missing_ok=True)
-                removed += 1
-            except (ValueError, PermissionError):
-                continue  # not ours to judge: malformed name, or another user's live daemon
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile, a link, or another user's: not ours to judge
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Still the file we locked (not replaced by a new arena under the same name).
+                if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                    path.unlink()
+                    removed += 1
+            except BlockingIOError:
+                continue  # locked: a live daemon's
+            except FileNotFoundError:
+                continue  # removed meanwhile by another daemon
+            finally:
+                os.close(fd)
         return removed
 
     def unlink(self) -> None:
-        """Remove the file; existing mappings stay valid until released."""
+        """Remove the file and drop the lock; existing mappings stay valid until released."""
         self.path.unlink(missing_ok=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

@@ -6,24 +6,66 @@ run at full bus speed; without a GPU, pinning is skipped (`pin_memory` raises th
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import time
 from pathlib import Path
 
 from kvstore.arena import Arena
+from kvstore.errors import ConfigError
 from tiers.slab import SlabTier
 
 log = logging.getLogger(__name__)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _space_error(shm_dir: Path, size: int, err: OSError) -> ConfigError:
+    """What to tell an operator whose shared memory cannot hold the arena."""
+    try:
+        st = os.statvfs(shm_dir)
+        room = (f"it has {_mib(st.f_bavail * st.f_frsize)} free of "
+                f"{_mib(st.f_blocks * st.f_frsize)}")
+    except OSError:
+        room = "its free space is unknown"
+    if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        return ConfigError(
+            f"host_bytes: {_mib(size)} cannot be reserved in {shm_dir} ({room}); lower "
+            "host_bytes or enlarge the shared memory (docker: --shm-size; Kubernetes: an "
+            "emptyDir with medium: Memory and a sizeLimit)")
+    return ConfigError(f"shm_dir: cannot create the host arena in {shm_dir}: "
+                       f"{err.strerror or err}")
 
 
 class HostTier(SlabTier):
     name = "host"
 
     def __init__(self, capacity_bytes: int, shm_dir: str | Path = "/dev/shm") -> None:
-        stale = Arena.remove_stale(shm_dir)
+        shm_dir = Path(shm_dir)
+        try:
+            stale = Arena.remove_stale(shm_dir)
+        except OSError as e:
+            raise ConfigError(f"shm_dir: cannot read {shm_dir}: {e.strerror or e}") from None
         if stale:
             log.info("removed %d arena files of dead daemons from %s", stale, shm_dir)
-        self.arena = Arena.create(shm_dir, max(capacity_bytes, 0))
+        size = max(capacity_bytes, 0)
+        try:  # cheap refusal first; the reservation below is the real test (others race us)
+            st = os.statvfs(shm_dir)
+            short = st.f_bavail * st.f_frsize < size
+        except OSError:
+            short = False
+        began = time.perf_counter()
+        try:
+            if short:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.arena = Arena.create(shm_dir, size)
+        except OSError as e:
+            raise _space_error(shm_dir, size, e) from None
+        log.info("host arena %s: %s reserved in %.2f s", self.arena.path, _mib(size),
+                 time.perf_counter() - began)
         super().__init__(capacity_bytes, self.arena.array)
         self.pinned = self._register_pinned()
 
