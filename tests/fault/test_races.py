@@ -79,9 +79,12 @@ def test_promoted_block_stays_pinned_while_its_fetch_reads_the_rest(tmp_path: Pa
         assert not store.host.contains(keys[0]) and store.disk.contains(keys[0])
         fetch = asyncio.create_task(store.fetch(keys[:2], layout))
         for _ in range(10_000):  # until the first promotion has landed
-            if store.host.contains(keys[0]):
+            if store.host.contains(keys[0]) or fetch.done():
                 break
             await asyncio.sleep(0.001)
+        # The second read waits for the gate: a fetch done already failed (result() raises).
+        assert not fetch.done(), fetch.result()
+        assert store.host.contains(keys[0]), "the first promotion never landed"
         # Two more blocks want host room now: one free slot, then the promoted block would be
         # the least recently used victim if it were not pinned.
         other = await store.reserve(ns, layout, keys[5:7], length)

@@ -8,6 +8,7 @@ real Redis servers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -103,13 +104,18 @@ async def settle(store: TieredStore) -> None:
     """Run the write-through task until its queue is empty and idle (5 s at most)."""
     assert store.write_queue is not None
     writer = asyncio.create_task(store.remote_writer())
-    for _ in range(2500):
-        if store.write_queue.idle():
-            break
-        await asyncio.sleep(0.002)
-    else:
+    try:
+        for _ in range(2500):
+            if store.write_queue.idle():
+                return
+            if writer.done():
+                break
+            await asyncio.sleep(0.002)
         raise AssertionError("write-through queue did not drain")
-    writer.cancel()
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer  # what the writer raised, if it did, fails the test
 
 
 @pytest.fixture
