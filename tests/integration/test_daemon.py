@@ -16,6 +16,7 @@ from kvstore import InvalidArgumentError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import random_kv, same_bytes, small_layout
+from tests.reliability import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -168,9 +169,7 @@ def test_daemon_killed_then_back(daemon_factory):
         assert c.lookup(tokens) == 0
         assert time.monotonic() - t0 < 1.2
         d.start()
-        deadline = time.monotonic() + 5
-        while not c.ping() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(c.ping, 5, "the restarted daemon answers a ping", period_s=0.05)
         assert c.publish(tokens, kv) == 32  # a new arena: the client remaps
         n, got = c.fetch(tokens)
         assert n == 32
