@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import drop_page_cache  # torch + standard library: fine in either venv
+# torch + standard library: fine in either venv
+from benchmarks.common import drop_page_cache, require
 from benchmarks.worker import JsonLineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,8 @@ class _LMCacheBench:
         for start, end, _ in chunks:
             obj = allocator.allocate(self.md.get_shapes(end - start), self.md.get_dtypes(),
                                      MemoryFormat.KV_2LTD)
-            assert obj is not None, "LMCache allocator is full"
+            if obj is None:
+                raise RuntimeError("LMCache allocator is full")
             obj.tensor.view(self.chunk_view).transpose(0, 1).copy_(self.src[:, :, start:end])
             objs.append(obj)
         keys = [k for _, _, k in chunks]
@@ -130,13 +132,14 @@ class _LMCacheBench:
         chunks = self._keys(prompt)
         objs = backend.batched_get_blocking([k for _, _, k in chunks])
         for (start, end, _), obj in zip(chunks, objs, strict=True):
-            assert obj is not None, f"LMCache missed chunk [{start}, {end})"
+            if obj is None:
+                raise RuntimeError(f"LMCache missed chunk [{start}, {end})")
             self.out[:, :, start:end].copy_(obj.tensor.view(self.chunk_view).transpose(0, 1))
             obj.ref_count_down()
 
     def _check(self) -> None:
-        assert torch.equal(self.out.view(torch.int16), self.src.view(torch.int16)), \
-            "LMCache returned different bytes"
+        require(torch.equal(self.out.view(torch.int16), self.src.view(torch.int16)),
+                "LMCache returned different bytes")
         self.out.zero_()
         self.verified = True
 
@@ -284,7 +287,8 @@ class RedisPath:
             warnings.simplefilter("ignore", UserWarning)  # frombuffer over read-only bytes
             for b, key in enumerate(self._keys(tokens)):
                 value = self.r.get(key)
-                assert value is not None, f"Redis lost block {b}"
+                if value is None:
+                    raise RuntimeError(f"Redis lost block {b}")
                 if how == "frombuffer":
                     block = torch.frombuffer(value, dtype=self.layout.torch_dtype).view(shape)
                 else:
@@ -326,8 +330,8 @@ def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk:
             samples.setdefault(path, {}).setdefault(what, []).append(value)
 
     def check(name: str) -> None:
-        assert torch.equal(out.view(torch.int16), src.view(torch.int16)), \
-            f"{name} returned different bytes"
+        require(torch.equal(out.view(torch.int16), src.view(torch.int16)),
+                f"{name} returned different bytes")
         out.zero_()
 
     out.copy_(src)  # fault every page of both in: "an existing tensor"
@@ -361,12 +365,13 @@ def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk:
                 out.zero_()
                 c.clear()
                 t = time.perf_counter()
-                assert c.publish(prompts[0], src) == n_tokens
+                stored = c.publish(prompts[0], src)
+                require(stored == n_tokens, f"kvstore publish stored {stored} of {n_tokens} tokens")
                 record("kvstore host", "publish", _gbps(nbytes, time.perf_counter() - t))
                 t = time.perf_counter()
                 n, _ = c.fetch(prompts[0], into=out)
                 record("kvstore host", "fetch", _gbps(nbytes, time.perf_counter() - t))
-                assert n == n_tokens, f"kvstore host fetch served {n} of {n_tokens} tokens"
+                require(n == n_tokens, f"kvstore host fetch served {n} of {n_tokens} tokens")
                 if r < 1:
                     check("kvstore host")
                 step()
@@ -410,10 +415,10 @@ def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk:
                     t = time.perf_counter()
                     n, _ = c.fetch(prompts[which], into=out)
                     record("kvstore disk", "fetch", _gbps(nbytes, time.perf_counter() - t))
-                    assert n == n_tokens, f"kvstore disk fetch served {n} of {n_tokens} tokens"
+                    require(n == n_tokens, f"kvstore disk fetch served {n} of {n_tokens} tokens")
                     now = c.stats().promotions
-                    assert now - promotions == blocks, \
-                        f"kvstore disk fetch promoted {now - promotions} of {blocks} blocks"
+                    require(now - promotions == blocks,
+                            f"kvstore disk fetch promoted {now - promotions} of {blocks} blocks")
                     promotions = now
                     if r == 0:
                         check("kvstore disk")

@@ -28,6 +28,12 @@ def llama_8b_kv_shaped(num_layers: int = 32, vocab: int = 32000, seed: int = 0,
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+def require(ok: object, what: str) -> None:
+    """A benchmark's correctness check: unlike `assert`, it stays under `python -O`."""
+    if not ok:
+        raise RuntimeError(what)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, figure, save, table, write_results
+from benchmarks.common import RESULTS, figure, require, save, table, write_results
 from client import KVClient
 from kvstore import KVLayout, chain_keys
 from server.process import DaemonProcess
@@ -41,8 +41,8 @@ def lookup_latency(target: str, n: int, bar: tqdm) -> dict[str, float]:
     tokens = torch.arange(131_072, dtype=torch.int32)
     as_list = tokens.tolist()
     with KVClient(target, SMALL, deadline_s=10) as c:
-        assert c.publish(tokens, torch.zeros(SMALL.kv_shape(len(tokens)),
-                                             dtype=SMALL.dtype)) == len(tokens)
+        stored = c.publish(tokens, torch.zeros(SMALL.kv_shape(len(tokens)), dtype=SMALL.dtype))
+        require(stored == len(tokens), f"publish stored {stored} of {len(tokens)} tokens")
         key_cache = c._aio._key_cache  # emptied: a prompt the client has not hashed
 
         def timed(prompt: object, new_prompt: bool) -> np.ndarray:
@@ -53,7 +53,7 @@ def lookup_latency(target: str, n: int, bar: tqdm) -> dict[str, float]:
                 t = time.perf_counter()
                 hit = c.lookup(prompt)  # type: ignore[arg-type]
                 times.append(time.perf_counter() - t)
-                assert hit == len(tokens)
+                require(hit == len(tokens), f"lookup found {hit} of {len(tokens)} tokens")
                 bar.update()
             return np.array(times) * 1e3
 

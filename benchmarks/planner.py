@@ -44,7 +44,15 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, figure, llama_8b_kv_shaped, save, table, write_results
+from benchmarks.common import (
+    RESULTS,
+    figure,
+    llama_8b_kv_shaped,
+    require,
+    save,
+    table,
+    write_results,
+)
 from client import KVClient
 from client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
 from kvstore.proto import kvstore_pb2 as pb
@@ -164,7 +172,8 @@ class Bench:
             time.sleep(0.05)
 
     def throttle_now(self) -> None:
-        assert self.daemon.proc is not None
+        if self.daemon.proc is None:
+            raise RuntimeError("the daemon is not running")
         self.throttle.add(self.daemon.proc.pid)
         self.throttled = True
 
@@ -181,7 +190,7 @@ class Bench:
         """Read one block of another prompt from disk: the daemon measures its disk (as one in
         service has long since), then the page cache is dropped again."""
         self.drop_cache()
-        assert self.client.fetch(prompts["primer"][0])[0] > 0, "primer block not on disk"
+        require(self.client.fetch(prompts["primer"][0])[0] > 0, "primer block not on disk")
         self.drop_cache()
 
     def tiers(self, ids: torch.Tensor) -> list[str]:
@@ -193,7 +202,8 @@ class Bench:
 
     def disk_bandwidth(self) -> float:
         stats = self.client.stats()
-        assert stats is not None
+        if stats is None:
+            raise RuntimeError("the daemon did not answer Stats")
         return next(t.read_bandwidth for t in stats.tiers if t.name == "disk")
 
     # ---- runs
@@ -244,8 +254,8 @@ def main() -> None:
         # speed from them; they publish the blocks.
         for name, ids in prompts.items():
             res = bench.planner.prefill(ids)
-            assert res.cached_tokens == 0, f"{name} was cached before its cold run"
-            assert res.published_tokens == PROMPTS[name] * bt, f"{name} not published"
+            require(res.cached_tokens == 0, f"{name} was cached before its cold run")
+            require(res.published_tokens == PROMPTS[name] * bt, f"{name} not published")
             cold[name] = res.ttft_s
             bar.update()
 
@@ -291,7 +301,8 @@ def main() -> None:
                     bench.restart(throttled=True)
                     bench.drop_cache()
                     if sc.where == "mixed":  # the first half to host, measuring the disk
-                        assert bench.client.fetch(ids[0], max_blocks=half)[0] == half * bt
+                        n = bench.client.fetch(ids[0], max_blocks=half)[0]
+                        require(n == half * bt, f"first half: fetched {n} of {half * bt} tokens")
                         bench.drop_cache()
                     else:
                         bench.prime(prompts)

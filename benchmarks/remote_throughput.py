@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, table, write_results
+from benchmarks.common import RESULTS, require, table, write_results
 from server.store import REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES
 from tests import redis_servers
 from tests.redis_servers import RedisClusterNodes, RedisServer
@@ -66,7 +66,8 @@ async def _tier(tier: RemoteTier, batches: list[list[bytes]], dst: bytearray | N
     for batch in batches:
         values = await tier.get(NS, batch, LAYOUT)
         for payload in values:
-            assert payload is not None, "a value went missing"
+            if payload is None:
+                raise RuntimeError("a value went missing")
             if out is not None:
                 out[: len(payload)] = payload
             got += len(payload)
@@ -84,7 +85,8 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
             payload = os.urandom(size)
             for batch in _batches(keys, size):
                 writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in batch]
-                assert (await tier.put(writes)).written == len(batch)
+                written = (await tier.put(writes)).written
+                require(written == len(batch), f"wrote {written} of {len(batch)} values")
             batches = _batches(keys, size)
             nbytes = size * len(keys)
             dst = bytearray(size)
@@ -98,14 +100,15 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
                     else:
                         got = await _tier(tier, batches,
                                           dst if path == "+ copy to host" else None)
-                        assert got == nbytes, f"{path}: read {got} of {nbytes} bytes"
+                        require(got == nbytes, f"{path}: read {got} of {nbytes} bytes")
                     samples[path].append(_gbps(nbytes, time.perf_counter() - t))
                     bar.update()
             await tier.delete(NS, keys)
             med = {p: statistics.median(v) for p, v in samples.items()}
             rows.append({"block MiB": mib, "blocks": len(keys), **med,
                          "tier/raw": med["remote tier"] / med["raw GET"], "samples": samples})
-        assert tier.stats().integrity_failures == 0
+        failures = tier.stats().integrity_failures
+        require(failures == 0, f"{failures} values failed verification")
     finally:
         await tier.close()
     return rows

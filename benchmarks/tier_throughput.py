@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, barh, drop_page_cache, table, write_results
+from benchmarks.common import RESULTS, barh, drop_page_cache, require, table, write_results
 from client import KVClient
 from kvstore import KVLayout
 from server.process import DaemonProcess
@@ -100,16 +100,18 @@ def main() -> None:
             for r in range(args.repeats):
                 c.clear()
                 t = time.perf_counter()
-                assert c.publish(prompts[0], kvs[0]) == n_tokens
+                stored = c.publish(prompts[0], kvs[0])
+                require(stored == n_tokens, f"publish stored {stored} of {n_tokens} tokens")
                 res["host publish"].append(_gbps(nbytes, time.perf_counter() - t))
                 bar.update()
                 t = time.perf_counter()
                 n, _ = c.fetch(prompts[0], into=out)
                 res["host fetch"].append(_gbps(nbytes, time.perf_counter() - t))
-                assert n == n_tokens, f"host fetch served {n} of {n_tokens} tokens"
+                require(n == n_tokens, f"host fetch served {n} of {n_tokens} tokens")
                 bar.update()
                 if r == 0:
-                    assert torch.equal(out.view(torch.int16), kvs[0].view(torch.int16))
+                    require(torch.equal(out.view(torch.int16), kvs[0].view(torch.int16)),
+                            "host fetch returned different bytes")
             # disk: publish both prompts; the second demotes the first; then alternate.
             c.publish(prompts[1], kvs[1])
             promoted_before = c.stats().promotions
@@ -119,12 +121,16 @@ def main() -> None:
                 t = time.perf_counter()
                 n, _ = c.fetch(prompts[which], into=out)
                 res["disk fetch"].append(_gbps(nbytes, time.perf_counter() - t))
-                assert n == n_tokens, f"disk fetch served {n} of {n_tokens} tokens"
+                require(n == n_tokens, f"disk fetch served {n} of {n_tokens} tokens")
                 bar.update(2)
-            assert torch.equal(out.view(torch.int16), kvs[(args.repeats - 1) % 2].view(torch.int16))
+            last = kvs[(args.repeats - 1) % 2]
+            require(torch.equal(out.view(torch.int16), last.view(torch.int16)),
+                    "disk fetch returned different bytes")
             stats = c.stats()
-            assert stats.promotions - promoted_before == args.repeats * args.blocks, (
-                "a disk fetch was served partly from host")
+            if stats is None:
+                raise RuntimeError("the daemon did not answer Stats")
+            require(stats.promotions - promoted_before == args.repeats * args.blocks,
+                    "a disk fetch was served partly from host")
         bar.update()
     finally:
         daemon.stop()

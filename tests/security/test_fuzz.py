@@ -342,7 +342,7 @@ def test_refused_unauthenticated_requests_are_not_retained(daemon_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret",
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret-0123456789abcdef",
                        "--max-message-bytes", str(MAX_MESSAGE)).start()
     lookup = pb.LookupRequest(keys=[b"\x5a" * (MAX_MESSAGE - 4096)]).SerializeToString()
     anon0 = rss_bytes(d.proc.pid)["RssAnon"]
