@@ -37,7 +37,8 @@ class DaemonProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=logf,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
+        if self.proc.stdout is None:  # never: stdout=PIPE
+            raise RuntimeError("no pipe from the daemon's stdout")
         fd, seen = self.proc.stdout.fileno(), b""
         while (left := deadline - time.monotonic()) > 0:
             # Raw reads under a timeout: a daemon that hangs silently must not hang us.
