@@ -7,6 +7,9 @@
     kvstore top    [--interval S] [--count N] live view: stats and rates, refreshed
     kvstore config check FILE                validate a TOML configuration file
 
+Over TCP the token comes from `--token-file FILE` (mode 0600), `KVSTORE_TOKEN_FILE` or
+`KVSTORE_TOKEN`; `--token` works but warns (every local user reads it in /proc).
+
 Exit codes: 0 success, 1 daemon unreachable or call failed, 2 bad usage.
 """
 
@@ -90,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.")
     p.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", DEFAULT_TARGET),
                    help="unix:///path/kv.sock or HOST:PORT (env KVSTORE_TARGET)")
-    p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN"),
-                   help="bearer token for TCP (env KVSTORE_TOKEN)")
+    p.add_argument("--token", default=None,
+                   help="bearer token for TCP; visible to every local user in /proc, prefer "
+                   "--token-file or env KVSTORE_TOKEN")
+    p.add_argument("--token-file", default=os.environ.get("KVSTORE_TOKEN_FILE"),
+                   help="file holding the bearer token, mode 0600 (env KVSTORE_TOKEN_FILE)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +119,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "config":
         return _config_check(args)
+    if args.token is not None:
+        print("kvstore: warning: --token on the command line is visible to every local user "
+              "(/proc/PID/cmdline, ps); use --token-file or KVSTORE_TOKEN", file=sys.stderr)
+    elif args.token_file:
+        from kvstore.config import read_token_file
+        from kvstore.errors import ConfigError
+
+        try:
+            args.token = read_token_file(args.token_file, "--token-file")
+        except ConfigError as e:
+            print(f"kvstore: {e}", file=sys.stderr)
+            return 2
+    else:
+        args.token = os.environ.get("KVSTORE_TOKEN")
     try:
         if args.command == "top":
             return _top(args)
@@ -157,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from kvstore.config import load_config
+    from kvstore.config import admin_token, load_config
     from kvstore.errors import ConfigError
 
     try:
         config = load_config(args.file)
+        admin_token(config)  # a short token, or an unreadable or exposed token_file
     except ConfigError as e:
         print(json.dumps({"ok": False, "error": str(e)}) if args.json
               else f"{args.file}: invalid: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+MIN_TOKEN_CHARS = 16  # as for tenant tokens (`server.tenancy`): no guessable admin secret
 
 
 def parse_size(value: int | float | str, option: str = "size") -> int:
@@ -58,7 +60,11 @@ class ServerConfig:
     listen: str = _opt("", "TCP HOST:PORT to listen on as well; requires `token` or "
                        "`tenant_tokens_file`. Empty: none.")
     token: str = _opt("", "Admin secret TCP clients may present (bearer token): full, unscoped "
-                      "access, as on the Unix socket.", secret=True)
+                      "access, as on the Unix socket. At least 16 characters. Prefer "
+                      "`token_file` or `KVSTORE_TOKEN`: a `--token` flag is readable by every "
+                      "local user in /proc (the daemon warns).", secret=True)
+    token_file: str = _opt("", "File holding the admin `token` (mode 0600, one line; "
+                           "surrounding whitespace ignored). Empty: none.")
     tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
                                    "presenting a tenant's token is confined to that tenant's "
                                    "blocks, whatever its requests say. Empty: no tenants.")
@@ -129,9 +135,12 @@ class ServerConfig:
             host, _, port = self.listen.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"listen: expected HOST:PORT, got {self.listen!r}")
-            if not self.token and not self.tenant_tokens_file:
-                raise ConfigError("listen: a TCP listener requires `token` or "
+            if not self.token and not self.token_file and not self.tenant_tokens_file:
+                raise ConfigError("listen: a TCP listener requires `token`, `token_file` or "
                                   "`tenant_tokens_file` (clients authenticate)")
+        if self.token and self.token_file:
+            raise ConfigError("token_file: `token` is set as well; give the admin token one "
+                              "way, not both")
         if self.remote:
             parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
 
@@ -147,6 +156,38 @@ class ServerConfig:
                 out[f.name] = "***"
         out["remote"] = redact_url(self.remote)  # keep the address, hide a password
         return out
+
+
+def read_token_file(path: str | Path, option: str = "token_file") -> str:
+    """The token in a secret file: readable by its owner only, at least `MIN_TOKEN_CHARS`
+    characters. Raises `ConfigError` naming `option` (and never quoting the token)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        text = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{option}: cannot read {p}: "
+                          f"{getattr(e, 'strerror', None) or e}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{option}: {p} is accessible by group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    check_token(text, option)
+    return text
+
+
+def check_token(token: str, option: str = "token") -> None:
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ConfigError(f"{option}: the admin token must be at least {MIN_TOKEN_CHARS} "
+                          "characters, without spaces (e.g. `openssl rand -hex 32`)")
+
+
+def admin_token(config: ServerConfig) -> str:
+    """The admin token, from `token` or `token_file` ("" when neither is set), checked."""
+    if config.token_file:
+        return read_token_file(config.token_file)
+    if config.token:
+        check_token(config.token)
+    return config.token
 
 
 def _coerce(name: str, raw: Any) -> Any:

@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config.redacted(), indent=2))
         return 0
     setup_logging(config.log_level, config.log_format)
+    if args.token is not None:  # the environment and token_file are private to the user
+        logging.getLogger("kvstore.server").warning(
+            "--token on the command line is readable by every local user (/proc/PID/cmdline, "
+            "ps); put it in token_file (mode 0600) or KVSTORE_TOKEN instead")
     from server.app import Daemon
 
     try:

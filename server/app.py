@@ -16,12 +16,14 @@ import logging
 import math
 import os
 import signal
+import socket
+import stat
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.config import ServerConfig
+from kvstore.config import ServerConfig, admin_token
 from kvstore.errors import ConfigError
 from server.auth import TokenInterceptor
 from server.inspect import NamespaceBook
@@ -61,25 +63,67 @@ def _lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
+def _check_socket(sock: Path) -> None:
+    """Refuse a socket path that a live daemon answers on, or that is not a socket at all;
+    a socket nobody answers on was left by a dead daemon, and `start` replaces it."""
+    try:
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        st = sock.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError(f"socket: cannot use {sock}: {e.strerror or e}") from None
+    if st is not None:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ConfigError(f"socket: {sock} exists and is not a socket; refusing to replace "
+                              "it")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            try:
+                s.connect(str(sock))
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass  # stale
+            except OSError as e:
+                raise ConfigError(f"socket: cannot check {sock}: {e.strerror or e}") from None
+            else:
+                raise ConfigError(f"socket: {sock} is in use: a running kvstore-server answers "
+                                  "there (with another data_dir?); stop it or choose another "
+                                  "--socket")
+    if not os.access(sock.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"socket: cannot create {sock}: {sock.parent} is not writable "
+                          "(read-only file system?); set --socket to a writable directory")
+
+
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
         # Read before anything is opened: a bad tokens file stops start-up, naming the option.
-        self.tokens = (TokenTable(config.token, load_tenant_tokens(config.tenant_tokens_file)
+        self.tokens = (TokenTable(admin_token(config),
+                                  load_tenant_tokens(config.tenant_tokens_file)
                                   if config.tenant_tokens_file else None)
                        if config.listen else None)
         self._lock_fd = _lock_data_dir(self.data_dir)
-        disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync,
-                         fault_read_delay_s=config.fault_disk_read_delay_s)
-                if config.disk_bytes > 0 else None)
-        remote = None
-        if config.remote:
-            remote = RemoteTier(config.remote, RemoteOptions(
-                ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
-                retry_s=config.remote_retry_s))
-        self.store = TieredStore(HostTier(config.host_bytes, config.shm_dir), disk,
-                                 config.lease_timeout_s, remote=remote,
+        host: HostTier | None = None
+        disk: DiskTier | None = None
+        try:  # whatever fails here, release what was opened: the arena above all
+            _check_socket(config.socket_path)
+            host = HostTier(config.host_bytes, config.shm_dir)  # first: it refuses fastest
+            disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync,
+                             fault_read_delay_s=config.fault_disk_read_delay_s)
+                    if config.disk_bytes > 0 else None)
+            remote = None
+            if config.remote:
+                remote = RemoteTier(config.remote, RemoteOptions(
+                    ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
+                    retry_s=config.remote_retry_s))
+        except BaseException:
+            for tier in (disk, host):
+                if tier is not None:
+                    tier.close()
+            os.close(self._lock_fd)
+            raise
+        self.store = TieredStore(host, disk, config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes)
         self._rates_file = self.data_dir / "read_bandwidth.json"
@@ -108,8 +152,7 @@ class Daemon:
 
     async def start(self) -> None:
         sock = self.config.socket_path
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        sock.unlink(missing_ok=True)
+        sock.unlink(missing_ok=True)  # stale: `_check_socket` found nobody answering
         unix = self._make_server([])
         old_umask = os.umask(0o177)  # the socket is created 0600: no window where others connect
         try:

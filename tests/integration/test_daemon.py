@@ -234,11 +234,11 @@ def test_tcp_requires_token_and_streams(daemon_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret").start()
+    daemon_factory("--listen", f"127.0.0.1:{port}", "--token", "s3cret-0123456789abcdef").start()
     layout = small_layout()
     tokens = list(range(48))
     kv = random_kv(layout, 48)
-    with KVClient(f"127.0.0.1:{port}", layout, token="s3cret") as c:
+    with KVClient(f"127.0.0.1:{port}", layout, token="s3cret-0123456789abcdef") as c:
         assert c.publish(tokens, kv) == 48
         n, got = c.fetch(tokens)
         assert n == 48
