@@ -6,6 +6,7 @@ unscoped, each token of `tenant_tokens_file` scopes the call to its tenant.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -81,7 +82,9 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
         async for item in inner(request, context):
             yield item
 
-    return _rebuild(handler, unary, stream)
+    # A streaming response is a coroutine writing with `context.write` (Fetch) or an async
+    # generator; wrap it as what it is.
+    return _rebuild(handler, unary, stream if inspect.isasyncgenfunction(inner) else unary)
 
 
 def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

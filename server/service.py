@@ -9,6 +9,7 @@ would answer UNKNOWN or INTERNAL and log a traceback per bad message.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -27,7 +28,7 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from server.inspect import NamespaceBook, inspect_reply
 from server.metrics import Metrics
 from server.store import Lease, TieredStore
-from server.tenancy import current_scope
+from server.tenancy import Scope, current_scope
 
 log = logging.getLogger(__name__)
 STREAM_CHUNK = 4 << 20  # bytes per streamed data message
@@ -95,6 +96,12 @@ def add_service(service: KVStoreService, server: grpc.aio.Server) -> None:
 
 def _code(err: KVStoreError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+class StalledError(KVStoreError):
+    """A client stopped moving a stream's bytes for longer than `lease_timeout_s`."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
 
 
 class OverloadedError(KVStoreError):
@@ -225,57 +232,90 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.LookupReply(hits=len(found), tiers=found,
                               read_bandwidth={t: bw[t] for t in set(found) if t in bw})
 
-    async def Fetch(self, request: pb.FetchRequest, context: Any) -> AsyncIterator[pb.FetchChunk]:
-        start, code = time.perf_counter(), "OK"
-        self.metrics.gauges["inflight"] += 1
-        lease_id = 0
-        admitted = False
-        status: tuple[grpc.StatusCode, str] | None = None
+    def _zero_copy_allowed(self, context: Any, what: str) -> None:
+        """Zero-copy transfers hand out arena offsets that only a caller mapping the daemon's
+        shared arena can use: one on the Unix socket (same user, mode 0600). A TCP caller
+        could neither write nor read them, yet Reserve + Commit would publish whatever the
+        slots held before (another tenant's KV), and unreleased SHM fetch leases pin blocks."""
+        if not context.peer().startswith("unix:"):
+            raise PermissionDeniedError(f"{what} is zero-copy through the shared arena, which "
+                                        "only Unix-socket clients map; over TCP use the "
+                                        "streaming transfer")
+
+    @rpc
+    async def Fetch(self, request: pb.FetchRequest, context: Any) -> None:
+        """SHM: one message, the lease handed to the client. STREAM: the lease stays held by
+        this call while its bytes go out, each chunk read from a block this call pins; a
+        client that stops reading for `lease_timeout_s` ends the call (and the pins)."""
+        layout = layout_from_proto(request.layout)
+        scope = current_scope()
+        keys = scope.keys(self._keys(request.keys))
+        ns = scope.namespace(request.namespace)
+        shm = request.transfer == pb.TRANSFER_SHM
+        if shm:
+            self._zero_copy_allowed(context, "a TRANSFER_SHM fetch")
+        if len(ns) == KEY_BYTES:
+            self.namespaces.note(ns, request.layout, scope, request.namespace)
+        lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes,
+                                       owner=scope.tenant, hold=True)
         try:
-            admitted = self.admission.enter("Fetch")
-            if isinstance(request, Undecodable):
-                raise request.reject()
-            layout = layout_from_proto(request.layout)
-            scope = current_scope()
-            keys = scope.keys(self._keys(request.keys))
-            ns = scope.namespace(request.namespace)
-            if len(ns) == KEY_BYTES:
-                self.namespaces.note(ns, request.layout, scope, request.namespace)
-            lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes)
-            lease_id = lease.id
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
                     for e, t in zip(lease.entries, lease.tiers, strict=True)]
-            if request.transfer == pb.TRANSFER_SHM:
-                held = lease.id if lease.entries else 0  # a miss holds nothing: ended below
-                yield pb.FetchChunk(hits=len(refs), lease_id=held, blocks=refs,
-                                    arena_id=self.store.host.arena.path.name, more=lease.more)
-                # Sent: the client releases it after copying. (Until here a cancelled call
-                # releases it below; one cancelled later leaves it to lease_timeout_s.)
-                lease_id = 0 if held else lease_id
+            if shm:
+                await self._send(context, pb.FetchChunk(
+                    hits=len(refs), lease_id=lease.id if lease.entries else 0, blocks=refs,
+                    arena_id=self.store.host.arena.path.name, more=lease.more))
+                # Sent: the client's to release now (or the reaper's after lease_timeout_s).
+                # A send that failed releases it below; had the client got it anyway, its
+                # Release answers False and it discards the copy.
+                if lease.entries:
+                    self.store.hand_over(lease, hold=False)
                 return
-            yield pb.FetchChunk(hits=len(refs), blocks=refs, more=lease.more)
+            await self._send(context, pb.FetchChunk(hits=len(refs), blocks=refs,
+                                                    more=lease.more))
             for i, entry in enumerate(lease.entries):
                 data = self.store.host.view(entry)
                 for off in range(0, entry.length, STREAM_CHUNK):
                     chunk = data[off : off + STREAM_CHUNK].tobytes()
-                    yield pb.FetchChunk(block_index=i, chunk_offset=off, data=chunk)
-        except KVStoreError as e:
-            code, status = e.grpc_code, (_code(e), str(e))
+                    await self._send(context, pb.FetchChunk(block_index=i, chunk_offset=off,
+                                                            data=chunk))
         finally:
-            if lease_id:
-                self.store.release(lease_id)
-            if admitted:
-                self.admission.leave()
-            self.metrics.gauges["inflight"] -= 1
-            self.metrics.latency.labels("Fetch", code).observe(time.perf_counter() - start)
-        if status is not None:
-            _fail(context, status)
+            if lease.held:
+                self.store.release(lease.id)
+
+    async def _send(self, context: Any, msg: pb.FetchChunk) -> None:
+        """Write one message, or end the call when the client has not taken it within
+        `lease_timeout_s`: a stream nobody reads must not hold pins, memory and a concurrency
+        slot until the client goes away."""
+        try:
+            async with asyncio.timeout(self.store.lease_timeout_s):
+                await context.write(msg)
+        except TimeoutError:
+            raise StalledError(f"the client read nothing for {self.store.lease_timeout_s:g} s "
+                               "(lease_timeout_s); the fetch is ended") from None
+
+    async def _next(self, messages: AsyncIterator[Any], what: str) -> Any:
+        """The next message of a client stream (None at its end), or `StalledError` after
+        `lease_timeout_s` of silence."""
+        try:
+            async with asyncio.timeout(self.store.lease_timeout_s):
+                return await anext(messages, None)
+        except TimeoutError:
+            raise StalledError(f"the client sent nothing for {self.store.lease_timeout_s:g} s "
+                               f"(lease_timeout_s) {what}; the publish is ended") from None
 
     @rpc
     async def Publish(self, request_iterator: Any, context: Any) -> pb.PublishReply:
         """Blocks arrive in order; each is reserved when its first chunk comes and committed
-        when its last does, so a stream needs host space for one block, not all of them."""
-        first = await anext(aiter(request_iterator), None)
+        when its last does, so a stream needs host space for one block, not all of them.
+
+        The reservation is held by this call (the reaper never hands its slot to anyone
+        else while the stream may still write into it), and bounded by the call: a block must
+        arrive within `lease_timeout_s` of its first chunk, and silence longer than that ends
+        the stream; either way the reservation is freed and nothing of that block is stored.
+        """
+        messages = aiter(request_iterator)
+        first = await self._next(messages, "after opening the stream")
         if first is None:
             raise InvalidArgumentError("empty Publish stream: the first message names the blocks")
         if isinstance(first, Undecodable):
@@ -290,34 +330,43 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         block, filled = -1, 0
         lease: Lease | None = None
         target: np.ndarray | None = None
+        msg = first
         try:
-            async for msg in _chain(first, request_iterator):
+            while msg is not None:
                 if isinstance(msg, Undecodable):
                     raise msg.reject()
-                if not msg.data:
-                    continue
-                i, off = msg.block_index, msg.chunk_offset
-                if i >= len(keys) or i < block:
-                    raise InvalidArgumentError(f"block_index {i} out of order or past the "
-                                               f"{len(keys)} keys")
-                if i != block:
-                    if block >= 0 and filled != length:
-                        raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
-                    block, filled = i, 0
-                    lease = await self.store.reserve(ns, digest, [keys[i]], length)
-                    target = (self.store.host.view(lease.entries[0]) if lease.entries
-                              else None)
-                    present += not lease.needed[0] if lease.needed else 0
-                if off != filled or off + len(msg.data) > length:
-                    raise InvalidArgumentError(f"block {i}: chunk at {off}+{len(msg.data)}, "
-                                               f"expected offset {filled} within {length} bytes")
-                if target is not None:
-                    target[off : off + len(msg.data)] = np.frombuffer(msg.data, np.uint8)
-                filled += len(msg.data)
-                if filled == length and lease is not None:
-                    stored += self.store.commit(lease.id) if lease.entries else 0
-                    self.store.release(lease.id)
-                    lease, target = None, None
+                if msg.data:
+                    i, off = msg.block_index, msg.chunk_offset
+                    if i >= len(keys) or i < block:
+                        raise InvalidArgumentError(f"block_index {i} out of order or past the "
+                                                   f"{len(keys)} keys")
+                    if i != block:
+                        if block >= 0 and filled != length:
+                            raise InvalidArgumentError(f"block {block} got {filled} of "
+                                                       f"{length} bytes")
+                        block, filled = i, 0
+                        lease = await self.store.reserve(ns, digest, [keys[i]], length,
+                                                         owner=scope.tenant, hold=True)
+                        target = (self.store.host.view(lease.entries[0]) if lease.entries
+                                  else None)
+                        present += not lease.needed[0] if lease.needed else 0
+                    if off != filled or off + len(msg.data) > length:
+                        raise InvalidArgumentError(f"block {i}: chunk at {off}+{len(msg.data)}, "
+                                                   f"expected offset {filled} within {length} "
+                                                   "bytes")
+                    if lease is not None and time.monotonic() > lease.expires:
+                        raise StalledError(f"block {i} took longer than "
+                                           f"{self.store.lease_timeout_s:g} s (lease_timeout_s) "
+                                           "to arrive; the publish is ended")
+                    if target is not None:  # the slot is this call's: its lease is held
+                        target[off : off + len(msg.data)] = np.frombuffer(msg.data, np.uint8)
+                    filled += len(msg.data)
+                    if filled == length and lease is not None:
+                        stored += (self.store.commit(lease.id, scope.tenant) if lease.entries
+                                   else 0)
+                        self.store.release(lease.id)
+                        lease, target = None, None
+                msg = await self._next(messages, f"after {block + 1} blocks")
             if block >= 0 and filled != length:
                 raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
             # Blocks were committed one by one; rank the chain as a whole (parents freshest).
@@ -329,14 +378,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @rpc
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveReply:
+        self._zero_copy_allowed(context, "Reserve (then Commit)")
         layout = layout_from_proto(request.layout)
         scope = current_scope()
         keys = scope.keys(self._keys(request.keys))
         ns = scope.namespace(self._namespace(request.namespace))
         self.namespaces.note(ns, request.layout, scope, request.namespace)
-        lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes)
+        lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes,
+                                         owner=scope.tenant)
         if not lease.entries:  # nothing to write: no lease to hold (Commit(0) is a no-op)
-            self.store.commit(lease.id)  # ranks the chain, as the client's Commit would
+            self.store.commit(lease.id, scope.tenant)  # ranks the chain, as Commit would
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]
         return pb.ReserveReply(lease_id=lease.id if lease.entries else 0, needed=lease.needed,
                                blocks=refs,
@@ -346,14 +397,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:
         if request.lease_id == 0:  # a Reserve that needed nothing: already ended
             return pb.CommitReply(stored=0)
-        return pb.CommitReply(stored=self.store.commit(request.lease_id))
+        return pb.CommitReply(stored=self.store.commit(request.lease_id,
+                                                       current_scope().tenant))
 
     @rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
-        return pb.ReleaseReply(released=self.store.release(request.lease_id))
+        lease = self.store.leases.get(request.lease_id)
+        if lease is not None and lease.held:  # a call of the daemon's own is moving its bytes
+            return pb.ReleaseReply(released=False)
+        return pb.ReleaseReply(released=self.store.release(request.lease_id,
+                                                           current_scope().tenant))
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
+        scope = current_scope()
+        if scope.scoped:  # a tenant sees its own blocks, not the daemon's traffic
+            return tenant_stats_reply(self.store, self.namespaces, scope)
         # In flight: every call but this one.
         return stats_reply(self.store, self.metrics.gauges["inflight"] - 1, self.admission.shed)
 
@@ -377,13 +436,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return inspect_reply(self.store, self.namespaces, current_scope())
 
 
-async def _chain(first: Any, rest: Any) -> AsyncIterator[Any]:
-    yield first
-    async for item in rest:
-        yield item
-
-
 _STARTED = time.monotonic()
+
+
+def tenant_stats_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.StatsReply:
+    """Stats as a tenant may see them: capacity, and the blocks and bytes of its own
+    namespaces per tier. The daemon's counters (lookups, hits, leases, traffic) are every
+    tenant's together, so they would tell one tenant what the others do: left at 0."""
+    tiers = []
+    for tier in store.tiers:
+        blocks = nbytes = 0
+        for ns, (n, b) in tier.by_namespace.items():
+            seen = book.get(ns)
+            if seen is not None and seen.tenant == scope.tenant:
+                blocks, nbytes = blocks + n, nbytes + b
+        tiers.append(pb.TierStats(name=tier.name, blocks=blocks, used_bytes=nbytes,
+                                  capacity_bytes=tier.capacity_bytes))
+    return pb.StatsReply(version=__version__, uptime_s=time.monotonic() - _STARTED, tiers=tiers)
 
 
 def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) -> pb.StatsReply:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from kvstore.errors import CapacityError, IntegrityError, NotFoundError
+from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, NotFoundError
 from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from server.remote_writer import RemoteWriter
@@ -52,11 +52,19 @@ REMOTE_BATCH_BLOCKS = 64
 
 @dataclass
 class Lease:
-    """Host entries a client holds: pinned for a fetch, reserved for a publish."""
+    """Host entries a client holds: pinned for a fetch, reserved for a publish.
+
+    A lease is `held` while a daemon call is working on it (the store building it, a stream
+    moving its bytes): the reaper never reclaims a held lease, so a slot cannot change owner
+    while bytes for its owner still move; the call ends it (and bounds its own time). Leases
+    handed to a client (zero-copy) are not held: the reaper reclaims them at `expires`.
+    """
 
     id: int
     kind: Literal["fetch", "publish"]
     expires: float
+    owner: str = ""  # the tenant that made it ("" unscoped); only it may end the lease
+    held: bool = True
     entries: list[BlockEntry] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
     needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
@@ -234,7 +242,7 @@ class TieredStore:
 
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
-                    block_bytes: int = 0) -> Lease:
+                    block_bytes: int = 0, owner: str = "", hold: bool = False) -> Lease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits) under
         a lease.
 
@@ -246,8 +254,11 @@ class TieredStore:
         `namespace` is given; `block_bytes` sizes its batches. Past `fetch_window_bytes` of
         promotions the lease stops short with `more` set: the client asks for the rest while it
         copies this part, so the next reads overlap its copy.
+
+        The lease is held (never reaped) while it is built; with `hold` it stays held and the
+        caller must release it, else it is handed over to the client's timeout.
         """
-        lease = self._new_lease("fetch")
+        lease = self._new_lease("fetch", owner)
         staged: list[_Staged] = []
         remote = None
         if self._remote_for(namespace):
@@ -304,7 +315,7 @@ class TieredStore:
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
         self.touch_chain(keys[:served])
-        return lease
+        return self.hand_over(lease, hold)
 
     def read_bandwidth(self) -> dict[str, float]:
         """Measured read bandwidth of each tier, bytes/s: the daemon's side of a fetch (disk:
@@ -408,14 +419,14 @@ class TieredStore:
         return any(key in t.entries for t in self.tiers)  # committed or being written
 
     async def reserve(self, namespace: bytes, layout_digest: bytes, keys: Sequence[bytes],
-                      length: int) -> Lease:
+                      length: int, owner: str = "", hold: bool = False) -> Lease:
         """Reserve host space for the keys not yet stored, stopping at the first that fails.
 
         A block after a hole would be unreachable (lookups stop at the hole), so the lease
         covers a prefix: `needed[i]` is False for blocks already there and the list ends where
-        space ran out.
+        space ran out. `hold` as for `fetch`.
         """
-        lease = self._new_lease("publish")
+        lease = self._new_lease("publish", owner)
         try:
             for key in keys:
                 if self.present(key):
@@ -436,12 +447,16 @@ class TieredStore:
         except BaseException:
             self.release(lease.id)
             raise
-        return lease
+        return self.hand_over(lease, hold)
 
-    def commit(self, lease_id: int) -> int:
-        lease = self.leases.pop(lease_id, None)
-        if lease is None or lease.kind != "publish":
-            raise NotFoundError(f"no publish lease {lease_id} (expired or already ended)")
+    def commit(self, lease_id: int, owner: str = "") -> int:
+        """Make a publish lease's blocks visible and end it. The lease is checked before it is
+        touched: a wrong id, kind or owner changes nothing (the lease keeps its pins)."""
+        lease = self._lease(lease_id, owner)
+        if lease.kind != "publish":
+            raise InvalidArgumentError(f"lease {lease_id} is a fetch lease: Commit ends publish "
+                                       "leases (end a fetch lease with Release)")
+        del self.leases[lease_id]
         for entry in lease.entries:
             self.host.complete_store(entry)
             if self.write_queue is not None:
@@ -565,21 +580,36 @@ class TieredStore:
             await self.remote.close()
 
     # ---- leases
-    def _new_lease(self, kind: Literal["fetch", "publish"]) -> Lease:
+    def _lease(self, lease_id: int, owner: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner:  # another tenant's lease: as if absent
+            raise NotFoundError(f"no lease {lease_id} (expired or already ended)")
+        return lease
+
+    def hand_over(self, lease: Lease, hold: bool = False) -> Lease:
+        """A lease its builder is done with: still held by the caller (`hold`), or the
+        client's, with `lease_timeout_s` from now."""
+        lease.held = hold
+        lease.expires = time.monotonic() + self.lease_timeout_s
+        return lease
+
+    def _new_lease(self, kind: Literal["fetch", "publish"], owner: str = "") -> Lease:
         # Unguessable ids: a lease is a capability (whoever names it may commit or release
         # it), so another client must not end one, or commit a half-written block, by
         # counting. Never 0: that means "no lease" on the wire.
         while (lease_id := secrets.randbits(63)) in self.leases or lease_id == 0:
             pass
-        lease = Lease(lease_id, kind, time.monotonic() + self.lease_timeout_s)
+        lease = Lease(lease_id, kind, time.monotonic() + self.lease_timeout_s, owner)
         self.leases[lease.id] = lease
         return lease
 
-    def release(self, lease_id: int) -> bool:
-        """End a fetch lease (unpin) or abandon a publish reservation (free its space)."""
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
+    def release(self, lease_id: int, owner: str | None = None) -> bool:
+        """End a fetch lease (unpin) or abandon a publish reservation (free its space).
+        With `owner`, only a lease of that tenant is ended (False otherwise)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
             return False
+        del self.leases[lease_id]
         for entry in lease.entries:
             if lease.kind == "fetch":
                 self.host.complete_load(entry)
@@ -589,7 +619,9 @@ class TieredStore:
 
     def reap_expired(self) -> int:
         now = time.monotonic()
-        expired = [i for i, lease in self.leases.items() if lease.expires <= now]
+        # A held lease belongs to a call still moving its bytes; that call bounds its own time.
+        expired = [i for i, lease in self.leases.items()
+                   if lease.expires <= now and not lease.held]
         for lease_id in expired:
             log.info("%s lease %d expired; reclaiming its blocks", self.leases[lease_id].kind,
                      lease_id)

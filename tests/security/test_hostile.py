@@ -1,0 +1,355 @@
+"""Hostile and merely slow clients, written against the raw gRPC stubs (issue 13, items 1-4,
+9 and 10): a block is exactly what was published under its key, namespace and tenant, or a
+miss, whatever a client does with its leases and streams.
+
+- Item 1: a Publish stream paused past `lease_timeout_s` cannot write into a slot the daemon
+  has given to someone else, and a streaming Fetch read slowly never returns bytes from a
+  reused slot: a lease a call is moving bytes for is held by that call, never reaped.
+- Item 2: over TCP, Reserve (then Commit without bytes) and SHM fetches are refused: the
+  arena is for Unix-socket callers only, and over TCP every byte of a block arrives through the
+  daemon before it is committed.
+- Item 3: Commit with a fetch lease changes nothing; the lease still releases its pins.
+- Item 4: streams nobody reads (or writes) end after `lease_timeout_s`, with their slot,
+  pins and memory.
+- Item 9: a tenant's Stats shows its own blocks only.
+- Item 10: an unexpected error in Fetch is logged and answered INTERNAL, like every other call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from client import KVClient
+from kvstore import KVLayout
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from tests.conftest import random_kv, same_bytes, small_layout
+from tests.reliability import (
+    Worker,
+    layout_pb,
+    rss_bytes,
+    stats,
+    stub,
+    tier,
+    wait_quiescent,
+    wait_until,
+)
+from tests.security.test_tenants import ADMIN, TOKEN_A, TOKEN_B, _free_port, _tokens_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+LEASE_S = 1.0
+# 512 KiB blocks: a prefix of them is more than gRPC buffers, so a stream that is not read
+# really stalls the daemon's writes.
+BIG = KVLayout(model="big", num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+               block_tokens=256)
+
+
+def _md(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def _block_bytes(kv: torch.Tensor, layout: KVLayout, i: int) -> bytes:
+    """Block `i` of `kv` as the daemon stores it (the client's wire layout)."""
+    t = layout.block_tokens
+    return bytes(kv[:, :, i * t : (i + 1) * t].contiguous().view(torch.uint8).numpy())
+
+
+@pytest.fixture
+def tenant_daemon(daemon_factory, tmp_path):
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", ADMIN,
+                       "--tenant-tokens-file", str(f), "--host-bytes", "1MiB",
+                       "--disk-bytes", "0").start()
+    return d, f"127.0.0.1:{port}"
+
+
+# ---- item 1
+def test_publish_paused_past_its_lease_never_writes_into_another_block(daemon_factory):
+    """A stream sends half a block, pauses past `lease_timeout_s` while an honest client
+    fills the host tier (the reaper would have handed the paused slot on), then sends the
+    rest. Every block the honest client can fetch afterwards is its own, byte for byte."""
+    layout = small_layout()  # 8 KiB blocks
+    d = daemon_factory("--host-bytes", f"{4 * layout.block_bytes}", "--disk-bytes", "0",
+                       "--lease-timeout-s", str(LEASE_S)).start()
+    with KVClient(d.target, layout, deadline_s=5) as honest:
+        hostile_key = honest.keys(list(range(1000, 1016)))[0]
+        ns = honest.namespace.digest()
+    half = layout.block_bytes // 2
+    resume = threading.Event()
+
+    def hostile_stream() -> Iterator[pb.PublishChunk]:
+        yield pb.PublishChunk(namespace=ns, layout=layout_pb(layout), keys=[hostile_key],
+                              block_index=0, chunk_offset=0, data=b"\xee" * half)
+        resume.wait(30)
+        yield pb.PublishChunk(block_index=0, chunk_offset=half, data=b"\xee" * half)
+
+    channel, raw = stub(d.target)
+    outcome: dict[str, object] = {}
+
+    def publish() -> None:
+        try:
+            outcome["reply"] = raw.Publish(hostile_stream(), timeout=60)
+        except grpc.RpcError as e:
+            outcome["code"] = e.code()
+
+    hostile = Worker(target=publish, daemon=True)
+    hostile.start()
+    wait_until(lambda: stats(d.target).active_leases == 1, 10, "the hostile block reserved")
+    time.sleep(LEASE_S + 1.5)  # the pause: past the lease and a reaper period
+    prompts = [list(range(16 * i, 16 * i + 16)) for i in range(8)]  # one block each
+    kvs = [random_kv(layout, 16, seed=i) for i in range(8)]
+    with KVClient(d.target, layout, deadline_s=5) as honest:
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            honest.publish(tokens, kv)
+        resume.set()
+        hostile.result(30)
+        checked = 0
+        for tokens, kv in zip(prompts, kvs, strict=True):
+            n, got = honest.fetch(tokens)
+            if n:
+                assert same_bytes(got, kv), f"prompt {tokens[0] // 16} holds foreign bytes"
+                checked += 1
+    assert checked >= 3, f"only {checked} honest blocks cached: the test checked too little"
+    # The paused block took longer than its lease: refused, and nothing of it stored.
+    assert outcome.get("code") == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
+    with KVClient(d.target, layout, deadline_s=5) as c:
+        assert c.lookup(list(range(1000, 1016))) == 0
+    wait_quiescent(d.target, 5)
+    channel.close()
+
+
+def test_slow_stream_fetch_never_returns_bytes_from_a_reused_slot(daemon_factory):
+    """A streaming fetch is read slowly (a pause past `lease_timeout_s`) while another
+    client clears the namespace and publishes other bytes into the freed space: every chunk
+    the slow reader gets is the published block's, or the call fails; never foreign bytes."""
+    n_blocks = 24
+    d = daemon_factory("--host-bytes", f"{n_blocks * BIG.block_bytes}", "--disk-bytes", "0",
+                       "--lease-timeout-s", str(LEASE_S)).start()
+    tokens = list(range(n_blocks * BIG.block_tokens))
+    kv = random_kv(BIG, len(tokens))
+    with KVClient(d.target, BIG, deadline_s=10) as c:
+        assert c.publish(tokens, kv) == len(tokens)
+        keys, ns = c.keys(tokens), c.namespace.digest()
+    channel, raw = stub(d.target)
+    chunks = raw.Fetch(pb.FetchRequest(namespace=ns, layout=layout_pb(BIG), keys=keys,
+                                       transfer=pb.TRANSFER_STREAM), timeout=60)
+    head = next(chunks)
+    assert head.hits == n_blocks
+    received: dict[int, bytearray] = {}
+    first = next(chunks)
+    received.setdefault(first.block_index, bytearray()).extend(first.data)
+    time.sleep(LEASE_S + 1.5)  # the slow reader
+    with KVClient(d.target, BIG, deadline_s=10, salt="other") as other:
+        other.clear()  # the same namespace is not the other's; clear the reader's directly
+        _, admin = stub(d.target)
+        admin.Clear(pb.ClearRequest(namespace=ns), timeout=5)
+        other.publish(tokens, random_kv(BIG, len(tokens), seed=9))
+    code = grpc.StatusCode.OK
+    try:
+        for chunk in chunks:
+            received.setdefault(chunk.block_index, bytearray()).extend(chunk.data)
+    except grpc.RpcError as e:
+        code = e.code()
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED), code
+    for i, got in received.items():
+        want = _block_bytes(kv, BIG, i)
+        assert bytes(got) == want[: len(got)], f"block {i}: foreign bytes in a fetch"
+    if code == grpc.StatusCode.OK:  # the whole prefix then, every byte
+        assert len(received) == n_blocks
+        assert all(len(b) == BIG.block_bytes for b in received.values())
+    wait_quiescent(d.target, 5)
+    channel.close()
+
+
+# ---- item 2
+def test_tcp_reserve_cannot_commit_bytes_it_never_sent(tenant_daemon):
+    """Tenant A's blocks are cleared (their bytes stay in the freed slots); tenant B reserves
+    the same space over TCP and commits without sending a byte. Refused: B never reads A's
+    KV, and nothing is stored under B's keys."""
+    d, tcp = tenant_daemon
+    layout = small_layout()
+    tokens = list(range(64))
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        assert a.publish(tokens, random_kv(layout, 64)) == 64
+        assert a.clear() == 4
+    channel = grpc.insecure_channel(tcp)
+    raw = pb_grpc.KVStoreStub(channel)
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=5) as b:
+        keys, ns = b.keys(tokens), b.namespace.digest()
+        with pytest.raises(grpc.RpcError) as e:
+            raw.Reserve(pb.ReserveRequest(namespace=ns, layout=layout_pb(layout), keys=keys),
+                        metadata=_md(TOKEN_B), timeout=5)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "Unix-socket" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            raw.Commit(pb.CommitRequest(lease_id=12345), metadata=_md(TOKEN_B), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        # SHM fetches too: arena offsets are of no use over TCP, and their leases pin blocks.
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw.Fetch(pb.FetchRequest(namespace=ns, layout=layout_pb(layout), keys=keys,
+                                           transfer=pb.TRANSFER_SHM),
+                           metadata=_md(TOKEN_B), timeout=5))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert b.lookup(tokens) == 0
+        assert b.fetch(tokens) == (0, None)
+    wait_quiescent(d.target, 5)
+    channel.close()
+
+
+# ---- item 3
+def test_commit_with_a_fetch_lease_keeps_the_lease_and_its_pins(daemon):
+    layout = small_layout()
+    tokens = list(range(64))
+    with KVClient(daemon.target, layout, deadline_s=5) as c:
+        assert c.publish(tokens, random_kv(layout, 64)) == 64
+        keys, ns = c.keys(tokens), c.namespace.digest()
+    channel, raw = stub(daemon.target)
+    head = next(iter(raw.Fetch(pb.FetchRequest(namespace=ns, layout=layout_pb(layout),
+                                               keys=keys, transfer=pb.TRANSFER_SHM),
+                               timeout=5)))
+    assert head.hits == 4 and head.lease_id
+    assert tier(stats(daemon.target), "host").pinned_blocks == 4
+    with pytest.raises(grpc.RpcError) as e:
+        raw.Commit(pb.CommitRequest(lease_id=head.lease_id), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fetch lease" in e.value.details()
+    assert raw.Release(pb.ReleaseRequest(lease_id=head.lease_id), timeout=5).released
+    wait_quiescent(daemon.target, 5)  # no pin left behind
+    with KVClient(daemon.target, layout, deadline_s=5) as c:  # and the tier still takes blocks
+        assert c.clear(all_namespaces=True) == 4
+        assert c.publish(tokens, random_kv(layout, 64, seed=3)) == 64
+    channel.close()
+
+
+# ---- item 4
+def test_streams_nobody_reads_end_with_their_slot_pins_and_memory(daemon_factory):
+    """As many unread Fetch streams as the daemon admits, plus Publish streams that send one
+    message and go silent: within a few lease timeouts every one of them is ended, honest
+    calls are admitted again, and no lease, pin or in-flight call is left."""
+    n_blocks = 24
+    d = daemon_factory("--host-bytes", f"{n_blocks * BIG.block_bytes}", "--disk-bytes", "0",
+                       "--lease-timeout-s", str(LEASE_S), "--max-concurrent-rpcs", "4").start()
+    tokens = list(range(n_blocks * BIG.block_tokens))
+    kv = random_kv(BIG, len(tokens))
+    with KVClient(d.target, BIG, deadline_s=10) as c:
+        assert c.publish(tokens, kv) == len(tokens)
+        keys, ns = c.keys(tokens), c.namespace.digest()
+    anon0 = rss_bytes(d.proc.pid)["RssAnon"]
+    channel, raw = stub(d.target)
+    stalled = []
+    for _ in range(3):
+        it = raw.Fetch(pb.FetchRequest(namespace=ns, layout=layout_pb(BIG), keys=keys,
+                                       transfer=pb.TRANSFER_STREAM), timeout=120)
+        assert next(it).hits == n_blocks  # the header; the rest is never read
+        stalled.append(it)
+    silent = threading.Event()
+
+    def one_message() -> Iterator[pb.PublishChunk]:
+        yield pb.PublishChunk(namespace=ns, layout=layout_pb(BIG), keys=keys[:1])
+        silent.wait(60)
+
+    publish = raw.Publish.future(one_message(), timeout=120)
+    wait_until(lambda: stats(d.target).inflight_rpcs >= 4, 10, "the stalled calls admitted")
+    peak = rss_bytes(d.proc.pid)["RssAnon"]
+    with pytest.raises(grpc.RpcError) as e:  # all 4 slots are taken by stalled streams
+        raw.Lookup(pb.LookupRequest(namespace=ns, keys=keys), timeout=5)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Ended by the daemon, not by these clients (which stay connected and silent).
+    wait_quiescent(d.target, 4 * LEASE_S + 5)
+    assert raw.Lookup(pb.LookupRequest(namespace=ns, keys=keys), timeout=5).hits == n_blocks
+    with pytest.raises(grpc.RpcError) as e:
+        publish.result(timeout=10)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for it in stalled:
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in it:
+                pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    silent.set()
+    held_mib = (peak - anon0) / 2**20
+    print(f"daemon anon memory held by 3 unread fetch streams: {held_mib:.1f} MiB")
+    assert held_mib < 3 * 32, f"{held_mib:.0f} MiB held by 3 stalled streams"
+    with KVClient(d.target, BIG, deadline_s=10) as c:  # still serving, byte-exact
+        n, got = c.fetch(tokens)
+        assert n == len(tokens) and same_bytes(got, kv)
+    channel.close()
+
+
+# ---- item 9
+def test_tenant_stats_show_only_its_own_blocks(tenant_daemon):
+    _, tcp = tenant_daemon
+    layout = small_layout()
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        assert a.publish(list(range(64)), random_kv(layout, 64)) == 64
+        a.lookup(list(range(64)))
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=5) as b:
+        assert b.publish(list(range(32)), random_kv(layout, 32)) == 32
+    channel = grpc.insecure_channel(tcp)
+    raw = pb_grpc.KVStoreStub(channel)
+    mine_a = raw.Stats(pb.StatsRequest(), metadata=_md(TOKEN_A), timeout=5)
+    mine_b = raw.Stats(pb.StatsRequest(), metadata=_md(TOKEN_B), timeout=5)
+    every = raw.Stats(pb.StatsRequest(), metadata=_md(ADMIN), timeout=5)
+    assert tier(mine_a, "host").blocks == 4 and tier(mine_b, "host").blocks == 2
+    assert tier(every, "host").blocks == 6
+    assert tier(mine_b, "host").used_bytes == 2 * layout.block_bytes
+    assert tier(mine_b, "host").capacity_bytes == tier(every, "host").capacity_bytes
+    # The daemon's traffic is every tenant's together: a tenant sees none of it.
+    assert every.lookups > 0 and every.stored_blocks == 6
+    assert mine_b.lookups == mine_b.stored_blocks == mine_b.hit_blocks == 0
+    assert mine_b.active_leases == 0 and tier(mine_b, "host").bytes_written == 0
+    channel.close()
+
+
+# ---- item 10
+def test_fetch_internal_error_reaches_log_and_metrics(tmp_path, caplog):
+    import asyncio
+
+    from server.metrics import Metrics
+    from server.service import KVStoreService, add_service
+    from server.store import TieredStore
+    from tiers.host import HostTier
+
+    store = TieredStore(HostTier(1 << 20, shm_dir=tmp_path), None)
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated bug")
+
+    store.fetch = broken  # type: ignore[method-assign]  # a fault no request can cause
+    metrics = Metrics(store)
+    service = KVStoreService(store, metrics, max_blocks_per_call=64, max_message_bytes=1 << 20)
+    layout = small_layout()
+
+    async def run() -> grpc.StatusCode:
+        server = grpc.aio.server()
+        add_service(service, server)
+        sock = tmp_path / "s.sock"
+        server.add_insecure_port(f"unix:{sock}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+                call = pb_grpc.KVStoreStub(ch).Fetch(pb.FetchRequest(
+                    namespace=bytes(32), layout=layout_pb(layout), keys=[bytes(32)]))
+                try:
+                    async for _ in call:
+                        pass
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+                return grpc.StatusCode.OK
+        finally:
+            await server.stop(0)
+
+    with caplog.at_level("ERROR"):
+        code = asyncio.run(run())
+    store.close()
+    assert code == grpc.StatusCode.INTERNAL
+    assert "Fetch failed" in caplog.text and "simulated bug" in caplog.text
+    count = metrics.registry.get_sample_value("kvstore_rpc_seconds_count",
+                                              {"method": "Fetch", "code": "INTERNAL"})
+    assert count == 1  # counted as INTERNAL, not as OK
