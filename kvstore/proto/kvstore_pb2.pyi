@@ -206,7 +206,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "evictions", "hits", "bytes_read", "bytes_written", "read_bandwidth")
+    __slots__ = ("name", "blocks", "used_bytes", "capacity_bytes", "pinned_blocks", "evictions", "hits", "bytes_read", "bytes_written", "read_bandwidth", "degraded", "degraded_reason")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class TierStats(_message.Message):
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     blocks: int
     used_bytes: int
@@ -227,7 +229,9 @@ class TierStats(_message.Message):
     bytes_read: int
     bytes_written: int
     read_bandwidth: float
-    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
+    degraded: bool
+    degraded_reason: str
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs")
