@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: soak setup demo test test-vllm test-all test-slow lint bench bench-throughput simulate proto clean
+.PHONY: soak setup demo test test-vllm test-all test-slow lint typecheck bench bench-throughput simulate proto clean
 
 setup: $(STAMP)
 
@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(PY) -m benchmarks.demo
 
+# The tests and the lint (CI runs this): ruff first, it takes a second.
 test: setup
+	.venv/bin/ruff check .
 	$(PY) -m pytest -q
 
 test-vllm:
@@ -30,6 +32,11 @@ test-all: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# mypy --strict on kvstore/ tiers/ server/ client/ (settings in pyproject.toml); not yet in
+# `make test`: the errors it still reports are being fixed file by file.
+typecheck: setup
+	.venv/bin/mypy
 
 bench: setup
 	$(PY) -m benchmarks.ttft
@@ -49,4 +56,4 @@ proto: setup
 	PATH=.venv/bin:$$PATH kvstore/proto/generate.sh
 
 clean:
-	rm -rf .data .pytest_cache .ruff_cache
+	rm -rf .data .pytest_cache .ruff_cache .mypy_cache

@@ -56,6 +56,7 @@ def tokens_to_array(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> np.nda
     anything that is not one-dimensional.
     """
     torch_mod = sys.modules.get("torch")  # a tensor implies torch is loaded: never import it
+    arr: np.ndarray
     if torch_mod is not None and isinstance(tokens, torch_mod.Tensor):
         dt = tokens.dtype
         if dt.is_floating_point or dt.is_complex or dt == torch_mod.bool:
