@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
 from server.tenancy import TokenTable, current_tenant
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -34,9 +36,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         if handler_call_details.method.startswith(_HEALTH_PREFIX):
             return await continuation(handler_call_details)
         presented = b""
@@ -52,7 +54,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _with_tenant(handler, tenant) if tenant else handler
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary: Any, stream: Any) -> grpc.RpcMethodHandler:
+def _rebuild(handler: Handler, unary: Any, stream: Any) -> Handler:
     """A handler of `handler`'s kind whose behaviour is `unary` or `stream`."""
     des, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -64,20 +66,20 @@ def _rebuild(handler: grpc.RpcMethodHandler, unary: Any, stream: Any) -> grpc.Rp
     return grpc.unary_unary_rpc_method_handler(unary, des, ser)
 
 
-def _behaviour(handler: grpc.RpcMethodHandler) -> Any:
+def _behaviour(handler: Handler) -> Any:
     return (handler.stream_stream or handler.stream_unary or handler.unary_stream
             or handler.unary_unary)
 
 
-def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodHandler:
+def _with_tenant(handler: Handler, tenant: str) -> Handler:
     """Run `handler` with `current_tenant` set to `tenant` (the call's own task context)."""
     inner = _behaviour(handler)
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(request: Any, context: Context) -> Any:
         current_tenant.set(tenant)
         return await inner(request, context)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
         current_tenant.set(tenant)
         async for item in inner(request, context):
             yield item
@@ -87,11 +89,11 @@ def _with_tenant(handler: grpc.RpcMethodHandler, tenant: str) -> grpc.RpcMethodH
     return _rebuild(handler, unary, stream if inspect.isasyncgenfunction(inner) else unary)
 
 
-def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> None:
+def _deny_like(handler: Handler) -> Handler:
+    async def deny_unary(request: Any, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
 
-    async def deny_stream(request: Any, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def deny_stream(request: Any, context: Context) -> AsyncIterator[None]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
         yield  # pragma: no cover - makes this an async generator
 
