@@ -55,6 +55,8 @@ def format_stats(s: pb.StatsReply) -> str:
                      f"{_human(t.read_bandwidth) + '/s' if t.read_bandwidth else '-':>11}")
     lines.append(f"published {s.stored_blocks}  demoted {s.demotions}  promoted {s.promotions}  "
                  f"integrity failures {s.integrity_failures}")
+    lines += [f"{t.name} tier DEGRADED (serves what it holds, takes no writes): "
+              f"{t.degraded_reason}" for t in s.tiers if t.degraded]
     return "\n".join(lines)
 
 
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"removed": reply.removed}) if args.json
                   else f"removed {reply.removed} blocks")
     except grpc.RpcError as e:
-        msg = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+        msg = f"{e.code().name}: {e.details()}"
         print(json.dumps({"ok": False, "error": msg}) if args.json
               else f"kvstore {args.command}: {msg}", file=sys.stderr)
         return 1

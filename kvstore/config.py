@@ -196,7 +196,7 @@ def _coerce(name: str, raw: Any) -> Any:
         raise ConfigError(f"unknown option {name!r}")
     if f.metadata["unit"] == "bytes":
         return parse_size(raw, name)
-    kind = type(f.default)
+    kind: Any = type(f.default)  # str, int, float or bool: the field's declared type
     try:
         if kind is bool:
             return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")

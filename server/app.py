@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -53,8 +54,19 @@ def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 def _lock_data_dir(data_dir: Path) -> int:
     """Hold an exclusive lock so two daemons never share one data directory."""
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                raise
+            # A read-only data directory still serves its disk tier (read-only); flock works
+            # on a descriptor opened for reading: the LOCK file, or the directory itself.
+            lock = data_dir / "LOCK"
+            fd = os.open(lock if lock.exists() else data_dir, os.O_RDONLY)
+    except OSError as e:
+        raise ConfigError(f"data_dir: cannot use {data_dir}: {e.strerror or e}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -94,6 +106,19 @@ def _check_socket(sock: Path) -> None:
                           "(read-only file system?); set --socket to a writable directory")
 
 
+def _open_disk(directory: Path, config: ServerConfig) -> DiskTier | None:
+    """The disk tier; a daemon whose disk cannot even be opened read-only (its directory
+    cannot be created, its data file cannot be opened) runs without one rather than not at
+    all: the host tier is the cache engines cannot do without."""
+    try:
+        return DiskTier(directory, config.disk_bytes, config.disk_sync,
+                        fault_read_delay_s=config.fault_disk_read_delay_s)
+    except OSError as e:
+        log.error("disk tier unavailable: %s; running without it (host tier only) until a "
+                  "restart finds %s usable", e, directory)
+        return None
+
+
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -109,9 +134,7 @@ class Daemon:
         try:  # whatever fails here, release what was opened: the arena above all
             _check_socket(config.socket_path)
             host = HostTier(config.host_bytes, config.shm_dir)  # first: it refuses fastest
-            disk = (DiskTier(self.data_dir / "disk", config.disk_bytes, config.disk_sync,
-                             fault_read_delay_s=config.fault_disk_read_delay_s)
-                    if config.disk_bytes > 0 else None)
+            disk = _open_disk(self.data_dir / "disk", config) if config.disk_bytes > 0 else None
             remote = None
             if config.remote:
                 remote = RemoteTier(config.remote, RemoteOptions(
@@ -198,23 +221,28 @@ class Daemon:
         await asyncio.gather(*(s.stop(self.config.drain_grace_s) for s in self.servers))
         for lease_id in list(self.store.leases):
             self.store.release(lease_id)
-        flushed = await self.store.flush(self.config.shutdown_flush_s)
-        if flushed:
-            log.info("flushed %d host blocks to disk", flushed)
-        if self.store.remote is not None:
-            # Queued write-through gets its own budget: other daemons may want these blocks.
-            if not await self.store.drain_remote(self.config.shutdown_flush_s):
-                log.info("remote write-through queue not drained; %d blocks not shared",
-                         len(self.store.write_queue or ()))
-            if self._writer is not None:
-                self._writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._writer
-            await self.store.close_remote()
-        save_rates(self._rates_file, self.store.read_bandwidth())
-        self.store.close()
-        self.config.socket_path.unlink(missing_ok=True)
-        os.close(self._lock_fd)
+        try:
+            flushed = await self.store.flush(self.config.shutdown_flush_s)
+            if flushed:
+                log.info("flushed %d host blocks to disk", flushed)
+            if self.store.remote is not None:
+                # Queued write-through gets its own budget: other daemons may want these.
+                if not await self.store.drain_remote(self.config.shutdown_flush_s):
+                    log.info("remote write-through queue not drained; %d blocks not shared",
+                             len(self.store.write_queue or ()))
+                if self._writer is not None:
+                    self._writer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._writer
+                await self.store.close_remote()
+        except Exception:  # keeping blocks is best effort; releasing the arena is not
+            log.exception("shutdown flush failed; closing anyway")
+        finally:
+            save_rates(self._rates_file, self.store.read_bandwidth())
+            self.store.close()  # removes the arena file
+            with contextlib.suppress(OSError):  # a read-only directory keeps a dead socket
+                self.config.socket_path.unlink(missing_ok=True)
+            os.close(self._lock_fd)
         log.info("stopped")
 
 

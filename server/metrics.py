@@ -66,6 +66,8 @@ class StoreCollector(Collector):
         for name, rate in sorted(self.store.read_bandwidth().items()):
             rates.add_metric([name], rate)
         yield from (hits, moved, evictions, used, cap, blocks, rates)
+        if self.store.disk is not None:
+            yield from self._disk()
         if remote is not None:
             yield from self._remote(remote)
         yield GaugeMetricFamily("kvstore_active_leases", "Open fetch and publish leases.",
@@ -73,6 +75,25 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvstore_inflight_rpcs", "RPCs being served.",
                                 value=self.connected.get("inflight", 0))
 
+
+    def _disk(self) -> Iterator[Metric]:
+        """The disk tier's health: degraded (no writes), failures, index rebuilds."""
+        disk = self.store.disk
+        if disk is None:
+            return
+        yield GaugeMetricFamily(
+            "kvstore_disk_degraded", "1 while the disk tier takes no writes (disk full, "
+            "read-only, I/O errors: Stats and the log say why) and only serves what it holds.",
+            value=int(bool(disk.degraded)))
+        for name, value, doc in (
+            ("kvstore_disk_write_failures", disk.write_failures,
+             "Failed disk writes and index updates (the first one degrades the tier)."),
+            ("kvstore_disk_index_rebuilds", disk.index_rebuilds,
+             "Damaged disk indexes quarantined and rebuilt from the data file at start."),
+            ("kvstore_disk_index_recovered_blocks", disk.recovered_blocks,
+             "Blocks those rebuilds brought back (every record verified)."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
     def _remote(self, r: RemoteStats) -> Iterator[Metric]:
         """The remote tier's health and write-through queue."""

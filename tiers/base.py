@@ -46,6 +46,7 @@ class TierStats:
     capacity_bytes: int
     pinned_blocks: int
     evictions: int
+    degraded: str = ""  # why the tier takes no writes (disk full, read-only); "" when it does
 
 
 class Tier(ABC):

@@ -2,26 +2,36 @@
 
 Bulk bytes stay out of RocksDB (4 MiB blobs went in at ~0.3 GB/s there, against ~2 GB/s for
 plain writes to the same disk). A record is a header page (the framed header, see
-`kvstore.integrity`) followed by the payload, at a page-aligned offset handed out by an extent
-allocator whose units cover exactly `capacity_bytes` — so the file never grows past the capacity.
+`kvstore.integrity`, then the write sequence and namespace, see `tiers.disk_index`) followed by
+the payload, at a page-aligned offset handed out by an extent allocator whose units cover
+exactly `capacity_bytes` — so the file never grows past the capacity.
 
 Crash safety: the index entry is written only after the record's bytes are written (and, with
 `sync="always"`, made durable), so a crash never leaves an entry pointing at unwritten bytes;
 with `sync="never"` it may, and the read-side verification turns that into a miss. At start the
-index is loaded, so a restarted daemon keeps its cache.
+index is loaded, so a restarted daemon keeps its cache; a damaged index is moved aside and
+rebuilt from the data file (`tiers.disk_index`).
+
+Faults of the disk itself (full, read-only, I/O errors) degrade the tier instead of failing
+calls: the first failed write or index update marks it `degraded` (logged once, counted), after
+which it takes no writes (`prepare_store` raises `CapacityError`: demotions drop the block, as
+for a block larger than the tier) and goes on serving, verified, what it holds. A tier that
+cannot be written at start (read-only filesystem, full disk) opens read-only the same way.
+It stays so until the daemon restarts.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
-import struct
+import shutil
 import time
 from pathlib import Path
 
 import xxhash
-from rocksdict import Options, Rdict, WriteOptions
 
-from kvstore.errors import IntegrityError, InvalidArgumentError
+from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError
 from kvstore.integrity import (
     HEADER_BYTES,
     checksum,
@@ -29,10 +39,39 @@ from kvstore.integrity import (
     encode_header,
     verify_binding,
 )
-from tiers.base import PAGE, BlockEntry, Tier
+from tiers.base import PAGE, BlockEntry, Tier, TierStats
+from tiers.disk_index import (
+    READ_PIECE,
+    Index,
+    IndexDamagedError,
+    Row,
+    encode_ext,
+    one_line,
+    scan_records,
+)
 
-READ_PIECE = 8 << 20  # bytes read, then hashed, at a time: big for readahead, cache-sized
-_INDEX = struct.Struct("<QQQ32s32s16s")  # seq, unit, length, namespace, layout digest, checksum
+log = logging.getLogger(__name__)
+__all__ = ["READ_PIECE", "DiskDegradedError", "DiskTier"]
+
+
+class DiskDegradedError(OSError):
+    """The disk tier takes no writes (full, read-only, or failing)."""
+
+
+def _pwrite_all(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
+    """Write every byte or raise the OSError that stopped it: a short write to a regular file
+    means the next one fails with the reason (ENOSPC), which is what an operator needs."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 class DiskTier(Tier):
@@ -48,50 +87,120 @@ class DiskTier(Tier):
         self.sync = sync == "always"
         # Testing only: a stalled disk, which no test can cause for real (deadline tests).
         self.fault_read_delay_s = fault_read_delay_s
-        self._fd = os.open(self.directory / "blocks.dat", os.O_RDWR | os.O_CREAT, 0o600)
-        self._db = Rdict(str(self.directory / "index"), Options(raw_mode=True))
-        self._wopts = WriteOptions()
-        self._wopts.sync = self.sync
+        self.degraded = ""  # why the tier takes no writes; "" while it does
+        self.write_failures = 0  # failed writes and index updates (each counts)
+        self.index_rebuilds = 0  # damaged indexes rebuilt from the data file at open
+        self.recovered_blocks = 0  # blocks those rebuilds brought back
         self._seq = 0
-        self.dropped_at_open = self._load_index()
-        if self.file_bytes > self.capacity_bytes:  # capacity lowered since the file was written
+        data = self.directory / "blocks.dat"
+        try:
+            self._fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+            data_writable = True
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not data.exists():
+                raise
+            self._fd = os.open(data, os.O_RDONLY)
+            data_writable = False
+            self._degrade(f"data file is not writable: {e.strerror}", count=False)
+        self._index = Index(self.directory / "index", self.sync)
+        rows = self._open_index()
+        if self._index.read_only_reason and not self.degraded:
+            self._degrade(self._index.read_only_reason, count=False)
+        self.dropped_at_open = self._index.malformed + self._load_rows(rows)
+        if self.file_bytes > self.capacity_bytes and data_writable and not self.degraded:
             os.ftruncate(self._fd, self.capacity_bytes)  # every kept record lies below it
+        if self.degraded:
+            log.warning("disk tier read-only: %s; serving the %d blocks it holds, taking no "
+                        "writes until a restart", self.degraded, self.committed_blocks)
 
     def units_for(self, length: int) -> int:
         return 1 + -(-length // PAGE)  # header page + payload
 
-    def _load_index(self) -> int:
-        """Rebuild allocation and LRU order (oldest write first) from the index."""
-        rows = []
+    # ---- opening: the index, or its rebuild from the data file
+    def _open_index(self) -> list[Row]:
+        existed = self._index.path.exists()
+        try:
+            self._index.open()
+            return self._index.load(self.file_bytes)
+        except IndexDamagedError as e:
+            return self._rebuild(str(e), quarantine=existed)
+
+    def _rebuild(self, why: str, quarantine: bool) -> list[Row]:
+        """Move the damaged index aside and index every verified record of the data file."""
+        if quarantine:
+            moved = self._index.quarantine()
+        else:  # the index was missing: drop the empty one opening it just created
+            moved = None
+            self._index.close(None)
+            shutil.rmtree(self._index.path, ignore_errors=True)
+        scan = scan_records(self._fd, self.file_bytes)
+        if not self._index.path.exists():
+            self._index.recreate(scan.rows)
+        self.index_rebuilds += 1
+        self.recovered_blocks += len(scan.rows)
+        where = (f"quarantined as {moved}" if moved else
+                 f"not moved aside ({self._index.read_only_reason})" if quarantine else
+                 "it was missing")
+        log.error("disk index %s damaged (%s); %s; rebuilt from the data file: %d blocks, "
+                  "%d damaged records skipped%s, in %.2f s", self._index.path, why, where,
+                  len(scan.rows), scan.damaged,
+                  f", {scan.old_format} records of an older format (no namespace) not "
+                  "recovered" if scan.old_format else "", scan.seconds)
+        return scan.rows
+
+    def _load_rows(self, rows: list[Row]) -> int:
+        """Rebuild allocation and LRU order (oldest write first) from the index rows."""
         dropped = 0
-        for key, value in self._db.items():
-            try:
-                seq, unit, length, ns, layout, csum = _INDEX.unpack(value)
-            except struct.error:
-                self._db.delete(key)
-                dropped += 1
-                continue
-            rows.append((seq, key, unit, length, ns, layout, csum))
-        rows.sort()
-        for seq, key, unit, length, ns, layout, csum in rows:
-            units = self.units_for(length)
+        for row in sorted(rows, key=lambda r: r.seq):
+            units = self.units_for(row.length)
             # Entries past a lowered capacity, or overlapping another, are dropped: a miss.
-            if unit + units > self.alloc.total or not self.policy.fits(units * PAGE):
-                self._db.delete(key)
+            if row.unit + units > self.alloc.total or not self.policy.fits(units * PAGE):
+                self._forget_row(row.key)
                 dropped += 1
                 continue
             try:
-                self.alloc.reserve(unit, units)
+                self.alloc.reserve(row.unit, units)
             except InvalidArgumentError:
-                self._db.delete(key)
+                self._forget_row(row.key)
                 dropped += 1
                 continue
-            entry = BlockEntry(key, ns, layout, length, unit, units, committed=True, checksum=csum)
-            self.entries[key] = entry
+            entry = BlockEntry(row.key, row.namespace, row.layout_digest, row.length, row.unit,
+                               units, committed=True, checksum=row.checksum)
+            self.entries[row.key] = entry
             self._count(entry, 1)
-            self.policy.add(key, units * PAGE)
-            self._seq = max(self._seq, seq)
+            self.policy.add(row.key, units * PAGE)
+            self._seq = max(self._seq, row.seq)
         return dropped
+
+    def _forget_row(self, key: bytes) -> None:
+        if not self.degraded:
+            try:
+                self._index.delete(key)
+            except Exception as e:
+                self._degrade(f"index update failed: {one_line(e)}")
+
+    # ---- faults of the disk itself
+    def _degrade(self, reason: str, count: bool = True) -> None:
+        """Stop taking writes; logged once. Called from the loop or a worker thread (a plain
+        attribute store: at worst one more write is tried, and fails the same way)."""
+        self.write_failures += count
+        if self.degraded:
+            return
+        self.degraded = reason = " ".join(reason.split())
+        if count:
+            log.error("disk tier degraded: %s; it takes no more writes (until a restart) and "
+                      "serves the blocks it holds; the host tier goes on", reason)
+
+    def prepare_store(self, key: bytes, namespace: bytes, layout_digest: bytes,
+                      length: int) -> BlockEntry | None:
+        if self.degraded:
+            raise CapacityError(f"disk tier takes no writes: {self.degraded}")
+        return super().prepare_store(key, namespace, layout_digest, length)
+
+    def stats(self) -> TierStats:
+        s = super().stats()
+        s.degraded = self.degraded
+        return s
 
     # ---- byte movement: called from worker threads, on pinned / reserved entries only
     def reserve_seqs(self, n: int) -> int:
@@ -104,22 +213,27 @@ class DiskTier(Tier):
     def write(self, entry: BlockEntry, payload: memoryview, seq: int | None = None) -> None:
         """Write a reserved record and its index entry (in that order, durable per `sync`).
 
-        `seq` ranks the block for the LRU order rebuilt at start (default: newest)."""
+        `seq` ranks the block for the LRU order rebuilt at start (default: newest). A failure
+        degrades the tier and raises `DiskDegradedError` (an OSError)."""
         if len(payload) != entry.length:
             raise InvalidArgumentError(f"payload is {len(payload)} bytes, reserved {entry.length}")
-        csum = checksum([payload])
-        header = encode_header(entry.key, entry.layout_digest, csum, entry.length)
-        page = header + bytes(PAGE - len(header))
-        written = os.pwritev(self._fd, [page, payload], entry.offset)
-        if written != PAGE + entry.length:
-            raise OSError(f"short write: {written} of {PAGE + entry.length} bytes")
-        if self.sync:
-            os.fdatasync(self._fd)
+        if self.degraded:
+            raise DiskDegradedError(f"disk tier takes no writes: {self.degraded}")
         if seq is None:
             seq = self.reserve_seqs(1)
-        entry.checksum = csum
-        self._db.put(entry.key, _INDEX.pack(seq, entry.unit, entry.length, entry.namespace,
-                                            entry.layout_digest, csum), self._wopts)
+        csum = checksum([payload])
+        header = encode_header(entry.key, entry.layout_digest, csum, entry.length)
+        page = header + encode_ext(header, seq, entry.namespace)
+        try:
+            _pwrite_all(self._fd, [page + bytes(PAGE - len(page)), payload], entry.offset)
+            if self.sync:
+                os.fdatasync(self._fd)
+            entry.checksum = csum
+            self._index.put(Row(seq, entry.key, entry.unit, entry.length, entry.namespace,
+                                entry.layout_digest, csum))
+        except Exception as e:  # OSError from the file, plain Exception from RocksDB
+            self._degrade(f"write failed: {one_line(e)}")
+            raise DiskDegradedError(f"disk write failed: {one_line(e)}") from None
 
     def read_into(self, entry: BlockEntry, dst: memoryview) -> None:
         """Read and verify a record's payload into `dst`; `IntegrityError` on any damage."""
@@ -129,7 +243,7 @@ class DiskTier(Tier):
             time.sleep(self.fault_read_delay_s)
         head = bytearray(HEADER_BYTES)
         n = os.preadv(self._fd, [head], entry.offset)
-        header = decode_header(head[:n])
+        header = decode_header(memoryview(head)[:n])
         verify_binding(header, entry.length, entry.key, entry.layout_digest)
         if entry.checksum and header.checksum != entry.checksum:
             raise IntegrityError("record checksum differs from the index")
@@ -147,7 +261,15 @@ class DiskTier(Tier):
             raise IntegrityError("payload checksum mismatch")
 
     def _on_drop(self, entry: BlockEntry) -> None:
-        self._db.delete(entry.key)
+        if self.degraded:
+            return  # nothing can be written: the entry may come back at a restart (verified)
+        try:
+            # Unmark the record first, so that an index rebuild never brings it back (not made
+            # durable: after a crash a rebuild might; its bytes are still verified).
+            os.pwrite(self._fd, bytes(4), entry.offset)
+            self._index.delete(entry.key)
+        except Exception as e:
+            self._degrade(f"index update failed: {one_line(e)}")
 
     @property
     def file_bytes(self) -> int:
@@ -155,7 +277,8 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         if self._fd >= 0:
-            self._db.close()
+            # The clean-close marker lets the next start notice entries lost in silence.
+            self._index.close(None if self.degraded else self.committed_blocks)
             os.close(self._fd)
             self._fd = -1
         self._forget_all()

@@ -77,7 +77,8 @@ class HostTier(SlabTier):
 
         if not torch.cuda.is_available():
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(self.buffer.ctypes.data, self.arena.size, 0)
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        rc = cudart.cudaHostRegister(self.buffer.ctypes.data, self.arena.size, 0)
         if int(rc) != 0:
             log.warning("cudaHostRegister of the host arena failed (%s); copies will be pageable",
                         rc)
@@ -88,7 +89,8 @@ class HostTier(SlabTier):
         if self.pinned:
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.ctypes.data)
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.buffer.ctypes.data)
             self.pinned = False
         self.arena.unlink()
         super().close()

@@ -1,6 +1,7 @@
-"""Real small filesystems for the storage fault tests: a tmpfs of a few MiB that fills up, or
-one remounted read-only. Mounting needs root (CI runs as root); elsewhere the tests skip,
-saying why."""
+"""Real small filesystems for the storage fault tests: a tmpfs of a few MiB that fills up, and
+an ext4 image (loop device, `errors=remount-ro`) that the kernel turns read-only under open
+files, as it does on a real disk error. Mounting needs root (CI runs as root); elsewhere the
+tests skip, saying why."""
 
 from __future__ import annotations
 
@@ -33,10 +34,36 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
         _run("umount", "-l", str(path))
 
 
-def remount(path: Path, mode: str) -> None:
-    """Remount `path` `ro` or `rw` (the data directory turning read-only under a daemon)."""
-    r = _run("mount", "-o", f"remount,{mode}", str(path))
-    assert r.returncode == 0, f"remount,{mode} {path}: {r.stderr}"
+@contextmanager
+def ext4(path: Path, image: Path, size_mib: int) -> Iterator[Path]:
+    """Mount a fresh ext4 image of `size_mib` at `path` with `errors=remount-ro`."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount an ext4 image (CI runs as root)")
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    r = _run("mkfs.ext4", "-q", "-F", str(image))
+    if r.returncode != 0:
+        pytest.skip(f"mkfs.ext4 unavailable or failed: {r.stderr.strip()}")
+    path.mkdir(parents=True, exist_ok=True)
+    r = _run("mount", "-o", "loop,errors=remount-ro", str(image), str(path))
+    if r.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image at {path}: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        _run("umount", "-l", str(path))
+
+
+def fail_read_only(path: Path) -> None:
+    """Make the ext4 filesystem at `path` hit an error: the kernel remounts it read-only at
+    once, files open for writing included (`remount,ro` would refuse: busy)."""
+    dev = _run("findmnt", "-n", "-o", "SOURCE", str(path)).stdout.strip()
+    trigger = Path("/sys/fs/ext4") / Path(dev).name / "trigger_fs_error"
+    if not trigger.exists():
+        pytest.skip(f"{trigger} is missing: cannot inject an ext4 error")
+    trigger.write_text("kvstore test: the data directory turns read-only\n")
+    with pytest.raises(OSError, match="Read-only file system"):
+        (path / "probe").write_bytes(b"x")
 
 
 def fill(path: Path) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from server.process import DaemonProcess
-from tests.fault.tmpfs import tmpfs
+from tests.fault.smallfs import tmpfs
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 
