@@ -154,8 +154,10 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 class TieredStore:
     def __init__(self, host: HostTier, disk: DiskTier | None, lease_timeout_s: float = 30.0,
                  io_threads: int = 4, remote: RemoteTier | None = None,
-                 remote_queue_blocks: int = 256, fetch_window_bytes: int = 64 << 20) -> None:
+                 remote_queue_blocks: int = 256, fetch_window_bytes: int = 64 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.host = host
+        self.clock = clock  # lease expiry and flush budgets (tests step a fake one)
         # Bytes one fetch promotes (disk and remote reads) before it answers with `more`: the
         # client asks for the rest at once and copies this part meanwhile (0: no limit).
         self.fetch_window_bytes = fetch_window_bytes
@@ -537,13 +539,13 @@ class TieredStore:
         """
         if self.disk is None or budget_s <= 0:
             return 0
-        end = time.monotonic() + budget_s
+        end = self.clock() + budget_s
         todo = [k for k in reversed(list(self.host.policy.lru_order()))
                 if k not in self.disk.entries and self.host.contains(k)]
         top = self.disk.reserve_seqs(len(todo)) + len(todo) - 1
         written = 0
         for rank, key in enumerate(todo):
-            if time.monotonic() >= end:
+            if self.clock() >= end:
                 break
             if key in self.disk.entries or not self.host.contains(key):
                 continue
@@ -590,7 +592,7 @@ class TieredStore:
         """A lease its builder is done with: still held by the caller (`hold`), or the
         client's, with `lease_timeout_s` from now."""
         lease.held = hold
-        lease.expires = time.monotonic() + self.lease_timeout_s
+        lease.expires = self.clock() + self.lease_timeout_s
         return lease
 
     def _new_lease(self, kind: Literal["fetch", "publish"], owner: str = "") -> Lease:
@@ -599,7 +601,7 @@ class TieredStore:
         # counting. Never 0: that means "no lease" on the wire.
         while (lease_id := secrets.randbits(63)) in self.leases or lease_id == 0:
             pass
-        lease = Lease(lease_id, kind, time.monotonic() + self.lease_timeout_s, owner)
+        lease = Lease(lease_id, kind, self.clock() + self.lease_timeout_s, owner)
         self.leases[lease.id] = lease
         return lease
 
@@ -618,7 +620,7 @@ class TieredStore:
         return True
 
     def reap_expired(self) -> int:
-        now = time.monotonic()
+        now = self.clock()
         # A held lease belongs to a call still moving its bytes; that call bounds its own time.
         expired = [i for i, lease in self.leases.items()
                    if lease.expires <= now and not lease.held]

@@ -342,6 +342,8 @@ def test_release_of_publish_lease_frees_reservation(store: TieredStore) -> None:
 
 def test_reap_expired_reclaims_publish_and_fetch_leases(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=4, lease_timeout_s=0.5)
+    now = [1000.0]
+    store.clock = lambda: now[0]  # stepped by hand: no sleeping past the timeout
 
     async def main() -> None:
         await publish(store, [key(0)])
@@ -350,7 +352,9 @@ def test_reap_expired_reclaims_publish_and_fetch_leases(tmp_path: Path) -> None:
         assert store.host.stats().used_bytes == 6 * PAGE
         assert store.reap_expired() == 0  # not yet
         assert store.host.policy.is_pinned(key(0))
-        await asyncio.sleep(0.6)
+        now[0] += 0.49
+        assert store.reap_expired() == 0  # still not
+        now[0] += 0.02
         assert store.reap_expired() == 2
         assert store.leases == {}
         assert not store.host.policy.is_pinned(key(0))  # the fetch lease let go
