@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 
-from client import KVClient
+from client import KVClient, cli
 from kvstore.proto import kvstore_pb2 as pb
 from server.process import DaemonProcess
 from tests.conftest import random_kv, same_bytes, small_layout
@@ -28,7 +26,6 @@ from tests.reliability import stub
 
 pytestmark = [pytest.mark.integration]
 ADMIN = "admin-token-0123456789abcdef"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -43,10 +40,12 @@ def _secret_file(path: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=60, check=False,
-                          env={**os.environ, **(env or {})})
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The `kvstore` CLI, in this process (its own process spends seconds importing torch):
+    exit code and stderr."""
+    capsys.readouterr()
+    rc = cli.main(list(args))
+    return rc, capsys.readouterr().err
 
 
 def _refused(d: DaemonProcess) -> str:
@@ -69,7 +68,8 @@ def test_short_token_is_refused(daemon_factory) -> None:
     assert "s3cret" not in log  # a refused secret is not echoed either
 
 
-def test_token_from_file_or_environment_and_the_flag_warns(daemon_factory, tmp_path) -> None:
+def test_token_from_file_or_environment_and_the_flag_warns(daemon_factory, tmp_path, capsys,
+                                                          monkeypatch) -> None:
     port = _free_port()
     tcp = f"127.0.0.1:{port}"
     token_file = _secret_file(tmp_path / "admin.token", ADMIN + "\n")
@@ -83,27 +83,34 @@ def test_token_from_file_or_environment_and_the_flag_warns(daemon_factory, tmp_p
         assert n == 32 and same_bytes(got, kv)
     with KVClient(tcp, layout, token="x" * 16 + "-wrong", deadline_s=1) as c:
         assert c.lookup(tokens) == 0  # unauthenticated: a miss
-    # The CLI takes the token from a file or the environment too.
-    r = _cli("--target", tcp, "--token-file", str(token_file), "ping")
-    assert r.returncode == 0 and "warning" not in r.stderr.lower(), r.stderr
-    r = _cli("--target", tcp, "ping", env={"KVSTORE_TOKEN": ADMIN})
-    assert r.returncode == 0 and "warning" not in r.stderr.lower(), r.stderr
-    r = _cli("--target", tcp, "--token", ADMIN, "ping")
-    assert r.returncode == 0 and "/proc" in r.stderr, r.stderr  # works, but warns
-    r = _cli("--target", tcp, "--token-file", str(tmp_path / "nope"), "ping")
-    assert r.returncode == 2 and "--token-file" in r.stderr, r.stderr
+    # The CLI takes the token from a file or the environment too, and warns on the flag.
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    rc, err = _cli(capsys, "--target", tcp, "--token-file", str(token_file), "ping")
+    assert rc == 0 and "warning" not in err.lower(), err
+    rc, err = _cli(capsys, "--target", tcp, "ping")
+    assert rc == 1, "no token: UNAUTHENTICATED"
+    monkeypatch.setenv("KVSTORE_TOKEN", ADMIN)
+    rc, err = _cli(capsys, "--target", tcp, "ping")
+    assert rc == 0 and "warning" not in err.lower(), err
+    monkeypatch.delenv("KVSTORE_TOKEN")
+    rc, err = _cli(capsys, "--target", tcp, "--token", ADMIN, "ping")
+    assert rc == 0 and "/proc" in err, err  # works, but warns
+    rc, err = _cli(capsys, "--target", tcp, "--token-file", str(tmp_path / "nope"), "ping")
+    assert rc == 2 and "--token-file" in err, err
+    os.chmod(token_file, 0o644)
+    rc, err = _cli(capsys, "--target", tcp, "--token-file", str(token_file), "ping")
+    assert rc == 2 and "chmod 600" in err, err
+    os.chmod(token_file, 0o600)
     assert "warning" not in d.log.read_text().lower()
     assert d.stop() == 0
     # The environment: works, no warning. The flag: works, and the daemon warns.
     env_port = _free_port()
-    os.environ["KVSTORE_TOKEN"] = ADMIN
-    try:
-        e = daemon_factory("--listen", f"127.0.0.1:{env_port}", name="env").start()
-    finally:
-        del os.environ["KVSTORE_TOKEN"]
+    monkeypatch.setenv("KVSTORE_TOKEN", ADMIN)
+    e = daemon_factory("--listen", f"127.0.0.1:{env_port}", name="env").start()
+    monkeypatch.delenv("KVSTORE_TOKEN")
     assert "/proc" not in e.log.read_text()
-    assert _cli("--target", f"127.0.0.1:{env_port}", "--token-file", str(token_file),
-                "ping").returncode == 0
+    assert _cli(capsys, "--target", f"127.0.0.1:{env_port}", "--token-file", str(token_file),
+                "ping")[0] == 0
     assert e.stop() == 0
     f = daemon_factory("--listen", f"127.0.0.1:{_free_port()}", "--token", ADMIN,
                        name="flag").start()
