@@ -171,7 +171,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     error go unlogged."""
 
     @functools.wraps(fn)
-    async def unary(self: KVStoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: KVStoreService, request: Any,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         start, code = time.perf_counter(), "OK"
         self.metrics.gauges["inflight"] += 1
         admitted = False
@@ -199,7 +200,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     return unary
 
 
-def _fail(context: grpc.aio.ServicerContext, status: tuple[grpc.StatusCode, str]) -> None:
+def _fail(context: grpc.aio.ServicerContext[Any, Any], status: tuple[grpc.StatusCode, str]) -> None:
     """End the call with `status` (the handler then returns nothing).
 
     Not `context.abort`: it raises, and the exception's traceback holds the handler's frames,
@@ -225,11 +226,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(keys) > self.max_blocks:
             raise InvalidArgumentError(f"{len(keys)} keys in one call; the limit is "
                                        f"{self.max_blocks}")
-        keys = list(keys)  # each access to a repeated field makes a new bytes object: once
-        if keys and set(map(len, keys)) != {KEY_BYTES}:
-            i, k = next((i, k) for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+        out: list[bytes] = list(keys)  # each access to a repeated field makes new bytes: once
+        if out and set(map(len, out)) != {KEY_BYTES}:
+            i, k = next((i, k) for i, k in enumerate(out) if len(k) != KEY_BYTES)
             raise InvalidArgumentError(f"keys[{i}] is {len(k)} bytes, keys are {KEY_BYTES}")
-        return keys
+        return out
 
     @staticmethod
     def _namespace(ns: bytes) -> bytes:

@@ -220,12 +220,12 @@ class TieredStore:
         a local block after a remote one still extends the prefix.
         """
         found = self.lookup(keys)
-        if len(found) == len(keys) or not self._remote_for(namespace):
+        remote = self._remote_for(namespace)
+        if len(found) == len(keys) or remote is None:
             return found
-        assert self.remote is not None
         rest = keys[len(found) :]
         try:
-            present = await self.remote.exists(namespace, rest)
+            present = await remote.exists(namespace, rest)
         except RemoteUnavailableError as e:
             log.debug("remote lookup skipped: %s", e)
             return found
@@ -233,14 +233,14 @@ class TieredStore:
             tier = next((t.name for t in self.tiers if t.contains(key)), None)
             if tier is None and not remote_has:
                 break
-            found.append(tier or self.remote.name)
+            found.append(tier or remote.name)
             self.counters.remote_lookup_hits += tier is None
         return found
 
-    def _remote_for(self, namespace: bytes) -> bool:
-        """Whether a call naming `namespace` can use the remote tier: its keys there are
+    def _remote_for(self, namespace: bytes) -> RemoteTier | None:
+        """The remote tier, if a call naming `namespace` can use it: its keys there are
         prefixed by the namespace, which clients send with every call."""
-        return self.remote is not None and len(namespace) == KEY_BYTES
+        return self.remote if len(namespace) == KEY_BYTES else None
 
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
@@ -263,10 +263,9 @@ class TieredStore:
         lease = self._new_lease("fetch", owner)
         staged: list[_Staged] = []
         remote = None
-        if self._remote_for(namespace):
-            assert self.remote is not None
+        if (tier := self._remote_for(namespace)) is not None:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
-            remote = _RemoteReads(self.remote, namespace, keys, layout_digest, batch)
+            remote = _RemoteReads(tier, namespace, keys, layout_digest, batch)
         window = self.fetch_window_bytes
         promoted = 0
         try:
@@ -309,8 +308,8 @@ class TieredStore:
             self.read_rates.observe(self.disk.name, sum(
                 s.src.length for s, err in zip(reads, errors, strict=True)
                 if err is None and s.src is not None), read_s)
-        if remote is not None and self.remote is not None:
-            self.read_rates.observe(self.remote.name, remote.nbytes, remote.seconds)
+        if remote is not None:
+            self.read_rates.observe(remote.remote.name, remote.nbytes, remote.seconds)
         served = len(lease.entries)
         self.counters.hit_blocks += served
         self.counters.miss_blocks += len(keys) - served
@@ -387,7 +386,6 @@ class TieredStore:
                             staged: list[_Staged]) -> _Staged | None:
         """Read `key` from the remote tier into host (a promotion) and pin it like a host hit.
         None ends the prefix."""
-        assert self.remote is not None
         payload = await remote.take(i)
         if payload is None:
             return None
@@ -407,8 +405,8 @@ class TieredStore:
             raise
         self.host.complete_store(dst)
         self.counters.promotions += 1
-        self.counters.add(self.counters.bytes_read, self.remote.name, len(payload))
-        return _Staged(self.remote.name, self.host.prepare_load(key), pinned=True)
+        self.counters.add(self.counters.bytes_read, remote.remote.name, len(payload))
+        return _Staged(remote.remote.name, self.host.prepare_load(key), pinned=True)
 
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1
