@@ -167,5 +167,14 @@ def test_data_dir_turning_read_only(tmp_path: Path) -> None:
             assert _fetch_all(d, range(40, 45)) == 5
             assert "Traceback" not in d.log.read_text(), log
             _stop_cleanly(d)
+            # With its socket in the read-only directory a daemon cannot listen: a clear no.
+            plain = DaemonProcess(fs / "d0", "--shm-dir", str(tmp_path / "shm"))
+            plain.log = tmp_path / "plain.log"
+            with pytest.raises(RuntimeError, match="did not start"):
+                plain.start(timeout=30)
+            log = plain.log.read_text()
+            assert plain.proc is not None and plain.proc.returncode == 2, log
+            assert "socket" in log and "Read-only file system" in log, log
+            assert "Traceback" not in log, log
         finally:
             d.kill()
