@@ -8,6 +8,7 @@ A test fails when the file and the definitions drift apart.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from kvstore.config import ServerConfig
 
@@ -36,7 +37,7 @@ def _default(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
     return f"`{value!r}`" if value != "" else "(empty)"
 
 
-def _bounds(meta: dict) -> str:
+def _bounds(meta: dict[str, Any]) -> str:
     if meta["choices"]:
         return " \\| ".join(f"`{c}`" for c in meta["choices"])
     lo, hi = meta["min"], meta["max"]

@@ -189,7 +189,8 @@ class Daemon:
         await unix.start()
         os.chmod(sock, 0o600)
         if self.config.listen:
-            assert self.tokens is not None
+            if self.tokens is None:  # read in __init__ whenever `listen` is set
+                raise ConfigError("listen: a TCP listener needs `token` or `tenant_tokens_file`")
             tcp = self._make_server([TokenInterceptor(self.tokens)])
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
