@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+    """A size as an operator writes it: GiB from 1 GiB up, else MiB."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _space_error(shm_dir: Path, size: int, err: OSError) -> ConfigError:
