@@ -7,6 +7,9 @@
     kvstore top    [--interval S] [--count N] live view: stats and rates, refreshed
     kvstore config check FILE                validate a TOML configuration file
 
+Global flags (`--target`, `--json`, `--timeout`, `--token-file`, `--token`) go before or after
+the subcommand: `kvstore --json stats` and `kvstore stats --json` are the same.
+
 Over TCP the token comes from `--token-file FILE` (mode 0600), `KVSTORE_TOKEN_FILE` or
 `KVSTORE_TOKEN`; `--token` works but warns (every local user reads it in /proc).
 
@@ -25,11 +28,23 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from client.aio import normalize_target
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
+# No torch on this path (an operator's command, a health check every few seconds): nothing
+# here imports client.aio / client.sync; tests/unit/test_cli_fast.py checks sys.modules.
+
 DEFAULT_TARGET = "unix:.data/kvstore/kv.sock"  # the default data_dir, relative
+
+
+def normalize_target(target: str) -> tuple[str, bool]:
+    """gRPC target and whether it is a Unix socket; as `client.aio.normalize_target`, which
+    imports torch with the client."""
+    if target.startswith("/"):
+        return f"unix:{target}", True
+    if target.startswith("unix:"):
+        return target, True
+    return target, False
 
 
 def _human(n: float) -> str:
@@ -91,33 +106,55 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
         return getattr(stub, method)(request, timeout=args.timeout, metadata=metadata)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.")
-    p.add_argument("--target", default=os.environ.get("KVSTORE_TARGET", DEFAULT_TARGET),
+def _add_global_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The flags every command takes. On the main parser with their defaults; on each
+    subcommand without (SUPPRESS), so a flag after the subcommand sets the value and its
+    absence there keeps the one given before it."""
+
+    def d(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--target", default=d(os.environ.get("KVSTORE_TARGET", DEFAULT_TARGET)),
                    help="unix:///path/kv.sock or HOST:PORT (env KVSTORE_TARGET)")
-    p.add_argument("--token", default=None,
+    p.add_argument("--token", default=d(None),
                    help="bearer token for TCP; visible to every local user in /proc, prefer "
                    "--token-file or env KVSTORE_TOKEN")
-    p.add_argument("--token-file", default=os.environ.get("KVSTORE_TOKEN_FILE"),
+    p.add_argument("--token-file", default=d(os.environ.get("KVSTORE_TOKEN_FILE")),
                    help="file holding the bearer token, mode 0600 (env KVSTORE_TOKEN_FILE)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=d(5.0), help="seconds per call")
+    p.add_argument("--json", action="store_true", default=d(False),
+                   help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.")
+    _add_global_flags(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("stats", help="tiers, capacity, hit rate, traffic")
-    sub.add_parser("ping", help="check that the daemon answers")
-    sub.add_parser("inspect", help="namespaces held: layout, tenant, blocks per tier")
-    top = sub.add_parser("top", help="live view of stats and rates")
+
+    def command(parent: Any, name: str, text: str) -> argparse.ArgumentParser:
+        c: argparse.ArgumentParser = parent.add_parser(name, help=text)
+        _add_global_flags(c, defaults=False)
+        return c
+
+    command(sub, "stats", "tiers, capacity, hit rate, traffic")
+    command(sub, "ping", "check that the daemon answers")
+    command(sub, "inspect", "namespaces held: layout, tenant, blocks per tier")
+    top = command(sub, "top", "live view of stats and rates")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
-    config = sub.add_parser("config", help="configuration tools")
+    config = command(sub, "config", "configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser("check", help="validate a TOML configuration file")
+    check = command(config_sub, "check", "validate a TOML configuration file")
     check.add_argument("file")
-    clear = sub.add_parser("clear", help="remove blocks of a namespace, or all")
+    clear = command(sub, "clear", "remove blocks of a namespace, or all")
     group = clear.add_mutually_exclusive_group(required=True)
     group.add_argument("--namespace", help="namespace digest, 64 hex characters")
     group.add_argument("--all", action="store_true", help="every block in every namespace")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "config":
         return _config_check(args)
