@@ -64,3 +64,19 @@ def test_monitoring_scrapes_the_daemon_and_charts_exported_metrics():
     for metric in used:
         base = re.sub(r"_(bucket|total)$", "", metric)
         assert base in documented, f"dashboard uses {metric}, not in OPERATIONS.md"
+
+
+def test_health_check_is_a_fast_ping_of_the_daemon_socket():
+    """The check runs `kvstore ping` (no torch: tests/unit/test_cli_fast.py) on the daemon's
+    socket, with a per-call timeout that leaves margin inside docker's timeout."""
+    from client.cli import build_parser as cli_parser
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    check = services["kvstore"]["healthcheck"]
+    assert check["test"][:2] == ["CMD", "kvstore"]
+    args = cli_parser().parse_args(check["test"][2:])
+    daemon = build_parser().parse_args(services["kvstore"]["command"][1:])
+    assert args.command == "ping"
+    assert args.target == f"unix://{daemon.socket}"
+    docker_timeout = float(check["timeout"].removesuffix("s"))
+    assert args.timeout <= docker_timeout / 2, "a hung daemon must fail the ping, not docker"
