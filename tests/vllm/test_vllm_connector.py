@@ -47,6 +47,7 @@ class Engine(JsonLineWorker):
                                     json.dumps(args)], cwd=ROOT, env=env)
         if not self.read().get("ready"):
             raise RuntimeError("engine did not start:\n" + self.tail())
+        require_varied_output(self.generate([" ".join(corpus(4, seed=424242))]))
 
     def generate(self, prompts: list[Any]) -> dict[str, Any]:
         return self.call(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
@@ -82,10 +83,27 @@ def fetched_blocks(cached: int) -> int:
     return -(-cached // BLOCK)
 
 
+def require_varied_output(probe: dict[str, Any]) -> None:
+    """Refuse a model whose greedy output is one token repeated: "the same tokens as
+    recompute" would then prove almost nothing."""
+    tokens = probe["tokens"][0]
+    if len(set(tokens)) < 2:
+        raise RuntimeError(f"the test model answers its probe prompt with one token repeated "
+                           f"({tokens}): its random weights are too close to zero for output "
+                           f"checks to mean anything (raise initializer_range in make_model)")
+
+
 def assert_same_generation(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Same tokens, and at every step the same top-k log-probabilities (within LOGPROB_TOL;
+    a k-th place may swap with the next on a near tie)."""
     assert got["tokens"] == want["tokens"]
     for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < LOGPROB_TOL, (a, b)
+    for seq_a, seq_b in zip(got["top"], want["top"], strict=True):
+        for a, b in zip(seq_a, seq_b, strict=True):
+            common = a.keys() & b.keys()
+            assert len(common) >= min(len(a), len(b)) - 1, (a, b)
+            assert max(abs(a[t] - b[t]) for t in common) < LOGPROB_TOL, (a, b)
 
 
 @pytest.fixture(scope="module")

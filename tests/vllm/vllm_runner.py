@@ -24,6 +24,7 @@ WORDS = ("cache", "block", "token", "prefix", "layer", "head", "engine", "store"
          "memory", "host", "daemon", "key", "value", "tensor", "model", "prompt", "reuse", "hit",
          "miss", "fetch", "publish", "lookup", "salt", "chain", "hash", "page", "attention",
          "query", "batch", "sequence", "decode", "prefill", "latency", "throughput")
+TOP_K = 5  # log-probabilities returned per generated token
 
 
 def corpus(n: int = 400, seed: int = 0) -> list[str]:
@@ -55,8 +56,9 @@ def make_model(path: Path, *, layers: int = 2, dtype: str = "float32") -> Path:
                       head_dim=64, max_position_embeddings=2048, bos_token_id=0,
                       eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
                       # Wider than the default 0.02, so greedy tokens depend on the context
-                      # (a near-zero init repeats one token whatever the prompt).
-                      initializer_range=0.2)
+                      # (a near-zero init repeats one token whatever the prompt); the engine
+                      # fixture refuses a model that repeats one token on its probe prompt.
+                      initializer_range=0.1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
@@ -83,7 +85,7 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16),
-                            ignore_eos=True, logprobs=1)
+                            ignore_eos=True, logprobs=TOP_K)
     # A string is a text prompt, a list its token ids; a dict goes as is (e.g. with a
     # "cache_salt").
     prompts = [{"prompt": p} if isinstance(p, str) else p if isinstance(p, dict)
@@ -99,7 +101,11 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             # KV loaded from the store is what the engine computed itself.
             "logprobs": [[step[t].logprob for step, t in zip(o.outputs[0].logprobs or [],
                                                              o.outputs[0].token_ids, strict=True)]
-                         for o in outs]}
+                         for o in outs],
+            # The top-k alternatives of every step, `{token id: logprob}`: a wrong KV block
+            # moves them even where the greedy token survives.
+            "top": [[{str(t): lp.logprob for t, lp in step.items()}
+                     for step in o.outputs[0].logprobs or []] for o in outs]}
 
 
 def reset(llm: Any) -> dict[str, Any]:
