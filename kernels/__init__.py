@@ -13,12 +13,22 @@ from kernels.errors import (
     DTypeError,
     KernelArgumentError,
     KernelUnavailableError,
+    LayoutError,
     ShapeError,
     StrideError,
 )
-from kernels.layouts import EngineKV, EngineLayout, staging_shape
+from kernels.layouts import (
+    VLLM_LAYOUTS,
+    EngineKV,
+    EngineLayout,
+    VllmLayout,
+    staging_shape,
+    vllm_engine_kv,
+    vllm_layout,
+)
 
 __all__ = [
+    "VLLM_LAYOUTS",
     "BlockIdError",
     "DTypeError",
     "DeviceError",
@@ -26,9 +36,13 @@ __all__ = [
     "EngineLayout",
     "KernelArgumentError",
     "KernelUnavailableError",
+    "LayoutError",
     "ShapeError",
     "StrideError",
+    "VllmLayout",
     "gather",
     "scatter",
     "staging_shape",
+    "vllm_engine_kv",
+    "vllm_layout",
 ]

@@ -31,6 +31,11 @@ class StrideError(KernelArgumentError):
     """A tensor's memory layout cannot be described to the kernel."""
 
 
+class LayoutError(KernelArgumentError):
+    """An engine's cache layout is not one the kernels know (a vLLM backend or version whose
+    layout was not read from its source): refused, never guessed."""
+
+
 class BlockIdError(KernelArgumentError):
     """A page or slot id is out of range, or ids collide on the written side."""
 

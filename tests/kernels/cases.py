@@ -25,6 +25,7 @@ class CacheSpec:
     strided: bool = False  # pages (and head_dim) padded: non-contiguous views
     misalign: bool = False  # tensors start one element past an aligned address
     shared_storage: bool = False  # all layers are views of one allocation
+    physical: tuple[int, ...] | None = None  # memory order of the logical dims (a stride order)
 
 
 def _shape(spec: CacheSpec) -> tuple[int, ...]:
@@ -34,6 +35,7 @@ def _shape(spec: CacheSpec) -> tuple[int, ...]:
         EngineLayout.VLLM_HND: (2, p, h, ps, d),
         EngineLayout.FLASHINFER_NHD: (p, 2, ps, h, d),
         EngineLayout.VLLM_CPU: (p, h, ps, 2 * d),
+        EngineLayout.VLLM_PACKED: (p, h, ps, 2 * d),
         EngineLayout.MLA: (p, ps, d),
         # HF: a sequence of num_pages blocks plus a partial block at the end.
         EngineLayout.HF: (spec.batch, h, p * spec.block_tokens + 3, d),
@@ -80,8 +82,11 @@ def random_tensor(
 
 
 def make_engine(spec: CacheSpec, gen: torch.Generator) -> EngineKV:
-    shape = _shape(spec)
+    logical = _shape(spec)
     page_dim = 1 if spec.layout in (EngineLayout.VLLM_NHD, EngineLayout.VLLM_HND) else 0
+    order = spec.physical or tuple(range(len(logical)))
+    shape = tuple(logical[i] for i in order)  # allocated in memory order, permuted back below
+    page_dim = order.index(page_dim)
     if spec.layout is EngineLayout.HF:
         page_dim = 2  # the sequence
     # vLLM's CPU layout views (page_size, 2*head_dim) as (2, page_size, head_dim):
@@ -112,6 +117,8 @@ def make_engine(spec: CacheSpec, gen: torch.Generator) -> EngineKV:
             )
             for _ in range(n_tensors)
         ]
+    inverse = tuple(order.index(i) for i in range(len(order)))
+    tensors = [t.permute(inverse) for t in tensors]
     if spec.layout is EngineLayout.HF:
         half = spec.num_layers
         return EngineKV.transformers(tensors[:half], tensors[half:], batch_index=spec.batch - 1)

@@ -38,6 +38,8 @@ from tests.kernels.shim import ShimRunner, storage_bytes
 
 H100_SMS = 132
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# vLLM's per-layer [B, H, N, 2*D] views: NHD (its default) and HND memory order.
+PACKED_ORDERS = [(0, 2, 1, 3), (0, 1, 2, 3)]
 
 
 def run_and_compare(
@@ -89,6 +91,7 @@ def random_spec(layout: EngineLayout, dtype: torch.dtype, rng: random.Random) ->
         strided=rng.random() < 0.5,
         misalign=rng.random() < 0.3,
         shared_storage=rng.random() < 0.3,
+        physical=rng.choice(PACKED_ORDERS) if layout is EngineLayout.VLLM_PACKED else None,
     )
 
 
@@ -101,7 +104,12 @@ def test_kernel_matches_oracle(
     seed = zlib.crc32(f"{layout.value}-{dtype}-{direction.value}".encode())
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    plain = CacheSpec(layout=layout, dtype=dtype, heads=1 if layout is EngineLayout.MLA else 2)
+    plain = CacheSpec(
+        layout=layout,
+        dtype=dtype,
+        heads=1 if layout is EngineLayout.MLA else 2,
+        physical=PACKED_ORDERS[0] if layout is EngineLayout.VLLM_PACKED else None,
+    )
     for case, spec in enumerate(
         [plain, random_spec(layout, dtype, rng), random_spec(layout, dtype, rng)]
     ):
