@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_vllm.sh
 # -p no:cacheprovider: other engineers' runs share the tree; no .pytest_cache races.
-exec .venv-vllm/bin/python -m pytest tests/vllm -m vllm -p no:cacheprovider "$@"
+exec .venv-vllm/bin/python -m pytest tests/vllm tests/kernels/test_kernels_vllm_own.py -m vllm \
+  -p no:cacheprovider "$@"
