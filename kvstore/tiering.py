@@ -1,12 +1,13 @@
 """The tiering policy: which blocks a tier keeps and which it gives up, as metadata only.
 
-One `TierPolicy` per tier: LRU order, byte capacity, pins. It moves no bytes, so the daemon
-and the trace simulator run the same code.
+One `TierPolicy` per tier: byte capacity, pins, and an eviction policy (`kvstore.eviction`:
+`lru`, `arc`, `s3fifo`, `prefix`) that orders the victims. It moves no bytes, so the daemon and
+the trace simulator run the same code.
 
 - **Leaf before parent.** A prefix with a hole is useless past the hole, so a block's parent
   must outlive it. Blocks are only ever touched as whole prefixes, and `touch_chain` touches a
-  chain from its last block to its first, so a parent is always at least as recent as any of its
-  children and LRU reaches children first.
+  chain from its last block to its first, so under LRU a parent is always at least as recent as
+  any of its children and LRU reaches children first; `prefix` evicts only leaves.
 - **Pinned blocks are never evicted.** Pins are counts (several readers may hold one block).
 - **Demotion, promotion.** Victims are handed back to the caller, which moves them to the next
   tier down; hits in a lower tier are copied up by the caller.
@@ -14,11 +15,12 @@ and the trace simulator run the same code.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgumentError
+from kvstore.eviction import Clock, EvictionPolicy, make_policy
 
 
 @dataclass
@@ -31,77 +33,96 @@ class PolicyStats:
 
 
 class TierPolicy:
-    """LRU over the blocks of one tier, with byte capacity and pins."""
+    """The blocks of one tier: sizes, byte capacity, pins, and the eviction order."""
 
-    def __init__(self, name: str, capacity_bytes: int) -> None:
+    def __init__(self, name: str, capacity_bytes: int, eviction: str = "lru",
+                 clock: Clock = time.monotonic) -> None:
         if capacity_bytes < 0:
             raise InvalidArgumentError(f"{name}: capacity must be >= 0 bytes, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.evictions = 0
-        self._lru: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes; oldest first
+        self._sizes: dict[bytes, int] = {}  # key -> bytes
         self._pins: dict[bytes, int] = {}
+        self.eviction: EvictionPolicy = make_policy(eviction, capacity_bytes, self._pins, clock)
+
+    def with_eviction(self, eviction: str) -> TierPolicy:
+        """A copy of this tier's state under another eviction policy: blocks enter it in this
+        policy's eviction order (pinned ones last), as if used in that order."""
+        other = TierPolicy(self.name, self.capacity_bytes, eviction, self.eviction.clock)
+        first = list(self.eviction_order())
+        for key in first + [k for k in self._sizes if k in self._pins]:
+            other.add(key, self._sizes[key])
+        other._pins.update(self._pins)
+        other.evictions = self.evictions
+        return other
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._lru
+        return key in self._sizes
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._sizes)
 
     def size_of(self, key: bytes) -> int:
-        return self._lru[key]
+        return self._sizes[key]
 
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 
     def add(self, key: bytes, nbytes: int) -> None:
         """Account a block as most recent; the caller has made room (see `victims`)."""
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if key in self._sizes:
+            self.eviction.touch_chain((key,))
             return
         if nbytes > self.capacity_bytes:
             raise CapacityError(f"{self.name}: a {nbytes}-byte block exceeds the tier's "
                                 f"{self.capacity_bytes}-byte capacity")
-        self._lru[key] = nbytes
+        self._sizes[key] = nbytes
         self.used_bytes += nbytes
+        self.eviction.insert(key, nbytes)
 
     def remove(self, key: bytes) -> int:
         """Forget a block (evicted, deleted or corrupt); returns its size, 0 if absent."""
-        nbytes = self._lru.pop(key, 0)
-        self.used_bytes -= nbytes
-        self._pins.pop(key, None)
+        nbytes = self._sizes.pop(key, 0)
+        if nbytes:
+            self.used_bytes -= nbytes
+            self._pins.pop(key, None)
+            self.eviction.remove(key)
         return nbytes
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
-        """Mark a prefix chain used, last block first so parents end up most recent."""
-        lru = self._lru  # local names: every lookup touches its whole chain (512 keys at 128k)
-        move = lru.move_to_end
-        for key in reversed(keys):
-            if key in lru:
-                move(key)
+        """Mark a prefix chain used, root first (the policy ranks parents after children)."""
+        self.eviction.touch_chain(keys)
 
     def pin(self, key: bytes) -> None:
-        if key not in self._lru:
+        if key not in self._sizes:
             raise InvalidArgumentError(f"{self.name}: cannot pin a block the tier does not hold")
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: bytes) -> None:
         count = self._pins.get(key, 0)
-        if count <= 1:
-            self._pins.pop(key, None)
-        else:
+        if count > 1:
             self._pins[key] = count - 1
+        elif count == 1:
+            del self._pins[key]
+            self.eviction.unpinned(key)
 
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
 
-    def lru_order(self) -> Iterator[bytes]:
-        """Unpinned keys, least recently used first."""
-        return (k for k in self._lru if k not in self._pins)
+    def eviction_order(self) -> Iterator[bytes]:
+        """Unpinned keys, the next victim first (O(n) or more: not for the hot path)."""
+        return self.eviction.order()
+
+    lru_order = eviction_order  # the name callers used when LRU was the only policy
+
+    def next_victim(self) -> bytes | None:
+        """The unpinned block to evict next, or None; not removed."""
+        return self.eviction.victim()
 
     def victims(self, nbytes: int) -> list[bytes]:
-        """Least recent unpinned blocks whose removal makes room for `nbytes` more.
+        """The unpinned blocks to evict, in order, to make room for `nbytes` more.
 
         Raises `CapacityError` when even evicting every unpinned block would not be enough.
         Does not remove them: the caller demotes each, then calls `remove`.
@@ -110,19 +131,28 @@ class TierPolicy:
         chosen: list[bytes] = []
         if need <= 0:
             return chosen
-        for key in self.lru_order():
-            chosen.append(key)
-            need -= self._lru[key]
-            if need <= 0:
-                return chosen
-        raise CapacityError(
-            f"{self.name}: cannot make room for {nbytes} bytes; "
-            f"{len(self._pins)} pinned blocks hold the rest of {self.capacity_bytes} bytes")
+        aside: list[bytes] = []  # pinned for a moment, so the policy names the next one
+        try:
+            while (key := self.eviction.victim()) is not None:
+                chosen.append(key)
+                need -= self._sizes[key]
+                if need <= 0:
+                    return chosen
+                self._pins[key] = 1
+                aside.append(key)
+            raise CapacityError(
+                f"{self.name}: cannot make room for {nbytes} bytes; "
+                f"{len(self._pins) - len(aside)} pinned blocks hold the rest of "
+                f"{self.capacity_bytes} bytes")
+        finally:
+            for key in reversed(aside):  # last set aside first: each goes back where it was
+                del self._pins[key]
+                self.eviction.unpinned(key)
 
     def count_eviction(self, n: int = 1) -> None:
         self.evictions += n
 
     def stats(self) -> PolicyStats:
-        return PolicyStats(blocks=len(self._lru), used_bytes=self.used_bytes,
+        return PolicyStats(blocks=len(self._sizes), used_bytes=self.used_bytes,
                            capacity_bytes=self.capacity_bytes, pinned_blocks=len(self._pins),
                            evictions=self.evictions)

@@ -150,10 +150,13 @@ class Tier(ABC):
 
     # ---- eviction and removal
     def next_victim(self) -> bytes | None:
-        """The least recently used committed, unpinned block, or None."""
-        for key in self.policy.lru_order():
-            return key
-        return None
+        """The committed, unpinned block the eviction policy gives up next, or None."""
+        return self.policy.next_victim()
+
+    def use_eviction(self, name: str) -> None:
+        """Order evictions with policy `name` (`kvstore.eviction.POLICIES`); the blocks held
+        (a reopened disk tier's) and their pins carry over, oldest first."""
+        self.policy = self.policy.with_eviction(name)
 
     def remove(self, key: bytes) -> bool:
         """Forget a committed, unpinned block; False when absent or pinned."""
