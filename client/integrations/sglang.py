@@ -1,0 +1,437 @@
+"""`KVStoreHiCache`: an L3 storage backend for SGLang's hierarchical cache (HiCache).
+
+SGLang loads it with its dynamic backend mechanism:
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+            "module_path": "client.integrations.sglang", "class_name": "KVStoreHiCache",
+            "interface_v1": 1, "kvstore.target": "unix:///run/kv.sock"}'
+
+`interface_v1` makes SGLang call the zero-copy interface (`batch_get_v1` / `batch_set_v1`):
+pages move in one copy between the daemon's shared memory and SGLang's host memory pool, with no
+staging tensor. Without it SGLang uses the older `batch_get` / `batch_set` on flat page tensors,
+which work too (one more copy, SGLang's own).
+
+Extra config keys of this backend (all optional): `kvstore.target`, `kvstore.token`,
+`kvstore.deadline_s`, `kvstore.transfer`, `kvstore.tenant`, `kvstore.salt`, `kvstore.model`
+(default: SGLang's served model name) and `kvstore.model_revision`.
+
+Each SGLang page is one kvstore block, stored as `[layers, kv, page_size, heads, head_dim]`
+whatever SGLang's host layout (`layer_first`, `page_first`, `page_first_direct`, `page_head`),
+so ranks with different host layouts share blocks. The block's key is derived from SGLang's page
+key (already a hash chained over the prefix and SGLang's namespace) and the namespace of a
+`KVLayout` built from the host pool and SGLang's storage config: TP and PP ranks are part of it,
+so shards never mix. MLA's latent cache is the same on every TP rank: its layout names no TP
+rank, every rank reads the same blocks and only the storage writer (`is_storage_writer`, TP rank
+0) writes them.
+
+A daemon that is down, slow or full is a miss within the client's deadline (`False` per page, 0
+hits), never an exception into SGLang. Bad input (keys that are not strings, host indices that
+do not match the keys, an unsupported host pool or parallel setup) raises `InvalidArgumentError`
+naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeVar, cast
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from client.aio import AsyncKVClient, Tokens
+from client.cli import DEFAULT_TARGET
+from kvstore.errors import InvalidArgumentError
+from kvstore.layout import KVLayout
+
+log = logging.getLogger("kvstore.sglang")
+T = TypeVar("T")
+KEY_VERSION = b"kvstore-sglang-page-v1\x00"
+
+# Each host pool layout's page as `get_data_page(index, flat=False)` returns it (and as its flat
+# page is ordered), axis by axis: k = K/V, L = layers, P = the page's tokens, H = heads,
+# D = head_dim (MLA: the latent width), 1 = a unit page axis. MLA pools have no K/V axis.
+_PAGE_AXES: dict[tuple[str, str], str] = {
+    ("mha", "layer_first"): "kLPHD",
+    ("mha", "page_first"): "kPLHD",
+    ("mha", "page_first_direct"): "k1LPHD",
+    ("mha", "page_head"): "k1HPLD",
+    ("mla", "layer_first"): "LPHD",
+    ("mla", "page_first"): "PLHD",
+    ("mla", "page_first_direct"): "1LPHD",
+}
+_BLOCK_AXES = "LkPHD"  # kvstore's block: [layers, kv, block_tokens, heads, head_dim]
+
+
+@dataclass(frozen=True)
+class KVStoreHiCacheConfig:
+    """This backend's settings: the `kvstore.*` keys of SGLang's storage extra config."""
+
+    target: str = DEFAULT_TARGET
+    token: str | None = None
+    deadline_s: float = 1.0
+    transfer: str = "auto"
+    tenant: str = ""
+    salt: str = ""
+    model: str | None = None
+    model_revision: str = ""
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KVStoreHiCacheConfig:
+        extra = extra or {}
+        known = {f"kvstore.{f.name}" for f in fields(cls)}
+        unknown = sorted(k for k in extra if k.startswith("kvstore.") and k not in known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown kvstore HiCache settings {unknown}; "
+                                       f"known: {sorted(known)}")
+        values = {k.removeprefix("kvstore."): v for k, v in extra.items() if k in known}
+        if "deadline_s" in values:
+            try:
+                values["deadline_s"] = float(values["deadline_s"])
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(f"kvstore.deadline_s must be a number, got "
+                                           f"{values['deadline_s']!r}") from None
+        for name in ("target", "tenant", "salt", "model_revision"):
+            if name in values and not isinstance(values[name], str):
+                raise InvalidArgumentError(f"kvstore.{name} must be a string, got "
+                                           f"{values[name]!r}")
+        cfg = cls(**values)
+        if not cfg.deadline_s > 0:
+            raise InvalidArgumentError(f"kvstore.deadline_s must be positive, got "
+                                       f"{cfg.deadline_s}")
+        if cfg.transfer not in ("auto", "shm", "stream"):
+            raise InvalidArgumentError(f"kvstore.transfer must be auto, shm or stream, got "
+                                       f"{cfg.transfer!r}")
+        return cfg
+
+
+class PageKeys(tuple[str, ...]):
+    """SGLang page keys in place of a prompt's tokens: one kvstore block per key."""
+
+
+class _PageKeyClient(AsyncKVClient):
+    """An `AsyncKVClient` whose blocks are named by SGLang's page keys instead of by tokens.
+
+    SGLang's key of a page is already a hash chained over the prefix, so each block's kvstore
+    key is that key in this client's namespace: `SHA256(KEY_VERSION || namespace || key)`.
+    """
+
+    def keys(self, tokens: Tokens) -> list[bytes]:
+        if not isinstance(tokens, PageKeys):
+            raise InvalidArgumentError("this client takes SGLang page keys (PageKeys), "
+                                       "not tokens")
+        prefix = KEY_VERSION + self.namespace.digest()
+        return [hashlib.sha256(prefix + key.encode()).digest() for key in tokens]
+
+
+class PageFormat:
+    """Where a page of an SGLang host pool is, as a view in kvstore's block order."""
+
+    def __init__(self, pool: Any) -> None:
+        names = {cls.__name__ for cls in type(pool).__mro__}
+        if "MLATokenToKVPoolHost" in names:
+            kind, heads, dim = "mla", 1, int(pool.kv_cache_dim)
+        elif "MHATokenToKVPoolHost" in names and "AsymmetricMHATokenToKVPoolHost" not in names:
+            kind, heads, dim = "mha", int(pool.head_num), int(pool.head_dim)
+            if int(pool.v_head_dim) != dim:
+                raise InvalidArgumentError(f"the kvstore HiCache backend needs K and V of one "
+                                           f"width, got {dim} and {pool.v_head_dim}")
+        else:
+            raise InvalidArgumentError(f"the kvstore HiCache backend supports SGLang's MHA and "
+                                       f"MLA host pools, got {type(pool).__name__}")
+        axes = _PAGE_AXES.get((kind, pool.layout))
+        if axes is None:
+            supported = sorted(layout for k, layout in _PAGE_AXES if k == kind)
+            raise InvalidArgumentError(f"the kvstore HiCache backend supports the {supported} "
+                                       f"host layouts for {kind.upper()}, got {pool.layout!r}")
+        if getattr(pool, "kv_buffer", None) is None:
+            raise InvalidArgumentError("the host pool has no KV buffer (an allocator-only pool)")
+        if getattr(pool, "storage_format_tag", None) or int(getattr(pool, "dcp_size", 1)) != 1:
+            raise InvalidArgumentError("the kvstore HiCache backend does not support host pools "
+                                       "with their own storage format or decode context "
+                                       "parallelism")
+        self.pool = pool
+        self.kind = kind
+        self.page_size = int(pool.page_size)
+        self.size = int(pool.size)
+        sizes = {"k": 2, "L": int(pool.layer_num), "P": self.page_size, "H": heads, "D": dim,
+                 "1": 1}
+        self.axes = axes
+        self.shape = tuple(sizes[a] for a in axes)
+        self.dtype: torch.dtype = pool.dtype
+        self.block_shape = (sizes["L"], 2 if kind == "mha" else 1, self.page_size, heads, dim)
+        self.numel = math.prod(self.block_shape)
+        got = tuple(self.page(0).shape)
+        if got != self.block_shape:  # SGLang changed its layout under this table
+            raise InvalidArgumentError(f"unexpected {pool.layout} page shape {got}, expected "
+                                       f"{self.block_shape}")
+
+    def _as_block(self, t: torch.Tensor) -> torch.Tensor:
+        axes = self.axes
+        if "1" in axes:
+            t, axes = t.squeeze(axes.index("1")), axes.replace("1", "")
+        if "k" not in axes:
+            t, axes = t.unsqueeze(0), "k" + axes
+        return t.permute(*(axes.index(a) for a in _BLOCK_AXES))
+
+    def page(self, index: int) -> torch.Tensor:
+        """The page starting at host index `index`: a view into the pool, in block order."""
+        return self._as_block(self.pool.get_data_page(index, flat=False))
+
+    def flat(self, data: torch.Tensor, *, writable: bool) -> torch.Tensor:
+        """A flat page tensor (`get_data_page(i)`, `get_dummy_flat_data_page()`) in block
+        order; `writable`: a view of `data` itself (it must then be contiguous)."""
+        if not isinstance(data, torch.Tensor):
+            raise InvalidArgumentError(f"a page must be a torch.Tensor, got {type(data).__name__}")
+        if data.dtype != self.dtype or data.numel() != self.numel:
+            raise InvalidArgumentError(f"a page must hold {self.numel} {self.dtype} values, got "
+                                       f"{data.numel()} {data.dtype}")
+        if writable and not data.is_contiguous():
+            raise InvalidArgumentError("a page to read into must be contiguous")
+        return self._as_block(data.reshape(self.shape))
+
+    def starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int]:
+        """The host index of each key's page; checks that they match."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidArgumentError("host_indices must be a 1-D tensor")
+        if host_indices.numel() != len(keys) * self.page_size:
+            raise InvalidArgumentError(f"{len(keys)} keys need {len(keys) * self.page_size} "
+                                       f"host indices (page size {self.page_size}), got "
+                                       f"{host_indices.numel()}")
+        starts = [int(i) for i in host_indices[:: self.page_size].tolist()]
+        bad = [s for s in starts if s % self.page_size or not 0 <= s <= self.size - self.page_size]
+        if bad:
+            raise InvalidArgumentError(f"host indices {bad[:4]} do not start pages of the host "
+                                       f"pool (page size {self.page_size}, size {self.size})")
+        return starts
+
+
+def _check_keys(keys: Sequence[str]) -> PageKeys:
+    if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+        raise InvalidArgumentError("keys must be a list of non-empty strings")
+    return PageKeys(keys)
+
+
+def _tokens(pages: PageKeys) -> Tokens:
+    """Page keys where the client's API takes tokens: `_PageKeyClient.keys` turns them into
+    block keys (the client has no call that takes block keys; see docs/ENGINES.md)."""
+    return cast(Tokens, pages)
+
+
+class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
+    """SGLang HiCache storage backed by a kvstore daemon (see the module docstring).
+
+    SGLang's dynamic loader constructs it as `KVStoreHiCache(storage_config, kwargs)` and then
+    hands it the host pool (`register_mem_pool_host`); until then every call is a miss.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        if not isinstance(storage_config, HiCacheStorageConfig):
+            raise InvalidArgumentError(f"storage_config must be SGLang's HiCacheStorageConfig, "
+                                       f"got {type(storage_config).__name__}")
+        sc = storage_config
+        if sc.attn_cp_size != 1 or getattr(sc, "dcp_size", 1) != 1 or sc.should_split_heads:
+            raise InvalidArgumentError("the kvstore HiCache backend does not support attention "
+                                       "context parallelism or heterogeneous TP head splits")
+        self.config = KVStoreHiCacheConfig.from_extra(sc.extra_config)
+        self.model = self.config.model or sc.model_name
+        if not self.model:
+            raise InvalidArgumentError("no model name: SGLang passed none, set kvstore.model")
+        self.storage_config = sc
+        self.is_mla = bool(sc.is_mla_model)
+        self.is_writer = bool(getattr(sc, "is_storage_writer", not self.is_mla or sc.tp_rank == 0))
+        self.layout: KVLayout | None = None
+        self._format: PageFormat | None = None
+        self._client: _PageKeyClient | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="kvstore-hicache")
+        self._thread.start()
+
+    # ---- setup
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        fmt = PageFormat(mem_pool_host)
+        sc = self.storage_config
+        # MLA's latent cache is replicated across TP ranks: one set of blocks for all of them.
+        tp_rank, tp_size = (0, 1) if self.is_mla else (sc.tp_rank, sc.tp_size)
+        layout = KVLayout(model=self.model, model_revision=self.config.model_revision,
+                          num_layers=fmt.block_shape[0], num_kv_heads=fmt.block_shape[3],
+                          head_dim=fmt.block_shape[4], dtype=fmt.dtype,
+                          block_tokens=fmt.page_size, kv_kind="mla" if self.is_mla else "kv",
+                          tp_rank=tp_rank, tp_size=tp_size, pp_rank=sc.pp_rank,
+                          pp_size=sc.pp_size)
+        client = _PageKeyClient(self.config.target, layout, salt=self.config.salt,
+                                tenant=self.config.tenant, token=self.config.token,
+                                deadline_s=self.config.deadline_s,
+                                transfer=cast(Literal["auto", "shm", "stream"],
+                                              self.config.transfer))
+        old, self._client = self._client, client
+        super().register_mem_pool_host(mem_pool_host)
+        self.layout, self._format = layout, fmt
+        if old is not None:
+            self._run(old.close(), None)
+        log.info("kvstore HiCache backend: %s, layout %s", self.config.target, layout.to_dict())
+
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
+        if self._closed:
+            coro.close()
+            return miss
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:  # the client keeps its deadline itself; this only guards a wedged loop
+            return future.result(timeout=self.config.deadline_s * 4 + 5)
+        except TimeoutError:
+            future.cancel()
+            return miss
+
+    def _ready(self) -> tuple[_PageKeyClient, PageFormat] | None:
+        if self._client is None or self._format is None:
+            return None
+        return self._client, self._format
+
+    # ---- the zero-copy interface
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many of `keys`, from the first, are stored."""
+        pages = _check_keys(keys)
+        ready = self._ready()
+        if ready is None or not pages:
+            return 0
+        client, fmt = ready
+        return self._run(client.lookup(_tokens(pages)), 0) // fmt.page_size
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Copy the stored pages of `keys` straight into the host pool at `host_indices`;
+        True for each page loaded (a prefix of `keys`)."""
+        pages = _check_keys(keys)
+        ready = self._ready()
+        if ready is None:
+            return [False] * len(pages)
+        client, fmt = ready
+        starts = fmt.starts(pages, host_indices)
+
+        def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+            for block, view in zip(blocks, views, strict=True):
+                if stop.is_set():
+                    return
+                fmt.page(starts[block]).copy_(view)
+
+        loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
+        return [i < loaded for i in range(len(pages))]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Copy the host pool's pages at `host_indices` straight into the daemon; True for each
+        page now stored. An MLA rank that is not the storage writer stores nothing (the writer
+        stores the same bytes) and reports success."""
+        pages = _check_keys(keys)
+        ready = self._ready()
+        if ready is None:
+            return [False] * len(pages)
+        client, fmt = ready
+        starts = fmt.starts(pages, host_indices)
+        if not self.is_writer:
+            return [True] * len(pages)
+
+        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+            for block, view in zip(blocks, views, strict=True):
+                if stop.is_set():
+                    return
+                view.copy_(fmt.page(starts[block]))
+
+        stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
+        return [i < stored for i in range(len(pages))]
+
+    # ---- the older interface: flat page tensors in the host pool's page order
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
+        targets = None if target_location is None else [target_location]
+        return self.batch_get([key], targets)[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+        """Each stored page of `keys` copied into its target (a flat page tensor, as SGLang's
+        `get_dummy_flat_data_page()` makes; allocated here when None); None past the first
+        miss."""
+        pages = _check_keys(keys)
+        ready = self._ready()
+        if ready is None:
+            return [None] * len(pages)
+        client, fmt = ready
+        if target_locations is None:
+            targets = [fmt.pool.get_dummy_flat_data_page() for _ in pages]
+        else:
+            targets = list(target_locations)
+        if len(targets) != len(pages):
+            raise InvalidArgumentError(f"{len(pages)} keys but {len(targets)} target pages")
+        views = [fmt.flat(t, writable=True) for t in targets]
+
+        def consume(blocks: list[int], src: list[torch.Tensor], stop: threading.Event) -> None:
+            for block, view in zip(blocks, src, strict=True):
+                if stop.is_set():
+                    return
+                views[block].copy_(view)
+
+        loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
+        return [t if i < loaded else None for i, t in enumerate(targets)]
+
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any | None = None,
+                  target_locations: Any | None = None, target_sizes: Any | None = None) -> bool:
+        """Store flat pages (`get_data_page(i)` of the host pool); True when all are stored."""
+        pages = _check_keys(keys)
+        if values is None or len(values) != len(pages):
+            raise InvalidArgumentError(f"{len(pages)} keys need as many page tensors in `values`")
+        ready = self._ready()
+        if ready is None:
+            return False
+        client, fmt = ready
+        views = [fmt.flat(v, writable=False) for v in values]
+        if not self.is_writer:
+            return True
+
+        def produce(blocks: list[int], dst: list[torch.Tensor], stop: threading.Event) -> None:
+            for block, view in zip(blocks, dst, strict=True):
+                if stop.is_set():
+                    return
+                view.copy_(views[block])
+
+        stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
+        return stored == len(pages)
+
+    # ---- management
+    def clear(self) -> None:
+        """Remove this backend's blocks (its namespace: model, layout, rank, tenant, salt)."""
+        ready = self._ready()
+        if ready is not None:
+            self._run(ready[0].clear(), 0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._client is not None:
+            self._run(self._client.close(), None)
+        self._closed = True  # from here on every call is a miss
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
