@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 
-.PHONY: soak setup demo test test-vllm test-all test-slow lint typecheck bench bench-throughput simulate proto clean
+.PHONY: soak setup demo test test-vllm test-sglang test-all test-slow lint typecheck bench bench-throughput simulate proto clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,11 @@ test: setup
 
 test-vllm:
 	bash scripts/test_vllm.sh
+
+# The SGLang HiCache backend's tests, in their own venv (scripts/setup_sglang.sh, idempotent).
+test-sglang:
+	bash scripts/setup_sglang.sh
+	.venv-sglang/bin/python -m pytest tests/sglang -m sglang -p no:cacheprovider -q
 
 soak: setup
 	$(PY) scripts/soak.py --seconds $${SOAK_SECONDS:-300}
