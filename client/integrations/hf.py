@@ -15,6 +15,7 @@ never costs more than recomputing.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,7 +24,7 @@ import torch
 
 from client.sync import KVClient
 from kvstore.layout import KVLayout
-from kvstore.planner import BandwidthModel, Plan, PrefillModel
+from kvstore.planner import Plan, PrefillModel
 
 
 def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
@@ -48,11 +49,70 @@ def kv_to_cache(kv: torch.Tensor) -> Any:
          kv[i, 1].transpose(0, 1).unsqueeze(0).contiguous()) for i in range(kv.shape[0])])
 
 
+def fetch_cache(client: KVClient, tokens: torch.Tensor,
+                max_blocks: int | None = None) -> tuple[int, Any]:
+    """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
+    `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
+    `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again.
+
+    Returns (cached tokens, cache), or (0, None) on a miss."""
+    layout = client.layout
+    bt = layout.block_tokens
+    blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
+    if blocks <= 0:
+        return 0, None
+    shape = (1, layout.num_kv_heads, blocks * bt, layout.head_dim)
+    # Allocated for the whole prompt, filled for the hit: untouched pages cost nothing.
+    keys = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+    values = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+
+    inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
+
+    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+        with torch.inference_mode(inference):
+            for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
+                if stop.is_set():
+                    return
+                span = slice(i * bt, (i + 1) * bt)
+                for layer in range(layout.num_layers):
+                    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
+                    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+
+    end = client.fetch_with(tokens, consume, max_blocks=blocks)
+    if end <= 0:
+        return 0, None
+    from transformers import DynamicCache
+
+    return end, DynamicCache(ddp_cache_data=[(k[:, :, :end], v[:, :, :end])
+                                             for k, v in zip(keys, values, strict=True)])
+
+
 def cache_to_kv(cache: Any, num_tokens: int) -> torch.Tensor:
     """A batch-1 `DynamicCache` -> `[layers, 2, num_tokens, heads, head_dim]` (a copy)."""
     layers = [torch.stack((layer.keys[0, :, :num_tokens], layer.values[0, :, :num_tokens]))
               for layer in cache.layers]
     return torch.stack(layers).transpose(2, 3)
+
+
+def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
+    """Publish the full blocks of `tokens` straight from a batch-1 `DynamicCache` into the
+    daemon's memory (one copy; no `[layers, 2, n, heads, head_dim]` tensor in between).
+    Returns the prompt tokens now cached."""
+    layout = client.layout
+    bt = layout.block_tokens
+    inference = torch.is_inference_mode_enabled()
+
+    def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+        with torch.inference_mode(inference):
+            for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
+                if stop.is_set():
+                    return
+                span = slice(i * bt, (i + 1) * bt)
+                for layer, lc in enumerate(cache.layers):
+                    view[layer, 0].copy_(lc.keys[0, :, span].transpose(0, 1))
+                    view[layer, 1].copy_(lc.values[0, :, span].transpose(0, 1))
+
+    return client.publish_with(tokens, produce)
 
 
 @dataclass
@@ -86,9 +146,6 @@ class CachedPrefill:
         # This engine's prefill time by prompt length, from its forward passes over whole
         # prompts of at least one block (always kept; the planner uses it in "online" mode).
         self.prefill_model = PrefillModel()
-        # Bytes/s of turning fetched blocks into a DynamicCache (a transposing copy): the
-        # engine's leg of a load, after the client's copy.
-        self._consume = BandwidthModel(bandwidth={}, latency={})
         expected = layout_for_model(model, client.layout.block_tokens, client.layout.model,
                                     client.layout.model_revision)
         if expected != client.layout:
@@ -103,19 +160,9 @@ class CachedPrefill:
         n = tokens.shape[0]
         start = time.perf_counter()
         plan = self.plan(tokens) if n > 1 else None
-        limit = None if plan is None else plan.load_blocks
-        if n <= 1 or limit == 0:
-            cached, kv = 0, None
-        elif limit is None:  # no planner: the whole cached prefix, as always
-            cached, kv = self.client.fetch(tokens[: n - 1])
-        else:
-            cached, kv = self.client.fetch(tokens[: n - 1], max_blocks=limit)
-        cache = None
-        if kv is not None:
-            began = time.perf_counter()
-            cache = kv_to_cache(kv)
-            self._consume.observe("cache", kv.numel() * kv.element_size(),
-                                  time.perf_counter() - began)
+        limit = None if plan is None else plan.load_blocks  # None: the whole cached prefix
+        cached, cache = (0, None) if n <= 1 or limit == 0 else fetch_cache(
+            self.client, tokens[: n - 1], limit)
         if cache is None:
             from transformers import DynamicCache
 
@@ -130,8 +177,8 @@ class CachedPrefill:
                                plan=plan)
         full = (n // self.client.layout.block_tokens) * self.client.layout.block_tokens
         if publish and full > cached:
-            result.published_tokens = self.client.publish(
-                tokens[:full], cache_to_kv(out.past_key_values, full))
+            result.published_tokens = publish_cache(self.client, tokens[:full],
+                                                    out.past_key_values)
         return result
 
     def plan(self, tokens: torch.Tensor) -> Plan | None:
@@ -140,8 +187,9 @@ class CachedPrefill:
         speed = self.speed(int(tokens.shape[0]))
         if speed is None:
             return None
-        return self.client.plan(tokens, speed,
-                                consume_bytes_per_s=self._consume.bandwidth.get("cache"))
+        # The copy into the cache's tensors is the client's copy (`fetch_cache`), which the
+        # client measures itself: no separate leg to add.
+        return self.client.plan(tokens, speed)
 
     def speed(self, n: int) -> float | None:
         """Prefill tokens/s the planner assumes for an `n`-token prompt (None: no planner, or

@@ -41,15 +41,15 @@ def test_engine_output_is_unchanged_when_the_daemon_fails_mid_fetch(daemon_facto
     with KVClient(d.target, layout, deadline_s=DEADLINE_S) as c:
         assert c.lookup(ids[0]) == 192  # the blocks are there: only the fault makes a miss
         fetches: list[tuple[float, int]] = []
-        real_fetch = c.fetch
+        real_fetch = c.fetch_with  # what CachedPrefill loads through (into the cache)
 
         def timed_fetch(*args, **kwargs):  # instrumentation only: the real call runs
             t = time.monotonic()
-            n, kv = real_fetch(*args, **kwargs)
+            n = real_fetch(*args, **kwargs)
             fetches.append((time.monotonic() - t, n))
-            return n, kv
+            return n
 
-        c.fetch = timed_fetch  # type: ignore[method-assign]
+        c.fetch_with = timed_fetch  # type: ignore[method-assign]
         killer = threading.Timer(0.2, d.kill) if fault == "kill" else None
         if killer:
             killer.start()
