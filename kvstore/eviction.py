@@ -35,6 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import ClassVar
 
+import numpy as np
+
 from kvstore.errors import InvalidArgumentError
 
 Clock = Callable[[], float]
@@ -430,7 +432,8 @@ class ReuseModel:
 
     RATIO = 1.25
     BINS = 48
-    RECOMPUTE = 2048  # observations between two recomputations of the index table
+    RECOMPUTE = 2048  # observations between two recomputations of the index table...
+    RECOMPUTE_S = 1.0  # ...at most one a second
     MIN_OBS = 64  # a class with fewer observations uses the pooled estimate
 
     def __init__(self, classes: int, clock: Clock, half_life: int = 128 * 1024) -> None:
@@ -441,8 +444,9 @@ class ReuseModel:
         self.reused = [[0.0] * self.BINS for _ in range(classes + 1)]  # last row: all classes
         self.censored = [[0.0] * self.BINS for _ in range(classes + 1)]
         self.open: list[dict[int, int]] = [{} for _ in range(classes)]  # start second -> count
-        self._decay = 0.5 ** (self.RECOMPUTE / half_life)
+        self.half_life = half_life
         self._pending = 0
+        self._computed_at = -math.inf
         self.index: list[list[float]] = [[0.0] * self.BINS for _ in range(classes)]
 
     def bin(self, age: float) -> int:
@@ -478,18 +482,20 @@ class ReuseModel:
         rows[cls][b] += n
         rows[self.classes][b] += n
         self._pending += n
-        if self._pending >= self.RECOMPUTE:
+        if self._pending >= self.RECOMPUTE and now - self._computed_at >= self.RECOMPUTE_S:
             self.recompute()
 
     def value(self, cls: int, age: float) -> float:
         return self.index[cls][self.bin(age)]
 
     def recompute(self) -> None:
-        self._pending = 0
         now = self.clock()
+        decay = 0.5 ** (self._pending / self.half_life)  # the counts since the last one
+        self._pending = 0
+        self._computed_at = now
         for rows in (self.reused, self.censored):
             for row in rows:
-                row[:] = [x * self._decay for x in row]
+                row[:] = [x * decay for x in row]
         censored = [list(row) for row in self.censored]  # plus the open observations
         for c, opened in enumerate(self.open):
             for t, n in opened.items():
@@ -516,31 +522,27 @@ class ReuseModel:
     def gittins(self, surv: list[float]) -> list[float]:
         """Per starting bin: the best ratio, over horizons, of the probability of a reuse to
         the expected space spent waiting for it (seconds, the curve linear across a bin)."""
-        lo, nb = self.lo, self.BINS
-        space = [(lo[i + 1] - lo[i]) * (surv[i] + surv[i + 1]) / 2 for i in range(nb)]
-        out = [0.0] * nb
-        for b in range(nb):
-            best = spent = 0.0
-            for e in range(b, nb):
-                spent += space[e]
-                if spent > 0.0:
-                    best = max(best, (surv[b] - surv[e + 1]) / spent)
-            out[b] = best
-        return out
+        s = np.asarray(surv)
+        space = np.diff(np.asarray(self.lo)) * (s[:-1] + s[1:]) / 2
+        spent = np.concatenate(([0.0], np.cumsum(space)))
+        gain = s[:-1, None] - s[None, 1:]  # [b, e]: reused in bins b..e
+        cost = spent[None, 1:] - spent[:-1, None]  # [b, e]: space over bins b..e
+        upper = np.triu(np.ones_like(cost, dtype=bool)) & (cost > 0)
+        ratio = np.divide(gain, cost, out=np.zeros_like(gain), where=upper)
+        return [float(x) for x in ratio.max(axis=1)]
 
 
 class _Block:
     """What `PrefixPolicy` knows of one block."""
 
-    __slots__ = ("born", "cls", "key", "last", "parent", "parked", "q", "stamp", "tail", "uses")
+    __slots__ = ("born", "cls", "key", "last", "parent", "parked", "q", "stamp", "tail")
 
     def __init__(self, key: bytes, now: float) -> None:
         self.key = key
         self.born = now  # when it entered the tier
         self.last = now  # its last counted use
-        self.uses = 1  # counted uses, its first included
         self.tail = False  # it arrived as a conversation's next turn (appended to a leaf)
-        self.cls = 0  # its class as of its last use
+        self.cls = 0  # its class as of its last use: NEW, TAIL, ONCE or MORE
         self.parent: bytes | None = None
         self.q = -1  # the candidate queue it is in (its class), -1 if none
         self.stamp = 0  # which of its heap entries are current
@@ -571,7 +573,7 @@ class PrefixPolicy(EvictionPolicy):
     """
 
     name = "prefix"
-    NEW, TAIL, ONCE, MORE = range(4)
+    NEW, TAIL, ONCE, MORE = range(4)  # touch_chain has ONCE and MORE as literals
     GHOST = 4  # ghost bytes, times the capacity
 
     def __init__(self, capacity_bytes: int, pinned: Container[bytes],
@@ -656,10 +658,10 @@ class PrefixPolicy(EvictionPolicy):
             b, size = ghost
             self._ghost_bytes -= size
             self.model.end(b.cls, b.last, now, reused=True)
-            b.last, b.born, b.uses, b.q, b.parked = now, now, b.uses + 1, -1, False
+            b.last, b.born, b.q, b.parked = now, now, -1, False
+            b.cls = self.ONCE if b.cls < self.ONCE else self.MORE
         else:
             b = _Block(key, now)
-        b.cls = self.class_of(b.uses, b.tail)
         self.model.start(b.cls, now)
         self.blocks[key] = b
         self._size[key] = nbytes
@@ -667,11 +669,11 @@ class PrefixPolicy(EvictionPolicy):
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
         now = self.clock()
-        window = self._same_access_s
-        blocks, model, class_of = self.blocks, self.model, self.class_of
+        since = now - self._same_access_s  # uses after this are the same request's
+        blocks, model = self.blocks, self.model
         prev: _Block | None = None
         run_cls, run_last, run_n = -1, 0.0, 0  # used blocks alike in a row: one model update
-        started = [0, 0, 0, 0]
+        once = more = 0  # observations starting now, per class
         for key in keys:
             b = blocks.get(key)
             if b is None:
@@ -679,24 +681,29 @@ class PrefixPolicy(EvictionPolicy):
                 continue
             if prev is not None and b.parent != prev.key:
                 self._link(b, prev, now)
-            if now - b.last >= window:
-                if b.cls != run_cls or b.last != run_last:
-                    if run_n:
-                        model.end(run_cls, run_last, now, True, run_n)
-                    run_cls, run_last, run_n = b.cls, b.last, 0
-                run_n += 1
-                b.last = now
-                b.uses += 1
-                b.cls = class_of(b.uses, b.tail)
-                started[b.cls] += 1
-                if b.q >= 0:
-                    self._queue(b)
             prev = b
+            if b.last > since:
+                continue
+            if b.cls != run_cls or b.last != run_last:
+                if run_n:
+                    model.end(run_cls, run_last, now, True, run_n)
+                run_cls, run_last, run_n = b.cls, b.last, 0
+            run_n += 1
+            b.last = now
+            if b.cls < 2:  # NEW or TAIL: used once more
+                b.cls = 2
+                once += 1
+            else:
+                b.cls = 3
+                more += 1
+            if b.q >= 0:
+                self._queue(b)
         if run_n:
             model.end(run_cls, run_last, now, True, run_n)
-            for c, n in enumerate(started):
-                if n:
-                    model.start(c, now, n)
+            if once:
+                model.start(self.ONCE, now, once)
+            if more:
+                model.start(self.MORE, now, more)
 
     def _link(self, b: _Block, parent: _Block, now: float) -> None:
         """The chain says `parent` is `b`'s parent. A block new in this request is a tail if
@@ -704,12 +711,12 @@ class PrefixPolicy(EvictionPolicy):
         if b.parent is not None:
             self._unkid(b.parent)
         n = self._kids.get(parent.key, 0)
-        if now - b.born < self._same_access_s and b.uses == 1:
-            if now - parent.born < self._same_access_s and parent.uses == 1:
+        if now - b.born < self._same_access_s and b.cls < self.ONCE:
+            if now - parent.born < self._same_access_s and parent.cls < self.ONCE:
                 b.tail = parent.tail  # the same request's previous block
             else:
                 b.tail = n == 0
-            cls = self.class_of(b.uses, b.tail)
+            cls = self.TAIL if b.tail else self.NEW
             if cls != b.cls:
                 self.model.reclassify(b.cls, cls, b.last)
                 b.cls = cls
@@ -768,7 +775,7 @@ class PrefixPolicy(EvictionPolicy):
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p for p in (LRUPolicy, ARCPolicy, S3FIFOPolicy, PrefixPolicy)}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "prefix"
 
 
 def make_policy(name: str, capacity_bytes: int, pinned: Container[bytes],

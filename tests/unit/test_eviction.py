@@ -213,10 +213,10 @@ def test_prefix_touches_within_one_request_are_one_use() -> None:
     add(p, "a")
     clock.now = 1.5
     p.touch_chain([k("a")])  # the commit of the request that added it
-    assert pol.blocks[k("a")].uses == 1
+    assert pol.blocks[k("a")].cls == pol.NEW
     clock.now = 4
     p.touch_chain([k("a")])  # another request
-    assert pol.blocks[k("a")].uses == 2
+    assert pol.blocks[k("a")].cls == pol.ONCE
 
 
 def test_prefix_ghost_remembers_a_block_and_counts_its_return() -> None:
@@ -228,7 +228,7 @@ def test_prefix_ghost_remembers_a_block_and_counts_its_return() -> None:
     p.remove(k("a"))
     clock.now = 40
     add(p, "a")  # back: a reuse after 40 s, seen though the block had left
-    assert pol.blocks[k("a")].uses == 2
+    assert pol.blocks[k("a")].cls == pol.ONCE
     assert sum(pol.model.reused[pol.class_of(uses=1)]) == 1
 
 
