@@ -1,9 +1,11 @@
 """Simulation past this machine: replay a real request trace over N simulated machines.
 
 `python -m benchmarks.simulate` replays `../shared/traces/conversation_trace.jsonl` (the Mooncake
-FAST'25 conversation trace: 12,031 requests, 512-token blocks given as chained `hash_ids`)
-through the daemon's real eviction policy, `kvstore.tiering.TierPolicy`, with metadata only: no
-payload is ever allocated, so terabytes of simulated cache cost a few hundred MB of RAM here.
+FAST'25 conversation trace: 12,031 requests, 512-token blocks given as chained `hash_ids`), or
+any trace in that JSONL format (`--trace`), through the daemon's own tier bookkeeping and
+eviction policies, `kvstore.tiering.TierPolicy` and `kvstore.eviction` (the very classes the
+daemon's tiers use), with metadata only: no payload is ever allocated, so terabytes of
+simulated cache cost a few hundred MB of RAM here.
 
 Model, per request (requests are replayed in timestamp order, one at a time):
 
@@ -19,8 +21,11 @@ Model, per request (requests are replayed in timestamp order, one at a time):
 
 Reported: the fraction of prompt blocks served from host / disk / remote / computed, and an
 estimated TTFT per request from a bandwidth-vs-prefill model (`TTFTModel`) that loads a cached
-prefix only as far as loading beats recomputing. Separately, single-tier LRU is compared with
-Belady's optimal (MIN) at the same capacities.
+prefix only as far as loading beats recomputing (the machines' tiers evict with `--eviction`).
+Separately, each eviction policy of `--policies` on a single tier is compared with Belady's
+optimal (MIN) at the same capacities (`--belady-capacities`), written under "policies" in the
+JSON: `{"default": NAME, "capacity_blocks": [...], "hit_rate": {"belady": [...], "lru": [...],
+...}}`.
 
 What it does not model (see docs/SCALE.md): time. Every request is published before the next
 arrives (no in-flight prefixes, no write-through lag, no queueing), the GPU's own prefix cache
@@ -34,6 +39,7 @@ import bisect
 import hashlib
 import heapq
 import json
+import math
 import random
 import sys
 import time
@@ -47,6 +53,7 @@ from tqdm import tqdm
 
 from kvstore.config import parse_size
 from kvstore.errors import CapacityError
+from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.tiering import TierPolicy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,16 +233,26 @@ class SimResult:
 
 
 class ClusterSim:
-    """N machines (host + disk `TierPolicy` each) and one shared remote `TierPolicy`."""
+    """N machines (host + disk `TierPolicy` each) and one shared remote `TierPolicy`.
 
-    def __init__(self, config: ClusterConfig, router: Router) -> None:
+    `eviction` names the eviction policy of the machines' tiers (`kvstore.eviction`); the
+    remote tier stays LRU (Redis evicts by approximate LRU). The policies' clock is the trace's:
+    every call made for a request happens at its arrival time.
+    """
+
+    def __init__(self, config: ClusterConfig, router: Router, eviction: str = "lru") -> None:
         self.config = config
         self.router = router
         self.block = config.block_bytes
-        self.machines = [Machine(TierPolicy(f"m{i}.host", config.host_bytes),
-                                 TierPolicy(f"m{i}.disk", config.disk_bytes))
+        self.now = 0.0
+
+        def clock() -> float:
+            return self.now
+
+        self.machines = [Machine(TierPolicy(f"m{i}.host", config.host_bytes, eviction, clock),
+                                 TierPolicy(f"m{i}.disk", config.disk_bytes, eviction, clock))
                          for i in range(config.machines)]
-        self.remote = TierPolicy("remote", config.remote_bytes)
+        self.remote = TierPolicy("remote", config.remote_bytes, "lru", clock)
         self.result = SimResult(config)
 
     # -- placement helpers: each mirrors what server/store.py does with real bytes
@@ -283,6 +300,7 @@ class ClusterSim:
 
     def process(self, req: Request) -> bytes:
         """Serve one request; returns its served-prefix tier codes (one byte per block)."""
+        self.now = req.timestamp_ms / 1e3
         idx = self.router.route(req)
         m = self.machines[idx]
         m.requests += 1
@@ -487,13 +505,21 @@ def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int, bypass: b
     return hits / max(total, 1)
 
 
-def lru_hit_rate(requests: Sequence[Request], capacity_blocks: int, block_bytes: int = 1,
-                 progress: Callable[[int], object] | None = None) -> float:
-    """Prefix hit rate of one machine's host tier alone (no disk, no remote), real policy."""
+def policy_hit_rate(requests: Sequence[Request], capacity_blocks: int, eviction: str = "lru",
+                    block_bytes: int = 1,
+                    progress: Callable[[int], object] | None = None) -> float:
+    """Prefix hit rate of one machine's host tier alone (no disk, no remote), under the
+    daemon's eviction policy `eviction`."""
     cfg = ClusterConfig(machines=1, host_bytes=capacity_blocks * block_bytes, disk_bytes=0,
                         remote_bytes=0, block_bytes=block_bytes)
-    res = ClusterSim(cfg, RandomRouter(1)).run(requests, progress)
+    res = ClusterSim(cfg, RandomRouter(1), eviction).run(requests, progress)
     return res.tier_blocks[HOST] / max(res.total_blocks, 1)
+
+
+def lru_hit_rate(requests: Sequence[Request], capacity_blocks: int, block_bytes: int = 1,
+                 progress: Callable[[int], object] | None = None) -> float:
+    """`policy_hit_rate` under LRU."""
+    return policy_hit_rate(requests, capacity_blocks, "lru", block_bytes, progress)
 
 
 def infinite_hit_rate(requests: Sequence[Request]) -> float:
@@ -561,16 +587,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a second remote bandwidth for TTFT (100 GbE); 0 to skip")
     p.add_argument("--belady-capacities", type=_ints,
                    default=[1024, 2048, 4096, 8192, 16384, 32768, 65536],
-                   help="single-tier capacities in blocks for LRU vs Belady ('' to skip)")
+                   help="single-tier capacities in blocks for the policies vs Belady ('' to skip)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated eviction policies compared with Belady on one tier: "
+                        f"{', '.join(POLICIES)}, or default (= {DEFAULT_POLICY}); LRU is "
+                        "always run (default: all)")
+    p.add_argument("--eviction", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help="eviction policy of the machines' tiers in the cluster sweep "
+                        "(default: the daemon's, %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random routing seed")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the results here instead of benchmarks/results/simulate.json")
+    p.add_argument("--cost", action="store_true",
+                   help="only measure each policy's bookkeeping cost (touching a 512-block "
+                        "chain, one eviction) and exit")
     return p
+
+
+def policy_names(text: str) -> list[str]:
+    """The policies of `--policies`, in order, LRU first; `default` is kept as a name."""
+    names = ["lru"]
+    for name in (n.strip() for n in text.split(",")):
+        if name and name not in names:
+            if name != "default" and name not in POLICIES:
+                raise SystemExit(f"--policies: unknown policy {name!r} "
+                                 f"({', '.join(POLICIES)}, default)")
+            names.append(name)
+    return names
 
 
 def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequence[str],
           host_bytes: int, disk_bytes: int, remote_bytes: int, block_bytes: int,
           models: dict[str, TTFTModel], seed: int = 0, affinity_blocks: int = 2,
-          bar: tqdm | None = None) -> list[dict[str, Any]]:
+          bar: tqdm | None = None, eviction: str = "lru") -> list[dict[str, Any]]:
     """One replay per (routing, machines); a row of hit fractions and TTFT stats for each."""
     span_s = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3, 1e-3)
     rows: list[dict[str, Any]] = []
@@ -579,7 +629,7 @@ def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequen
             if bar is not None:
                 bar.set_postfix_str(f"{routing} x{n}")
             cfg = ClusterConfig(n, host_bytes, disk_bytes, remote_bytes, block_bytes)
-            sim = ClusterSim(cfg, make_router(routing, n, seed, affinity_blocks))
+            sim = ClusterSim(cfg, make_router(routing, n, seed, affinity_blocks), eviction)
             res = sim.run(requests, bar.update if bar is not None else None)
             row: dict[str, Any] = {"routing": routing, "machines": n, **res.fractions()}
             per_machine = np.bincount(np.asarray(res.machine_of), minlength=n)
@@ -603,20 +653,96 @@ def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequen
 
 
 def belady_compare(requests: Sequence[Request], capacities: Sequence[int], block_bytes: int,
-                   bar: tqdm | None = None) -> list[dict[str, Any]]:
+                   bar: tqdm | None = None,
+                   policies: Sequence[str] = ("lru",)) -> tuple[list[dict[str, Any]],
+                                                               dict[str, Any]]:
+    """Single-tier hit rates of each policy and of Belady at each capacity: the rows of the
+    LRU-vs-Belady table, and the "policies" section of the JSON (`default` is the daemon's
+    default policy, replayed once under its own name)."""
+    names = {p: DEFAULT_POLICY if p == "default" else p for p in policies}
+    runs = list(dict.fromkeys(["lru", *names.values()]))
+    rate: dict[str, list[float]] = {p: [] for p in ["belady", "belady_admit_all", *runs]}
     rows = []
     for cap in capacities:
-        if bar is not None:
-            bar.set_postfix_str(f"{cap} blocks")
         upd = bar.update if bar is not None else None
-        lru = lru_hit_rate(requests, cap, block_bytes, upd)
+        for p in runs:
+            if bar is not None:
+                bar.set_postfix_str(f"{p} @ {cap} blocks")
+            rate[p].append(policy_hit_rate(requests, cap, p, block_bytes, upd))
+        if bar is not None:
+            bar.set_postfix_str(f"Belady @ {cap} blocks")
         opt = belady_hit_rate(requests, cap, bypass=True, progress=upd)
         opt_admit = belady_hit_rate(requests, cap, bypass=False, progress=upd)
+        rate["belady"].append(opt)
+        rate["belady_admit_all"].append(opt_admit)
+        lru = rate["lru"][-1]
         rows.append({"capacity_blocks": cap, "capacity_gib": _gib(cap * block_bytes),
                      "lru": lru, "belady": opt, "belady_admit_all": opt_admit,
                      "lru_over_belady": lru / opt if opt else 1.0,
-                     "lru_over_belady_admit_all": lru / opt_admit if opt_admit else 1.0})
-    return rows
+                     "lru_over_belady_admit_all": lru / opt_admit if opt_admit else 1.0,
+                     **{p: rate[p][-1] for p in runs if p != "lru"}})
+    for alias, name in names.items():
+        rate[alias] = rate[name]
+    over = {p: [h / b if b else 1.0 for h, b in zip(rate[p], rate["belady"], strict=True)]
+            for p in rate if p != "belady"}
+    over_lru = {p: [h / b if b else 1.0 for h, b in zip(rate[p], rate["lru"], strict=True)]
+                for p in rate}
+    section = {"default": DEFAULT_POLICY, "capacity_blocks": list(capacities),
+               "hit_rate": rate, "over_belady": over, "over_lru": over_lru}
+    return rows, section
+
+
+def policy_cost(policies: Sequence[str], chain: int = 512, blocks: int = 4096,
+                rounds: int = 2048) -> list[dict[str, Any]]:
+    """Microseconds of the daemon's bookkeeping per policy: `touch_chain` over a `chain`-block
+    prompt looked up again by the same request (within `same_access_s`) and by a new one, and
+    one publish into a full tier of `blocks` blocks (a victim chosen and removed, a block added;
+    16-block chains, each touched once complete). Best of 5 runs each."""
+    return [_cost(name, chain, blocks, rounds) for name in policies]
+
+
+def _cost(name: str, chain: int, blocks: int, rounds: int) -> dict[str, Any]:
+    now = [0.0]
+    tier = TierPolicy(name, blocks + chain, name, lambda: now[0])
+    keys = [hashlib.sha256(b"%d" % i).digest() for i in range(chain)]
+    for key in keys:
+        tier.add(key, 1)
+    tier.touch_chain(keys)
+
+    def best_us(step: Callable[[], object], n: int) -> float:
+        best = math.inf
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n):
+                step()
+            best = min(best, (time.perf_counter() - t) / n)
+        return best * 1e6
+
+    def new_request() -> None:
+        now[0] += 3.0
+        tier.touch_chain(keys)
+
+    same = best_us(lambda: tier.touch_chain(keys), 50)
+    new = best_us(new_request, 50)
+    for key in keys:
+        tier.remove(key)
+    made = [0]
+
+    def publish() -> None:  # 16 blocks
+        ids = [hashlib.sha256(b"c%d" % (made[0] + j)).digest() for j in range(16)]
+        made[0] += 16
+        for key in ids:
+            for v in tier.victims(1):
+                tier.remove(v)
+            tier.add(key, 1)
+        tier.touch_chain(ids)
+        now[0] += 0.5
+
+    while len(tier) < blocks:
+        publish()
+    per_block = best_us(publish, rounds // 16) / 16
+    return {"policy": name, "touch_512_same_request_us": same, "touch_512_new_request_us": new,
+            "publish_one_block_us": per_block}
 
 
 def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dict[str, float],
@@ -680,7 +806,11 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
     if belady:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         xs = [b["capacity_gib"] for b in belady]
-        ax.plot(xs, [b["lru"] for b in belady], marker="o", label="LRU (TierPolicy)")
+        ax.plot(xs, [b["lru"] for b in belady], marker="o", label="LRU")
+        for name in POLICIES:
+            if name != "lru" and name in belady[0]:
+                ax.plot(xs, [b[name] for b in belady], marker=".",
+                        label=name + (" (default)" if name == DEFAULT_POLICY else ""))
         ax.plot(xs, [b["belady_admit_all"] for b in belady], marker="s",
                 label="Belady, admit every block")
         ax.plot(xs, [b["belady"] for b in belady], marker="^", label="Belady MIN (bypass)")
@@ -694,7 +824,7 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_title("LRU vs Belady's optimal")
+        ax.set_title("Eviction policies vs Belady's optimal")
         fig.tight_layout()
         paths.append(out / "simulate_belady.png")
         fig.savefig(paths[-1], dpi=110)
@@ -708,6 +838,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from benchmarks.common import RESULTS, table, write_results
 
     t0 = time.perf_counter()
+    policies = policy_names(args.policies)
+    if args.cost:
+        names = list(dict.fromkeys(DEFAULT_POLICY if p == "default" else p for p in policies))
+        cost = policy_cost(names)
+        print(table(cost, list(cost[0])))
+        return {"cost": cost}
     block_bytes = args.bytes_per_token * TRACE_BLOCK_TOKENS
     host = parse_capacity(args.host, block_bytes)
     disk = parse_capacity(args.disk, block_bytes)
@@ -733,17 +869,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{unique} unique full blocks ({_gib(unique * block_bytes) / 1024:.1f} TiB at "
           f"{block_bytes / 2**20:g} MiB/block); infinite-cache prefix hit rate {ceiling:.3f}")
     print(f"capacities: host {_gib(host):g} GiB + disk {_gib(disk):g} GiB per machine, "
-          f"remote {_gib(remote):g} GiB shared; loading beats recompute above "
-          f"{model.breakeven_gbps():.2f} GB/s")
+          f"remote {_gib(remote):g} GiB shared, evicting with {args.eviction}; loading beats "
+          f"recompute above {model.breakeven_gbps():.2f} GB/s")
 
     runs = len(routings) * len(args.machines)
     with tqdm(total=runs * len(requests), desc="cluster sweep", unit="req",
               mininterval=0.5, smoothing=0.1) as bar:
         rows = sweep(requests, args.machines, routings, host, disk, remote, block_bytes, models,
-                     args.seed, args.affinity_blocks, bar)
-    with tqdm(total=3 * len(args.belady_capacities) * len(requests), desc="LRU vs Belady",
-              unit="req", mininterval=0.5) as bar:
-        belady = belady_compare(requests, args.belady_capacities, block_bytes, bar)
+                     args.seed, args.affinity_blocks, bar, args.eviction)
+    replays = len({DEFAULT_POLICY if p == "default" else p for p in policies}) + 2
+    with tqdm(total=replays * len(args.belady_capacities) * len(requests),
+              desc="policies vs Belady", unit="req", mininterval=0.5) as bar:
+        belady, compared = belady_compare(requests, args.belady_capacities, block_bytes, bar,
+                                          policies)
 
     alt = f"@{alt_label}" if alt_label else None
     cols = ["routing", "machines", "host", "disk", "remote", "computed", "ttft_mean_s",
@@ -759,6 +897,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\nLRU vs Belady, one tier of one machine (prefix hit rate of all prompt blocks):")
         print(table(belady, ["capacity_blocks", "capacity_gib", "lru", "belady_admit_all",
                              "belady", "lru_over_belady_admit_all", "lru_over_belady"]))
+        print(f"\nEviction policies, one tier (hit rate / over Belady MIN / over LRU; "
+              f"default = {DEFAULT_POLICY}):")
+        names = [p for p in compared["hit_rate"] if p not in ("belady", "belady_admit_all")]
+        print(table([{"capacity_blocks": cap, **{
+            p: f"{compared['hit_rate'][p][i]:.4f} / {compared['over_belady'][p][i]:.2f} / "
+               f"{compared['over_lru'][p][i]:.2f}" for p in names},
+            "belady": compared["hit_rate"]["belady"][i]}
+            for i, cap in enumerate(compared["capacity_blocks"])],
+            ["capacity_blocks", *names, "belady"]))
     runtime = time.perf_counter() - t0
     payload: dict[str, Any] = {
         "command": "python -m benchmarks.simulate " + " ".join(
@@ -770,14 +917,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model": asdict(model), "breakeven_gbps": model.breakeven_gbps(),
         "remote_gbps_alt": args.remote_gbps_alt, "routing_seed": args.seed,
         "affinity_blocks": args.affinity_blocks,
-        "no_cache_ttft_s": baseline, "sweep": rows, "belady": belady,
+        "eviction": args.eviction,
+        "no_cache_ttft_s": baseline, "sweep": rows, "belady": belady, "policies": compared,
         "runtime_s": runtime,
     }
-    path = write_results("simulate", payload)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2))
+        path = args.json
+    else:
+        path = write_results("simulate", payload)
     if not args.no_plots:
         for p in plot(rows, belady, baseline, ceiling, alt_label, RESULTS):
             print(f"wrote {p.relative_to(REPO)}")
-    print(f"wrote {path.relative_to(REPO)} in {runtime:.0f} s")
+    print(f"wrote {path} in {runtime:.0f} s")
     return payload
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +23,16 @@ from benchmarks.simulate import (
     belady_hit_rate,
     infinite_hit_rate,
     lru_hit_rate,
+    main,
     make_request,
     next_uses,
     parse_capacity,
+    policy_hit_rate,
+    policy_names,
 )
+from benchmarks.workloads import agent, docqa
+from kvstore.eviction import DEFAULT_POLICY, POLICIES, PrefixPolicy
+from kvstore.tiering import TierPolicy
 
 BLOCK = 1  # metadata only: capacities in blocks when a block is one byte
 
@@ -212,3 +220,92 @@ def test_parse_capacity() -> None:
     assert parse_capacity("2048blocks", 64 << 20) == 2048 * (64 << 20)
     assert parse_capacity("128GiB", 64 << 20) == 128 << 30
     assert parse_capacity("0", 64 << 20) == 0
+
+
+# ---------------------------------------------------------------- eviction policies
+
+
+def test_the_simulator_runs_the_daemons_policy_objects() -> None:
+    s = ClusterSim(ClusterConfig(2, 10, 10, 10, BLOCK), RandomRouter(2), "s3fifo")
+    for m in s.machines:
+        for tier in (m.host, m.disk):
+            assert isinstance(tier, TierPolicy)
+            assert type(tier.eviction) is POLICIES["s3fifo"]
+    assert type(s.remote.eviction) is POLICIES["lru"]  # Redis: approximate LRU
+
+
+def test_policies_see_trace_time() -> None:
+    """Every call made for a request happens at its arrival: a request 1 ms after another is
+    another request (a reuse), one at the same instant is not."""
+    km = KeyMaker()
+    s = sim(host=10)
+    s.machines[0].host = TierPolicy("h", 10, "prefix", lambda: s.now)
+    pol = s.machines[0].host.eviction
+    assert isinstance(pol, PrefixPolicy)
+    s.process(make_request([1, 2], timestamp_ms=0, keys=km))
+    assert pol.blocks[km(1)].cls == pol.NEW
+    s.process(make_request([1, 2], timestamp_ms=60_000, keys=km))
+    assert pol.blocks[km(1)].cls == pol.ONCE
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_replays(policy: str) -> None:
+    trace = conversation_trace(300, seed=3)
+    rate = policy_hit_rate(trace, 32, policy)
+    assert 0.0 < rate <= infinite_hit_rate(trace) + 1e-12
+    assert policy_hit_rate(trace, 10**6, policy) == pytest.approx(infinite_hit_rate(trace))
+
+
+def test_policy_names() -> None:
+    assert policy_names("arc,default") == ["lru", "arc", "default"]
+    assert policy_names("lru,lru") == ["lru"]
+    with pytest.raises(SystemExit, match="unknown policy 'mru'"):
+        policy_names("mru")
+
+
+def test_contract_command(tmp_path: Path) -> None:
+    """The command line of issue 15 on a Mooncake-format trace: the "policies" section."""
+    trace = tmp_path / "t.jsonl"
+    with trace.open("w") as f:
+        for i, r in enumerate(conversation_trace(200, seed=4)):
+            f.write(json.dumps({"timestamp": 1000 * i, "input_length": r.input_length + 100,
+                                "output_length": 10, "hash_ids": [*r.hash_ids, 10**6 + i]})
+                    + "\n")
+    out = tmp_path / "out.json"
+    main(["--trace", str(trace), "--policies", "lru,arc,s3fifo,default",
+          "--belady-capacities", "8,64", "--machines", "1", "--no-plots", "--json", str(out)])
+    got = json.loads(out.read_text())["policies"]
+    assert got["default"] == DEFAULT_POLICY
+    assert got["capacity_blocks"] == [8, 64]
+    rates = got["hit_rate"]
+    assert {"belady", "lru", "arc", "s3fifo", "default", DEFAULT_POLICY} <= set(rates)
+    assert rates["default"] == rates[DEFAULT_POLICY]
+    for name, values in rates.items():
+        assert len(values) == 2 and all(0.0 <= v <= 1.0 for v in values), name
+    assert rates["belady"][0] >= rates["lru"][0]
+    assert rates["lru"][0] < rates["lru"][1]  # more room, more hits
+
+
+def test_workloads_are_seeded_and_have_their_shape() -> None:
+    qa = docqa(seed=1, requests=300)
+    assert qa == docqa(seed=1, requests=300)
+    assert qa != docqa(seed=2, requests=300)
+    ag = agent(seed=1, requests=300)
+    for lines in (qa, ag):
+        times = [d["timestamp"] for d in lines]
+        assert times == sorted(times)
+        for d in lines:
+            assert len(d["hash_ids"]) == -(-d["input_length"] // 512)
+    # Q&A: every prompt starts with the system prompt; questions are short tails on long docs
+    assert len({tuple(d["hash_ids"][:1]) for d in qa}) == 1
+    tails = [d["input_length"] % 512 for d in qa]
+    assert sum(d["input_length"] for d in qa) / len(qa) > 8_000
+    assert len(set(tails)) > 1
+    # agents: each step extends an earlier prompt, keeping every full block of it
+    seen: set[tuple[int, ...]] = set()
+    extended = 0
+    for d in ag:
+        full = tuple(d["hash_ids"][: d["input_length"] // 512])
+        extended += any(full[:n] in seen for n in range(len(full) - 1, 8, -1))
+        seen.update(full[:n] for n in range(1, len(full) + 1))
+    assert extended > len(ag) // 2
