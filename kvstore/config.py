@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.remote_url import parse_remote_url, redact_url
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -76,6 +77,11 @@ class ServerConfig:
                           "before the index entry), `never` (leave it to the OS).",
                           choices=("always", "never"))
     shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
+    eviction_policy: str = _opt(DEFAULT_POLICY, "Which blocks the host and disk tiers give up "
+                                "first: `prefix` (leaves first, valued by a reuse-gap model "
+                                "learned online per class of block), `lru`, `arc` or `s3fifo`. "
+                                "Hit rates of each in docs/SCALE.md.",
+                                choices=tuple(POLICIES))
     metrics_port: int = _opt(0, "Prometheus metrics HTTP port; 0 disables.", lo=0, hi=65535)
     metrics_host: str = _opt("127.0.0.1", "Address the metrics port binds (loopback by default; "
                              "0.0.0.0 inside a container network).")

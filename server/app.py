@@ -139,6 +139,9 @@ class Daemon:
             _check_socket(config.socket_path)
             host = HostTier(config.host_bytes, config.shm_dir)  # first: it refuses fastest
             disk = _open_disk(self.data_dir / "disk", config) if config.disk_bytes > 0 else None
+            for tier in (host, disk):
+                if tier is not None:
+                    tier.use_eviction(config.eviction_policy)
             remote = None
             if config.remote:
                 remote = RemoteTier(config.remote, RemoteOptions(

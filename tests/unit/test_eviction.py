@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import CapacityError, InvalidArgumentError
-from kvstore.eviction import POLICIES, PrefixPolicy, ReuseModel
+from kvstore.eviction import DEFAULT_POLICY, POLICIES, PrefixPolicy, ReuseModel
 from kvstore.tiering import TierPolicy
 
 SIZE = 10
@@ -360,3 +360,13 @@ def test_with_eviction_carries_blocks_and_pins() -> None:
     # Untrained, at one instant: in the order they entered, which was LRU's (c d a; b pinned).
     assert drain(q) == ["c", "d", "a"]
     assert k("b") in q
+
+
+def test_the_daemons_option() -> None:
+    from kvstore.config import ServerConfig
+    from kvstore.errors import ConfigError
+
+    assert ServerConfig().eviction_policy == DEFAULT_POLICY
+    assert ServerConfig(eviction_policy="s3fifo").eviction_policy == "s3fifo"
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        ServerConfig(eviction_policy="mru")
