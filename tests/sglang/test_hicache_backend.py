@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.conftest import same_bytes
+from tests.reliability import Worker
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang is not installed in this interpreter: run `bash scripts/setup_sglang.sh`, "
@@ -334,6 +335,36 @@ def test_mla_is_written_by_one_rank_and_read_by_all(daemon, make_backend) -> Non
         assert ranks[rank].batch_get_v1(keys, indices[rank]) == [True] * 3
         assert same_pages(pools[0], starts_of(indices[0]), pools[rank],
                           starts_of(indices[rank])) == [True] * 3
+
+
+def test_prefetch_and_backup_threads_share_one_backend(daemon, make_backend) -> None:
+    """SGLang's controller calls one backend from its prefetch and backup threads at once, both
+    on the one host pool it registered."""
+    pool = mha_pool("page_first", seed=1)
+    backend = make_backend(storage_config(daemon.target), pool)
+    prompts = [page_keys(4, seed=i) for i in range(4)]
+    src = [pool.alloc(4 * PAGE) for _ in prompts]
+    assert backend.batch_set_v1(prompts[0], src[0]) == [True] * 4
+    loads: list[list[bool]] = []
+
+    def backup() -> None:
+        for keys, idx in zip(prompts[1:], src[1:], strict=True):
+            assert backend.batch_set_v1(keys, idx) == [True] * 4
+
+    def prefetch() -> None:
+        for _ in range(6):
+            dst = pool.alloc(4 * PAGE)
+            loads.append(backend.batch_get_v1(prompts[0], dst))
+            assert same_pages(pool, starts_of(src[0]), pool, starts_of(dst)) == [True] * 4
+            pool.free(dst)
+
+    workers = [Worker(target=backup), Worker(target=prefetch)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.result(timeout=60)
+    assert loads == [[True] * 4] * 6
+    assert [backend.batch_exists(keys) for keys in prompts] == [4] * 4
 
 
 # ---- the older interface (flat pages, SGLang's `_generic_page_get/set`)
