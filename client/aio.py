@@ -4,9 +4,16 @@ Keys are computed here (chained SHA-256 over the tokens, see `kvstore.keys`). Ov
 the client maps the daemon's host arena and copies blocks straight in and out of shared memory;
 over TCP (or when the arena cannot be mapped) it streams them.
 
-The engine's contract: a daemon that is down, slow, full or restarting is a miss within
-`deadline_s` (logged once per outage), never an exception. Bad input from the caller (a wrong
-shape or dtype, non-integer tokens) raises `InvalidArgumentError` naming what is wrong.
+The engine's contract: a daemon that is down, slow, full or restarting is a miss within the
+call's deadline (logged once per outage), never an exception. Bad input from the caller (a
+wrong shape or dtype, non-integer tokens) raises `InvalidArgumentError` naming what is wrong.
+
+Deadlines fit the work: a control call (lookup, lease, release, commit) has `deadline_s`; a
+call that moves blocks has `deadline_s` plus its bytes' time at the measured bandwidth
+(`kvstore.planner.transfer_deadline`), or, given `budget_s` (what recomputing would cost),
+as long as finishing it can still beat recomputing. A fetch cut short keeps the prefix it
+completed. A save that does not happen is counted (`dropped_saves`) and logged: the first at
+once, then a summary at most every `DROP_LOG_S`.
 """
 
 from __future__ import annotations
@@ -27,10 +34,16 @@ import torch
 
 from client.backoff import BackoffPolicy, Breaker
 from kvstore.arena import Arena
-from kvstore.errors import InvalidArgumentError, KVStoreError
+from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace
 from kvstore.layout import KVLayout
-from kvstore.planner import BandwidthModel, Plan, end_to_end_bandwidth
+from kvstore.planner import (
+    DEFAULT_BANDWIDTH,
+    BandwidthModel,
+    Plan,
+    end_to_end_bandwidth,
+    transfer_deadline,
+)
 from kvstore.planner import plan as plan_prefix
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -39,16 +52,34 @@ log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
 R = TypeVar("R")
 Tokens = Sequence[int] | torch.Tensor | np.ndarray
-BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], None]
-"""`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`)."""
+BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], int | None]
+"""`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`);
+returns how many of the leading blocks it copied in full (None: all of them)."""
 STREAM_CHUNK = 4 << 20
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
 # is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
 COPY_PIECE_BYTES = 64 << 20
-# Statuses that mean "the daemon can't serve this now": a miss, and back off.
-_OUTAGE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-           grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+# Statuses that mean "the daemon can't serve anything now": a miss, and back off. Any other
+# status refuses one call (a miss, or an error for an admin call), and the next one goes
+# through: a tenant refused `clear --all` is not an outage of its own engine's cache.
+_OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Refusals that are part of normal service (overload shedding, a lease that expired, a call
+# cancelled by the daemon's shutdown): logged at debug. Others are logged once per status.
+_ROUTINE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
+                      grpc.StatusCode.CANCELLED})
+DROP_LOG_S = 60.0  # dropped saves after the first: one summary line at most this often
+PROBE_TIMEOUT_S = 0.5  # a probe of a daemon that went away: an Info call this long at most
+
+
+class _CopyStopped(Exception):
+    """A copy stopped at its deadline before the blocks it was given were all copied."""
+
+
+class _Progress:
+    """Blocks of a fetch copied intact so far: what a fetch cut short still returns."""
+
+    def __init__(self, start: int) -> None:
+        self.done = start
 
 
 def normalize_target(target: str) -> tuple[str, bool]:
@@ -95,6 +126,17 @@ class AsyncKVClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_msg = max_message_bytes
         self._breaker = Breaker(backoff or BackoffPolicy(), log, self.target)
+        self._probe: asyncio.Task[None] | None = None  # probes a daemon that went away
+        self._refusals_logged: set[grpc.StatusCode] = set()
+        # The daemon's measured read bandwidth per tier, from its latest Lookup reply: what
+        # a transfer's deadline is planned at.
+        self._read_bandwidth: dict[str, float] = {}
+        self.dropped_saves = 0
+        """Saves (`publish`, `publish_with`) that stored fewer blocks than asked: the daemon
+        was down, slow or full, or the copy ran past its deadline."""
+        self.dropped_blocks = 0
+        self._drops_logged_at: float | None = None
+        self._drops_unlogged = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
@@ -118,12 +160,14 @@ class AsyncKVClient:
         return 0 if reply is None else reply.hits * self.layout.block_tokens
 
     async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
-                    max_blocks: int | None = None) -> tuple[int, torch.Tensor | None]:
+                    max_blocks: int | None = None, budget_s: float | None = None,
+                    ) -> tuple[int, torch.Tensor | None]:
         """`(n, kv)`: the longest cached prefix, `kv` shaped `[layers, kv, n, heads, head_dim]`.
 
         With `into` (a tensor shaped for all of `tokens`), blocks are written into its first `n`
         tokens and `into[:, :, :n]` is returned. A miss is `(0, None)`. `max_blocks` loads at
         most that many blocks of the prefix (`plan(...).load_blocks`); None: all of them.
+        `budget_s`: the seconds recomputing these tokens would take (see `fetch_with`).
         """
         keys = self.keys(tokens)[: _limit(max_blocks)]
         if into is not None:
@@ -132,8 +176,14 @@ class AsyncKVClient:
                 raise InvalidArgumentError("`into` holds fewer tokens than the prompt's blocks")
         if not keys:
             return 0, None
-        result = await self._guard(lambda: self._fetch(keys, into), None)
-        return (0, None) if result is None else result
+        until = self._until(len(keys), _budget(budget_s))
+        progress = _Progress(0)
+        out: list[torch.Tensor | None] = [into]
+        result = await self._guard(lambda: self._fetch(keys, out, until, progress), None,
+                                   until=until)
+        if result is not None:
+            return result
+        return self._kept(progress.done, out[0])
 
     async def publish(self, tokens: Tokens, kv: torch.Tensor) -> int:
         """Store the full blocks of `tokens`; returns the prompt tokens now cached (a prefix).
@@ -147,11 +197,12 @@ class AsyncKVClient:
             return 0
         if kv.device.type != "cpu":
             kv = kv[:, :, : len(keys) * self.layout.block_tokens].cpu()
-        stored = await self._guard(lambda: self._publish(keys, kv), 0, publish=True)
+        until = self._until(len(keys))
+        stored = await self._save(len(keys), lambda: self._publish(keys, kv, until), until)
         return stored * self.layout.block_tokens
 
     async def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
-                         max_blocks: int | None = None) -> int:
+                         max_blocks: int | None = None, budget_s: float | None = None) -> int:
         """Fetch the longest cached prefix of `tokens` and hand its blocks to `consume`, which
         copies them where the caller wants them: one copy, no tensor allocated here.
 
@@ -161,22 +212,34 @@ class AsyncKVClient:
         the daemon's shared memory, pinned by a lease for the call only: copy out of them and
         keep no reference. Over TCP they are views of a buffer received here. `consume` is
         called once per round of the fetch (more than once when the daemon serves a long prompt
-        in parts); once `stop` is set (the call's deadline passed) it should return soon: the
-        call is then a miss.
+        in parts). Once `stop` is set (the transfer's deadline passed) it should return soon,
+        with the number of leading blocks it copied in full (None: all).
+
+        Deadline: `deadline_s` plus the bytes' time at the measured bandwidth; with `budget_s`
+        (the seconds recomputing these tokens would take) the fetch goes on while finishing it
+        can still beat recomputing (`kvstore.planner.transfer_deadline`). A fetch cut short,
+        by its deadline or the daemon, keeps the prefix that was copied intact.
 
         Returns the end, in prompt tokens, of the prefix whose blocks reached `consume` intact
-        (a multiple of block_tokens; 0 on a miss). Blocks handed over past it (the daemon
-        dropped the lease during the copy, so they may have been overwritten meanwhile) must be
-        discarded by the caller. `max_blocks` ends the prefix after that many blocks (counted
-        from the prompt's start, as `plan(...).load_blocks` is).
+        (a multiple of block_tokens; 0 when none did). Blocks handed over past it (a copy
+        stopped midway, or the daemon dropped the lease during the copy, so they may have been
+        overwritten meanwhile) must be discarded by the caller. `max_blocks` ends the prefix
+        after that many blocks (counted from the prompt's start, as `plan(...).load_blocks`
+        is).
         """
         keys = self.keys(tokens)[: _limit(max_blocks)]
         if skip_blocks < 0:
             raise InvalidArgumentError(f"skip_blocks must be >= 0, got {skip_blocks}")
         if skip_blocks >= len(keys):
             return 0
-        blocks = await self._guard(lambda: self._fetch_with(keys, consume, skip_blocks), 0)
-        return blocks * self.layout.block_tokens
+        until = self._until(len(keys) - skip_blocks, _budget(budget_s))
+        progress = _Progress(skip_blocks)
+        blocks = await self._guard(
+            lambda: self._fetch_with(keys, consume, skip_blocks, until, progress), None,
+            until=until)
+        if blocks is None:  # cut short: what was copied intact still counts
+            blocks = progress.done
+        return (blocks if blocks > skip_blocks else 0) * self.layout.block_tokens
 
     async def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:
         """Store the full blocks of `tokens`, written by `produce` straight into the daemon's
@@ -191,7 +254,9 @@ class AsyncKVClient:
         keys = self.keys(tokens)
         if not keys:
             return 0
-        stored = await self._guard(lambda: self._publish_with(keys, produce), 0, publish=True)
+        until = self._until(len(keys))
+        stored = await self._save(len(keys), lambda: self._publish_with(keys, produce, until),
+                                  until)
         return stored * self.layout.block_tokens
 
     async def plan(self, tokens: Tokens, prefill_tokens_per_s: float,
@@ -257,24 +322,33 @@ class AsyncKVClient:
         return await self._guard(lambda: self._unary("Stats", pb.StatsRequest()), None)
 
     async def clear(self, *, all_namespaces: bool = False) -> int:
-        """Remove this namespace's blocks (or every block); returns how many were removed."""
+        """Remove this namespace's blocks (or every block); returns how many were removed.
+        A refusal (a tenant asking for `all_namespaces`) raises `PermissionDeniedError`."""
         req = pb.ClearRequest(all=True) if all_namespaces else pb.ClearRequest(namespace=self._ns)
-        reply = await self._guard(lambda: self._unary("Clear", req), None)
-        return 0 if reply is None else reply.removed
+        reply: pb.ClearReply | None = await self._guard(
+            lambda: self._unary("Clear", req), None, admin=True)
+        return 0 if reply is None else int(reply.removed)
 
     async def inspect(self) -> pb.InspectReply | None:
         """Namespaces the daemon holds and their blocks per tier (a TCP tenant: its own)."""
-        return await self._guard(lambda: self._unary("Inspect", pb.InspectRequest()), None)
+        return await self._guard(lambda: self._unary("Inspect", pb.InspectRequest()), None,
+                                 admin=True)
 
     async def ping(self) -> bool:
         return await self._guard(lambda: self._info(), None) is not None
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
         if self._background:  # give abandoned leases a moment to go back (they expire anyway)
             _, pending = await asyncio.wait(self._background, timeout=min(self.deadline_s, 0.5))
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self._drops_unlogged:
+            self._log_drops("before close")
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -286,32 +360,135 @@ class AsyncKVClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # ---- deadlines
+    def transfer_bandwidth(self) -> float:
+        """Bytes/s a transfer's deadline is planned at: the slowest of the daemon's measured
+        disk (and remote) reads and this client's own copy rate, priors where unmeasured."""
+        legs = [self._read_bandwidth.get("disk") or DEFAULT_BANDWIDTH["disk"],
+                self.copy_bandwidth or DEFAULT_BANDWIDTH["host"]]
+        if "remote" in self._read_bandwidth:
+            legs.append(self._read_bandwidth["remote"])
+        return min(legs)
+
+    def transfer_timeout(self, blocks: int, budget_s: float | None = None) -> float:
+        """Seconds a call moving `blocks` blocks may take (see `transfer_deadline`)."""
+        return transfer_deadline(blocks * self.layout.block_bytes, self.transfer_bandwidth(),
+                                 self.deadline_s, budget_s)
+
+    def _until(self, blocks: int, budget_s: float | None = None) -> float:
+        """The event-loop time a transfer of `blocks` blocks must end by."""
+        return asyncio.get_running_loop().time() + self.transfer_timeout(blocks, budget_s)
+
+    def _left(self, until: float) -> float:
+        return max(until - asyncio.get_running_loop().time(), 1e-3)
+
     # ---- failure policy
-    async def _guard(self, call: Callable[[], Awaitable[T]], miss: T, publish: bool = False) -> T:
+    async def _guard(self, call: Callable[[], Awaitable[T]], miss: T, *,
+                     until: float | None = None, admin: bool = False) -> T:
+        """Run `call` under its deadline (`until`, else `deadline_s`); any daemon trouble is
+        `miss`. `until` leaves a control call's deadline after it, for the release that ends
+        a transfer stopped at `until`."""
+        ok, result = await self._attempt(call, until=until, admin=admin)
+        return result if ok else miss  # type: ignore[return-value]
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]], *, until: float | None = None,
+                       admin: bool = False) -> tuple[bool, T | None]:
+        """`(True, result)`, or `(False, None)` when the daemon failed or refused the call
+        (or the breaker answered for it)."""
         if not self._breaker.allow():
-            return miss
+            return False, None
+        timeout = self.deadline_s if until is None else self._left(until) + self.deadline_s
         try:
-            async with asyncio.timeout(self.deadline_s):
+            async with asyncio.timeout(timeout):
                 result = await call()
         except InvalidArgumentError:
             raise
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgumentError(f"daemon rejected the request: {e.details()}") from None
-            if e.code() in _OUTAGE:
-                self._outage(f"{e.code().name}: {e.details()}")
-            else:  # RESOURCE_EXHAUSTED, NOT_FOUND...: this call misses, the daemon is fine
-                log.debug("kvstore call missed: %s %s", e.code().name, e.details())
-            return miss
+            self._failed(e.code(), e.details() or "", admin)
+            return False, None
+        except _CopyStopped as e:
+            log.debug("kvstore copy stopped at its deadline: %s", e)
+            return False, None
         except (TimeoutError, OSError, KVStoreError) as e:
-            self._outage(f"{type(e).__name__}: {e}")
-            return miss
+            self._outage(f"{type(e).__name__}: {e}", gone=False)
+            return False, None
         self._breaker.success()
-        return result
+        return True, result
 
-    def _outage(self, what: str) -> None:
+    def _failed(self, code: grpc.StatusCode, details: str, admin: bool) -> None:
+        """A call the daemon failed: an outage (back off), or a refusal of this call only."""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgumentError(f"daemon rejected the request: {details}") from None
+        if code in _OUTAGE:
+            self._outage(f"{code.name}: {details}", gone=code == grpc.StatusCode.UNAVAILABLE)
+            return
+        if admin and code == grpc.StatusCode.PERMISSION_DENIED:
+            raise PermissionDeniedError(f"daemon refused the call: {details}") from None
+        if admin and code == grpc.StatusCode.UNAUTHENTICATED:
+            raise AuthError(f"daemon refused the call: {details}") from None
+        self._breaker.success()  # it answered: whatever outage there was is over
+        if code in _ROUTINE or code in self._refusals_logged:
+            log.debug("kvstore call refused: %s %s", code.name, details)
+        else:
+            self._refusals_logged.add(code)
+            log.warning("kvstore daemon at %s refused a call (%s: %s); a miss (further %s "
+                        "refusals are logged at debug level)", self.target, code.name,
+                        details, code.name)
+
+    def _outage(self, what: str, *, gone: bool) -> None:
+        """The daemon did not answer. `gone`: it refused the connection (stopped or
+        restarting), so a cheap probe finds it back; else it is slow, and only the backoff
+        tries it again (each try costs a deadline)."""
         self._arena_id = ""  # the daemon may come back with another arena
         self._breaker.failure(what)
+        if gone and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_back())
+
+    async def _probe_until_back(self) -> None:
+        """While the daemon is gone: an `Info` call every `probe_s` (it waits for the channel
+        to reconnect, at most `PROBE_TIMEOUT_S`); the first answer lets calls through again."""
+        policy = self._breaker.policy
+        while self._breaker.open:
+            await asyncio.sleep(policy.probe_s)
+            try:
+                await self._stub_().Info(pb.InfoRequest(),
+                                         timeout=min(self.deadline_s, PROBE_TIMEOUT_S),
+                                         metadata=self._metadata, wait_for_ready=True)
+            except grpc.aio.AioRpcError:
+                continue
+            self._breaker.answered()
+            return
+
+    # ---- saves
+    async def _save(self, blocks: int, call: Callable[[], Awaitable[int]], until: float,
+                    ) -> int:
+        """Run a publish of `blocks` blocks; count and log it when it stores fewer."""
+        ok, stored = await self._attempt(call, until=until)
+        stored = stored if ok and stored is not None else 0
+        if stored < blocks:
+            why = ("the daemon lacked space" if ok else "the daemon was unavailable"
+                   if self._breaker.open else "the call failed or ran past its deadline")
+            self._dropped(blocks - stored, blocks, why)
+        return stored
+
+    def _dropped(self, missing: int, blocks: int, why: str) -> None:
+        self.dropped_saves += 1
+        self.dropped_blocks += missing
+        self._drops_unlogged += 1
+        if self._drops_logged_at is None:
+            log.warning("kvstore: a save was dropped: %d of %d blocks not stored (%s); dropped "
+                        "saves are counted and summarised here at most every %.0f s",
+                        missing, blocks, why, DROP_LOG_S)
+            self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0
+        elif time.monotonic() - self._drops_logged_at >= DROP_LOG_S:
+            self._log_drops(f"last: {why}")
+
+    def _log_drops(self, note: str) -> None:
+        since = time.monotonic() - (self._drops_logged_at or time.monotonic())
+        log.warning("kvstore: %d saves dropped in the last %.0f s (%d saves, %d blocks in all; "
+                    "%s)", self._drops_unlogged, since, self.dropped_saves,
+                    self.dropped_blocks, note)
+        self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0
 
     # ---- transport
     def _stub_(self) -> pb_grpc.KVStoreStub:
@@ -319,7 +496,9 @@ class AsyncKVClient:
             opts = [("grpc.max_receive_message_length", self._max_msg),
                     ("grpc.max_send_message_length", self._max_msg),
                     ("grpc.initial_reconnect_backoff_ms", 50),
-                    ("grpc.max_reconnect_backoff_ms", 1000),
+                    # A restarted daemon is reconnected to within this; reconnecting to a
+                    # Unix socket, or a refused TCP port, costs next to nothing.
+                    ("grpc.max_reconnect_backoff_ms", 250),
                     # Own subchannels: gRPC otherwise shares them across a process's channels,
                     # and a new client would inherit an old one's reconnect backoff (instant
                     # misses for up to a second after a daemon restart).
@@ -329,15 +508,21 @@ class AsyncKVClient:
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
-    async def _unary(self, method: str, request: object) -> T:  # type: ignore[type-var]
+    async def _unary(self, method: str, request: object,  # type: ignore[type-var]
+                     until: float | None = None) -> T:
+        """A unary call: a control call's deadline, or until `until` (a transfer's)."""
         fn = getattr(self._stub_(), method)
-        return await fn(request, timeout=self.deadline_s, metadata=self._metadata)
+        timeout = self.deadline_s if until is None else self._left(until)
+        return await fn(request, timeout=timeout, metadata=self._metadata)
 
     async def _info(self) -> pb.InfoReply:
         return await self._unary("Info", pb.InfoRequest())
 
     async def _lookup(self, keys: list[bytes]) -> pb.LookupReply:
-        return await self._unary("Lookup", pb.LookupRequest(namespace=self._ns, keys=keys))
+        reply: pb.LookupReply = await self._unary(
+            "Lookup", pb.LookupRequest(namespace=self._ns, keys=keys))
+        self._read_bandwidth.update(reply.read_bandwidth)
+        return reply
 
     async def _arena_for(self, arena_id: str) -> Arena | None:
         """The mapped arena named `arena_id`, (re)attaching after a daemon restart."""
@@ -356,23 +541,32 @@ class AsyncKVClient:
         self._arena_id = arena_id
         return self._arena
 
-    async def _copy(self, fn: Callable[..., None], *args: object) -> None:
-        """Run a copy between the arena and a tensor in a worker thread, cancellably.
+    async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,
+                    until: float | None = None) -> int:
+        """Run a copy of `blocks` blocks between the arena and a tensor in a worker thread,
+        cancellably; returns how many leading blocks it copied in full.
 
-        A cancelled call (its deadline) stops the copy at the next piece and waits for the
-        thread before unwinding: right after, the lease ends and its arena slots can be handed
-        to another caller, and the caller may reuse its tensor. A copy left running would read
-        another block into a result already reported as a miss, or write a dead reservation's
-        bytes over someone else's block.
+        At `until` the copy is told to stop (`stop` is set) and returns what it finished: the
+        caller keeps that prefix. A cancelled call stops the copy the same way and waits for
+        the thread before unwinding: right after, the lease ends and its arena slots can be
+        handed to another caller, and the caller may reuse its tensor. A copy left running
+        would read another block into a result already reported as a miss, or write a dead
+        reservation's bytes over someone else's block.
         """
         stop = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, stop))
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(until, stop.set) if until is not None else None
+        fut = loop.run_in_executor(None, functools.partial(fn, *args, stop))
         try:
-            await asyncio.shield(fut)
+            done = await asyncio.shield(fut)
         except asyncio.CancelledError:
             stop.set()
             await asyncio.wait([fut])
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return blocks if done is None else max(0, min(int(done), blocks))
 
     async def _leased(self, call: Awaitable[R], lease_of: Callable[[R], int]) -> R:
         """Await a reply that hands this client a lease. If the caller is cancelled first, the
@@ -450,42 +644,47 @@ class AsyncKVClient:
         return torch.empty(self.layout.kv_shape(blocks * self.layout.block_tokens),
                            dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
 
-    async def _fetch(self, keys: list[bytes], into: torch.Tensor | None,
-                     ) -> tuple[int, torch.Tensor | None]:
-        out = into
+    def _kept(self, blocks: int, out: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+        """`fetch`'s result for the first `blocks` blocks of `out` (a miss when none)."""
+        if blocks == 0 or out is None:
+            return 0, None
+        tokens = blocks * self.layout.block_tokens
+        return tokens, out[:, :, :tokens]
+
+    async def _fetch(self, keys: list[bytes], out: list[torch.Tensor | None], until: float,
+                     progress: _Progress) -> tuple[int, torch.Tensor | None]:
+        """Fetch into `out[0]` (allocated for every block on first need); `progress` follows
+        the blocks copied intact, for a fetch cut short."""
         if self.transfer == "stream":
-            done = 0
-            while done < len(keys):
-                n, more, out = await self._fetch_some(keys, done, out)
-                done += n
+            while progress.done < len(keys):
+                n, more, out[0] = await self._fetch_some(keys, progress.done, out[0], until)
+                progress.done += n
                 if not more or n == 0:
                     break
         else:
-            async def take(arena: Arena, head: pb.FetchChunk, first: int) -> None:
-                nonlocal out
-                if out is None:  # sized for every block asked for: later windows fill the rest
-                    out = self._new_out(len(keys))
-                await self._copy(self._copy_out, arena, list(head.blocks), out, first)
+            async def take(arena: Arena, head: pb.FetchChunk, first: int) -> int:
+                if out[0] is None:  # sized for every block asked for: later windows fill the rest
+                    out[0] = self._new_out(len(keys))
+                return await self._copy(self._copy_out, len(head.blocks), arena,
+                                        list(head.blocks), out[0], first, until=until)
 
-            done = await self._windows(keys, 0, take)
-        if done == 0 or out is None:
-            return 0, None
-        tokens = done * self.layout.block_tokens
-        return tokens, out[:, :, :tokens]
+            await self._windows(keys, take, until, progress)
+        return self._kept(progress.done, out[0])
 
-    async def _windows(self, keys: list[bytes], start: int,
-                       take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> int:
-        """Same-node fetch of `keys[start:]`. The daemon answers a window at a time (it stops
-        after `fetch_window_bytes` of disk or remote reads, or when its staging space runs
-        out, with `more` set); the rest is asked for before `take` copies the current window,
-        so the daemon's reads overlap this client's copy. Returns the end of the prefix copied
-        intact (`start` when nothing was). `take(arena, head, first)` copies `head`'s blocks,
-        the first being block `first` of `keys`; the lease is released here, and a lease that
-        ended during the copy makes that window a miss (its blocks may have been overwritten
-        meanwhile)."""
-        done = start
+    async def _windows(self, keys: list[bytes],
+                       take: Callable[[Arena, pb.FetchChunk, int], Awaitable[int]],
+                       until: float, progress: _Progress) -> None:
+        """Same-node fetch of `keys[progress.done:]`, advancing `progress.done` past every
+        window copied intact. The daemon answers a window at a time (it stops after
+        `fetch_window_bytes` of disk or remote reads, or when its staging space runs out, with
+        `more` set); the rest is asked for before `take` copies the current window, so the
+        daemon's reads overlap this client's copy. `take(arena, head, first)` copies `head`'s
+        blocks, the first being block `first` of `keys`, and returns how many leading ones it
+        copied in full (fewer when it stopped at `until`); the lease is released here, and a
+        lease that ended during the copy makes that window a miss (its blocks may have been
+        overwritten meanwhile)."""
         ahead: asyncio.Future[pb.FetchChunk] | None = asyncio.ensure_future(
-            self._fetch_head(keys, done))
+            self._fetch_head(keys, progress.done, until=until))
         overlapped = False  # `ahead` was asked for while this client held the window before
         try:
             while ahead is not None:
@@ -494,26 +693,30 @@ class AsyncKVClient:
                 if head.hits == 0 and overlapped:
                     # Asked for while the previous window was pinned: the daemon may have
                     # lacked staging space for both. Ask again, now that it is released.
-                    head = await self._fetch_head(keys, done)
+                    head = await self._fetch_head(keys, progress.done, until=until)
                 n = head.hits
                 if n == 0:
                     break
-                overlapped = head.more and done + n < len(keys)
+                overlapped = head.more and progress.done + n < len(keys)
                 if overlapped:
-                    ahead = asyncio.ensure_future(self._fetch_head(keys, done + n))
-                if not await self._take_leased(head, done, take):
+                    ahead = asyncio.ensure_future(
+                        self._fetch_head(keys, progress.done + n, until=until))
+                got = await self._take_leased(head, progress.done, take)
+                progress.done += got
+                if got < n:
                     break
-                done += n
         finally:
             if ahead is not None:
                 self._drop_head(ahead)
-        return done
 
-    async def _fetch_head(self, keys: list[bytes], start: int) -> pb.FetchChunk:
-        """One SHM Fetch of `keys[start:]`: its header (with a lease when it hit)."""
+    async def _fetch_head(self, keys: list[bytes], start: int,
+                          until: float | None = None) -> pb.FetchChunk:
+        """One SHM Fetch of `keys[start:]`: its header (with a lease when it hit). The daemon
+        reads a window of disk or remote hits before it answers: the transfer's deadline."""
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
                               transfer=pb.TRANSFER_SHM)
-        call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
+        timeout = self.deadline_s if until is None else self._left(until)
+        call = self._stub_().Fetch(req, timeout=timeout, metadata=self._metadata)
         return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
 
     def _drop_head(self, ahead: asyncio.Future[pb.FetchChunk]) -> None:
@@ -526,17 +729,18 @@ class AsyncKVClient:
             self._release_later(ahead.result().lease_id)
 
     async def _take_leased(self, head: pb.FetchChunk, first: int,
-                           take: Callable[[Arena, pb.FetchChunk, int], Awaitable[None]]) -> bool:
-        """Copy a leased window with `take`, then release it; False when the copy cannot be
-        trusted (no arena, or the lease ended before the copy did)."""
+                           take: Callable[[Arena, pb.FetchChunk, int], Awaitable[int]]) -> int:
+        """Copy a leased window with `take`, then release it; returns the leading blocks
+        copied intact (0 when the copy cannot be trusted: no arena, or the lease ended before
+        the copy did)."""
         released = False
         try:
             arena = await self._arena_for(head.arena_id)
             if arena is None:
-                return False
+                return 0
             began = time.perf_counter()
-            await take(arena, head, first)
-            self._observe_copy(head.blocks, time.perf_counter() - began)
+            got = await take(arena, head, first)
+            self._observe_copy(head.blocks[:got], time.perf_counter() - began)
             reply: pb.ReleaseReply = await self._unary(
                 "Release", pb.ReleaseRequest(lease_id=head.lease_id))
             released = True
@@ -547,16 +751,16 @@ class AsyncKVClient:
             # The lease expired (or the daemon restarted) before the copy ended: its blocks
             # were unpinned meanwhile and may have been overwritten. A miss.
             log.warning("fetch lease %d ended before the copy finished; a miss", head.lease_id)
-            return False
-        return True
+            return 0
+        return got
 
     async def _fetch_some(self, keys: list[bytes], start: int, out: torch.Tensor | None,
-                          ) -> tuple[int, bool, torch.Tensor | None]:
+                          until: float) -> tuple[int, bool, torch.Tensor | None]:
         """Streamed fetch (TCP) from block `start` on, into `out` (allocated for all keys on
         first need)."""
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
                               transfer=pb.TRANSFER_STREAM)
-        call = self._stub_().Fetch(req, timeout=self.deadline_s, metadata=self._metadata)
+        call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
         head = await anext(stream)  # a stream's lease ends with the stream
         n = head.hits
@@ -570,15 +774,19 @@ class AsyncKVClient:
         return n, head.more, out
 
     def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
-                  start: int, stop: threading.Event) -> None:
+                  start: int, stop: threading.Event) -> int:
+        """Copy `refs` into blocks `start...` of `out`; returns the blocks copied (a prefix)."""
         blocks = list(range(start, start + len(refs)))
+        copied = 0
         for view, first in self._runs(arena, blocks, refs):
             step = self._piece_blocks()
             for j in range(0, view.shape[2], step):
                 if stop.is_set():
-                    return
+                    return copied
                 part = view[:, :, j : j + step]
                 self._prompt_view(out, first + j, part.shape[2]).copy_(part)
+                copied += part.shape[2]
+        return copied
 
     async def _receive(self, stream: AsyncIterator[pb.FetchChunk], n: int,
                        out: torch.Tensor, start: int) -> None:
@@ -598,25 +806,30 @@ class AsyncKVClient:
         if block != n:
             raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
 
-    async def _publish(self, keys: list[bytes], kv: torch.Tensor) -> int:
+    async def _publish(self, keys: list[bytes], kv: torch.Tensor, until: float) -> int:
         if self.transfer == "stream":
-            return await self._publish_stream(keys, kv)
+            return await self._publish_stream(keys, kv, until)
 
         async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
-            await self._copy(self._copy_in, arena, todo, refs, kv)
+            got = await self._copy(self._copy_in, len(todo), arena, todo, refs, kv,
+                                   until=until)
+            if got < len(todo):
+                raise _CopyStopped(f"publish wrote {got} of {len(todo)} blocks")
 
-        return await _in_rounds(len(keys), 0, lambda d: self._reserve_write(keys, d, write))
+        return await _in_rounds(len(keys), 0,
+                                lambda d: self._reserve_write(keys, d, write, until))
 
     async def _reserve_write(
             self, keys: list[bytes], start: int,
             write: Callable[[Arena, list[int], list[pb.BlockRef]], Awaitable[None]],
-    ) -> tuple[int, bool]:
+            until: float) -> tuple[int, bool]:
         """Reserve from block `start` on, `write(arena, todo, refs)` the blocks the daemon
         lacks (prompt indices `todo`, arena offsets `refs`), commit; returns (blocks covered,
-        more). A write that fails or is cancelled gives its reservation back."""
+        more). A write that fails or is cancelled gives its reservation back. Reserve may make
+        room by writing other blocks to disk: it has the transfer's deadline."""
         reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:])), lambda r: r.lease_id)
+                                         keys=keys[start:]), until), lambda r: r.lease_id)
         if not reply.lease_id:  # nothing to write: every block is stored or being written
             return len(reply.needed), reply.more
         committed = False
@@ -634,16 +847,20 @@ class AsyncKVClient:
         return len(reply.needed), reply.more
 
     def _copy_in(self, arena: Arena, todo: list[int], refs: list[pb.BlockRef],
-                 kv: torch.Tensor, stop: threading.Event) -> None:
+                 kv: torch.Tensor, stop: threading.Event) -> int:
+        """Copy blocks `todo` of `kv` into `refs`; returns the blocks copied (a prefix)."""
+        copied = 0
         for view, first in self._runs(arena, todo, refs):
             step = self._piece_blocks()
             for j in range(0, view.shape[2], step):
                 if stop.is_set():
-                    return
+                    return copied
                 part = view[:, :, j : j + step]
                 part.copy_(self._prompt_view(kv, first + j, part.shape[2]))
+                copied += part.shape[2]
+        return copied
 
-    async def _publish_stream(self, keys: list[bytes], kv: torch.Tensor) -> int:
+    async def _publish_stream(self, keys: list[bytes], kv: torch.Tensor, until: float) -> int:
         have = (await self._lookup(keys)).hits
         if have == len(keys):
             return have
@@ -659,7 +876,7 @@ class AsyncKVClient:
                                           data=raw[off : off + STREAM_CHUNK].tobytes())
 
         reply: pb.PublishReply = await self._stub_().Publish(
-            messages(), timeout=self.deadline_s, metadata=self._metadata)
+            messages(), timeout=self._left(until), metadata=self._metadata)
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
@@ -668,47 +885,57 @@ class AsyncKVClient:
         raw = arena.tensor[ref.offset : ref.offset + ref.length]
         return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)  # type: ignore[arg-type]
 
-    async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int) -> int:
-        """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it, 0 on a miss)."""
+    async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int,
+                          until: float, progress: _Progress) -> int:
+        """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it)."""
         if self.transfer == "stream":
-            return await self._fetch_with_stream(keys, consume, skip)
+            return await self._fetch_with_stream(keys, consume, skip, until)
 
-        async def take(arena: Arena, head: pb.FetchChunk, first: int) -> None:
+        async def take(arena: Arena, head: pb.FetchChunk, first: int) -> int:
             views = [self._block_view(arena, ref) for ref in head.blocks]
-            await self._copy(consume, list(range(first, first + len(views))), views)
+            return await self._copy(consume, len(views), list(range(first, first + len(views))),
+                                    views, until=until)
 
-        done = await self._windows(keys, skip, take)
-        return done if done > skip else 0
+        await self._windows(keys, take, until, progress)
+        return progress.done
 
     async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,
-                                 ) -> int:
+                                 until: float) -> int:
         out: torch.Tensor | None = None
         done = skip
         while done < len(keys):
-            n, more, out = await self._fetch_some(keys, done, out)
+            n, more, out = await self._fetch_some(keys, done, out, until)
             done += n
             if not more or n == 0:
                 break
         if done == skip or out is None:
-            return 0
+            return skip
         blocks = list(range(skip, done))
-        await self._copy(consume, blocks,
-                         [self._prompt_view(out, i, 1)[:, :, 0] for i in blocks])
-        return done
+        got = await self._copy(consume, len(blocks), blocks,
+                               [self._prompt_view(out, i, 1)[:, :, 0] for i in blocks],
+                               until=until)
+        return skip + got
 
-    async def _publish_with(self, keys: list[bytes], produce: BlockCopy) -> int:
+    async def _publish_with(self, keys: list[bytes], produce: BlockCopy, until: float) -> int:
         if self.transfer == "stream":
             kv = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
                              dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
             blocks = list(range(len(keys)))
-            await self._copy(produce, blocks,
-                             [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks])
-            return await self._publish_stream(keys, kv)
+            got = await self._copy(produce, len(blocks), blocks,
+                                   [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks],
+                                   until=until)
+            if got < len(blocks):
+                raise _CopyStopped(f"publish wrote {got} of {len(blocks)} blocks")
+            return await self._publish_stream(keys, kv, until)
 
         async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
-            await self._copy(produce, todo, [self._block_view(arena, ref) for ref in refs])
+            got = await self._copy(produce, len(todo), todo,
+                                   [self._block_view(arena, ref) for ref in refs], until=until)
+            if got < len(todo):
+                raise _CopyStopped(f"publish wrote {got} of {len(todo)} blocks")
 
-        return await _in_rounds(len(keys), 0, lambda d: self._reserve_write(keys, d, write))
+        return await _in_rounds(len(keys), 0,
+                                lambda d: self._reserve_write(keys, d, write, until))
 
 
 async def _in_rounds(total: int, start: int,
@@ -736,3 +963,13 @@ def _limit(max_blocks: int | None) -> int | None:
 
 def _count(tokens: Tokens) -> int:
     return int(tokens.shape[0]) if isinstance(tokens, torch.Tensor | np.ndarray) else len(tokens)
+
+
+def _budget(budget_s: float | None) -> float | None:
+    """A `budget_s` argument, checked (None: no recompute budget known)."""
+    if budget_s is None:
+        return None
+    if isinstance(budget_s, bool) or not isinstance(budget_s, int | float) or not budget_s > 0:
+        raise InvalidArgumentError(f"budget_s must be a positive number or None, got "
+                                   f"{budget_s!r}")
+    return float(budget_s)

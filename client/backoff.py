@@ -1,7 +1,11 @@
-"""Failure handling shared by the client's calls: log once per outage, back off with jitter.
+"""Failure handling shared by the client's calls: log once per outage, back off with jitter,
+and probe cheaply for the daemon's return.
 
 While the daemon is unreachable, calls return a miss at once instead of waiting out a deadline
-each; the first call after the backoff window probes again.
+each. A daemon that is gone (connection refused: stopped, restarting) is probed with a small
+`Info` call every `probe_s`, so calls resume as soon as it answers again rather than after a
+backoff that grew during a long restart; a daemon that is there but slow (calls past their
+deadline) is only retried after the backoff, since each retry costs a deadline.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ class BackoffPolicy:
     maximum_s: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.5  # each delay is scaled by a random factor in [1 - jitter, 1]
+    probe_s: float = 0.1  # while the daemon is gone: seconds between cheap probes
 
 
 class Breaker:
-    """Tracks an outage: when to probe again, and whether it has been logged."""
+    """Tracks an outage: when to try again, and whether it has been logged."""
 
     def __init__(self, policy: BackoffPolicy, log: logging.Logger, target: str) -> None:
         self.policy = policy
@@ -30,6 +35,11 @@ class Breaker:
         self.failures = 0
         self.retry_at = 0.0
         self._rng = random.Random()
+
+    @property
+    def open(self) -> bool:
+        """An outage is under way (calls may still be let through to probe it)."""
+        return self.failures > 0
 
     def allow(self) -> bool:
         return self.failures == 0 or time.monotonic() >= self.retry_at
@@ -45,6 +55,11 @@ class Breaker:
         delay *= 1 - p.jitter * self._rng.random()
         self.failures += 1
         self.retry_at = time.monotonic() + delay
+
+    def answered(self) -> None:
+        """A probe got an answer: let the next call through now (it ends the outage if it
+        succeeds; if it fails, the backoff resumes from where it was)."""
+        self.retry_at = time.monotonic()
 
     def success(self) -> None:
         if self.failures:

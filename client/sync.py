@@ -40,18 +40,27 @@ class KVClient:
     def namespace(self) -> Namespace:
         return self._aio.namespace
 
-    def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
+    @property
+    def dropped_saves(self) -> int:
+        """See `AsyncKVClient.dropped_saves`."""
+        return self._aio.dropped_saves
+
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T, transfer_s: float = 0.0) -> T:
         if self._loop.is_closed():
             coro.close()
             raise RuntimeError("KVClient is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            # The coroutine enforces the deadline itself; this bound only guards against a
-            # wedged loop (a copy of gigabytes counts against it too).
-            return future.result(timeout=self._aio.deadline_s * 4 + 5)
+            # The coroutine enforces its deadline itself; this bound only guards against a
+            # wedged loop, well past that deadline (`transfer_s`: a transfer's).
+            return future.result(timeout=2 * transfer_s + self._aio.deadline_s * 4 + 5)
         except TimeoutError:
             future.cancel()
             return miss
+
+    def _transfer_s(self, tokens: Tokens, budget_s: float | None = None) -> float:
+        blocks = len(self._aio.keys(tokens))
+        return self._aio.transfer_timeout(blocks, budget_s if budget_s else None)
 
     def keys(self, tokens: Tokens) -> list[bytes]:
         return self._aio.keys(tokens)
@@ -60,8 +69,11 @@ class KVClient:
         return self._run(self._aio.lookup(tokens), 0)
 
     def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
-              max_blocks: int | None = None) -> tuple[int, torch.Tensor | None]:
-        return self._run(self._aio.fetch(tokens, into, max_blocks=max_blocks), (0, None))
+              max_blocks: int | None = None, budget_s: float | None = None,
+              ) -> tuple[int, torch.Tensor | None]:
+        return self._run(self._aio.fetch(tokens, into, max_blocks=max_blocks,
+                                         budget_s=budget_s), (0, None),
+                         self._transfer_s(tokens, budget_s))
 
     def plan(self, tokens: Tokens, prefill_tokens_per_s: float,
              bytes_per_token: int | None = None, *,
@@ -78,19 +90,21 @@ class KVClient:
         return self._aio.copy_bandwidth
 
     def publish(self, tokens: Tokens, kv: torch.Tensor) -> int:
-        return self._run(self._aio.publish(tokens, kv), 0)
+        return self._run(self._aio.publish(tokens, kv), 0, self._transfer_s(tokens))
 
     def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
-                   max_blocks: int | None = None) -> int:
+                   max_blocks: int | None = None, budget_s: float | None = None) -> int:
         """See `AsyncKVClient.fetch_with`: `consume(blocks, views, stop)` copies the cached
-        prefix's blocks out of the daemon's memory; returns the end of the intact prefix."""
+        prefix's blocks out of the daemon's memory; returns the end of the intact prefix (a
+        fetch cut short by its deadline keeps what it copied)."""
         return self._run(self._aio.fetch_with(tokens, consume, skip_blocks=skip_blocks,
-                                              max_blocks=max_blocks), 0)
+                                              max_blocks=max_blocks, budget_s=budget_s), 0,
+                         self._transfer_s(tokens, budget_s))
 
     def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:
         """See `AsyncKVClient.publish_with`: `produce(blocks, views, stop)` writes the blocks
         the daemon lacks straight into its memory; returns the prompt tokens now cached."""
-        return self._run(self._aio.publish_with(tokens, produce), 0)
+        return self._run(self._aio.publish_with(tokens, produce), 0, self._transfer_s(tokens))
 
     def stats(self) -> pb.StatsReply | None:
         return self._run(self._aio.stats(), None)

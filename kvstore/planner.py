@@ -100,6 +100,30 @@ def plan(
                 recompute)
 
 
+TRANSFER_SLACK = 4.0
+"""A transfer with no recompute budget may run this many times slower than its bandwidth
+says before it is given up (a busy host, a cold page cache, a daemon sharing the cores)."""
+
+
+def transfer_deadline(nbytes: int, bandwidth: float, base_s: float,
+                      budget_s: float | None = None) -> float:
+    """Seconds a transfer of `nbytes` at `bandwidth` bytes/s may take before it is given up.
+
+    A call that moves bytes is not held to a control call's deadline `base_s`: it gets
+    `base_s` plus its bytes' time. With `budget_s` (the seconds recomputing what it carries
+    would take), it goes on as long as finishing it can still beat recomputing: `budget_s`,
+    but never less than the bytes' time at `bandwidth`. Without one, `TRANSFER_SLACK` times
+    the bytes' time.
+    """
+    if nbytes < 0 or not bandwidth > 0 or not base_s > 0:
+        raise InvalidArgumentError(f"transfer_deadline: nbytes >= 0, bandwidth > 0 and "
+                                   f"base_s > 0, got {nbytes}, {bandwidth}, {base_s}")
+    expected = nbytes / bandwidth
+    if budget_s is not None and math.isfinite(budget_s):
+        return max(budget_s, base_s + expected)
+    return base_s + TRANSFER_SLACK * expected
+
+
 def serial_bandwidth(*legs: float | None) -> float:
     """Bytes/s of a transfer made of legs that run one after another (each byte goes through
     every leg): the harmonic sum. A leg of None costs nothing; no costly leg at all is

@@ -172,7 +172,12 @@ def test_daemon_lost_during_fetch_is_a_miss_within_deadline(daemon_factory, tran
     misses = sum(1 for _, n, _ in record if n == 0)
     assert misses > 0, "the fault never hit a fetch"
     assert any(n > 0 for _, n, _ in record), "no fetch succeeded before the fault"
-    assert slowest < DEADLINE_S + 0.050, f"slowest fetch {slowest * 1000:.1f} ms"
+    # A fetch moves bytes: its deadline is the control deadline plus their time at the
+    # planned bandwidth (issue 12), and a copy stopped there releases its lease under a
+    # control deadline more.
+    with KVClient(d.target, layout, deadline_s=DEADLINE_S) as c:
+        bound = c._aio.transfer_timeout(len(c.keys(tokens))) + DEADLINE_S
+    assert slowest < bound + 0.050, f"slowest fetch {slowest * 1000:.1f} ms"
     soak_record(f"daemon_lost_during_fetch[{transfer}-{how}]", operations=len(record),
                 kills=rounds if how == "kill" else 0, faults=rounds, misses=misses,
                 wrong=0, slowest_ms=round(slowest * 1000, 1))
