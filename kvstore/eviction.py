@@ -660,6 +660,11 @@ class PrefixPolicy(EvictionPolicy):
             self.model.end(b.cls, b.last, now, reused=True)
             b.last, b.born, b.q, b.parked = now, now, -1, False
             b.cls = self.ONCE if b.cls < self.ONCE else self.MORE
+            if b.parent is not None:  # a key's parent never changes: linked again at once
+                self._kids[b.parent] = self._kids.get(b.parent, 0) + 1
+                p = self.blocks.get(b.parent)
+                if p is not None:
+                    self._unqueue(p)
         else:
             b = _Block(key, now)
         self.model.start(b.cls, now)
@@ -732,8 +737,7 @@ class PrefixPolicy(EvictionPolicy):
         self._unqueue(b)
         self._parked.pop(key, None)
         if b.parent is not None:
-            self._unkid(b.parent)
-            b.parent = None
+            self._unkid(b.parent)  # the ghost keeps its parent's key, for its return
         self._ghost[key] = (b, nbytes)
         self._ghost_bytes += nbytes
         now = self.clock()

@@ -282,24 +282,29 @@ ALL = [key for t in range(3) for key in chain(t, 4)]
 
 def replay(p: TierPolicy, clock: Clock, ops: list[tuple[str, int, int]],
            check: object) -> None:
-    """Requests as the daemon makes them: the missing blocks of a chain are added (making room
-    with `victims`, stopping where pins leave none), then the chain is touched."""
+    """Requests as the daemon makes them: the request's blocks are pinned while it holds them
+    (hits under its fetch lease, new blocks while written); the missing ones are added, making
+    room with `victims` and stopping where pins leave none; then the chain is touched."""
     pins: dict[bytes, int] = {}
     for op, tree, n in ops:
         keys = chain(tree, n)
         if op == "use":
+            held: list[bytes] = []
             for key in keys:
-                if key in p:
-                    continue
-                try:
-                    victims = p.victims(SIZE)
-                except CapacityError:
-                    break
-                for v in victims:
-                    assert v not in pins
-                    p.remove(v)
-                p.add(key, SIZE)
+                if key not in p:
+                    try:
+                        victims = p.victims(SIZE)
+                    except CapacityError:
+                        break
+                    for v in victims:
+                        assert v not in pins and v not in held
+                        p.remove(v)
+                    p.add(key, SIZE)
+                p.pin(key)
+                held.append(key)
             p.touch_chain(keys)
+            for key in held:
+                p.unpin(key)
         elif op == "pin" and keys[-1] in p:
             p.pin(keys[-1])
             pins[keys[-1]] = pins.get(keys[-1], 0) + 1
