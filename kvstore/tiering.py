@@ -84,11 +84,12 @@ class TierPolicy:
 
     def remove(self, key: bytes) -> int:
         """Forget a block (evicted, deleted or corrupt); returns its size, 0 if absent."""
-        nbytes = self._sizes.pop(key, 0)
-        if nbytes:
-            self.used_bytes -= nbytes
-            self._pins.pop(key, None)
-            self.eviction.remove(key)
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is None:
+            return 0
+        self.used_bytes -= nbytes
+        self._pins.pop(key, None)
+        self.eviction.remove(key)
         return nbytes
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:

@@ -375,3 +375,12 @@ def test_the_daemons_option() -> None:
     assert ServerConfig(eviction_policy="s3fifo").eviction_policy == "s3fifo"
     with pytest.raises(ConfigError, match="eviction_policy"):
         ServerConfig(eviction_policy="mru")
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_empty_blocks_are_forgotten_too(policy: str) -> None:
+    p = TierPolicy("t", 10, policy, Clock())
+    p.add(k("z"), 0)
+    assert p.remove(k("z")) == 0
+    assert k("z") not in p
+    assert p.next_victim() is None
