@@ -118,6 +118,10 @@ class KVClient:
     def ping(self) -> bool:
         return self._run(self._aio.ping(), False)
 
+    def prepare(self) -> bool:
+        """See `AsyncKVClient.prepare`: map the daemon's arena now."""
+        return self._run(self._aio.prepare(), False)
+
     def close(self) -> None:
         if self._loop.is_closed():
             return

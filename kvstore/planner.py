@@ -177,6 +177,10 @@ class PrefillModel:
 
     window: int = 32
     samples: deque[tuple[int, float]] = field(default_factory=deque)
+    """Full prefills: (prompt tokens, seconds)."""
+    spans: deque[tuple[int, int, float]] = field(default_factory=deque)
+    """Parts of prefills (chunked prefill): (first token, end, seconds) of a forward pass that
+    computed tokens `[first, end)` with the ones before already in the cache."""
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in one forward pass over `tokens` prompt tokens (nothing cached) that took
@@ -187,19 +191,36 @@ class PrefillModel:
         while len(self.samples) > self.window:
             self.samples.popleft()
 
+    def observe_span(self, start: int, end: int, seconds: float) -> None:
+        """Fold in one forward pass that computed tokens `[start, end)` of a prompt whose first
+        `start` tokens were cached: `t(end) - t(start)` in the model."""
+        if start == 0:
+            self.observe(end, seconds)
+            return
+        if not 0 < start < end or seconds <= 0 or not math.isfinite(seconds):
+            return
+        self.spans.append((start, end, seconds))
+        while len(self.spans) > self.window:
+            self.spans.popleft()
+
+    def _rows(self) -> list[tuple[int, int, float]]:
+        return [(0, n, t) for n, t in self.samples] + list(self.spans)
+
     def coefficients(self) -> tuple[float, float] | None:
         """`(a, b)`, or None before the first sample."""
-        if not self.samples:
+        rows = self._rows()
+        if not rows:
             return None
-        # Rows divided by t: minimise sum(((a*n + b*n^2) - t) / t)^2.
-        xs = [(n / t, n * n / t) for n, t in self.samples]
+        # Rows divided by t: minimise sum(((a*dn + b*dn2) - t) / t)^2, where dn = end - start
+        # and dn2 = end^2 - start^2 (t(end) - t(start); a full prefill starts at 0).
+        xs = [((e - s) / t, (e * e - s * s) / t) for s, e, t in rows]
         s11 = sum(x * x for x, _ in xs)
         s12 = sum(x * y for x, y in xs)
         s22 = sum(y * y for _, y in xs)
         r1 = sum(x for x, _ in xs)
         r2 = sum(y for _, y in xs)
         det = s11 * s22 - s12 * s12
-        if len({n for n, _ in self.samples}) >= 2 and det > 1e-12 * s11 * s22:
+        if len({(s, e) for s, e, _ in rows}) >= 2 and det > 1e-12 * s11 * s22:
             a = (r1 * s22 - r2 * s12) / det
             b = (r2 * s11 - r1 * s12) / det
             if a >= 0 and b >= 0:
@@ -211,7 +232,8 @@ class PrefillModel:
 
     def _residual(self, ab: tuple[float, float]) -> float:
         a, b = ab
-        return sum(((a * n + b * n * n) - t) ** 2 / (t * t) for n, t in self.samples)
+        return sum(((a * (e - s) + b * (e * e - s * s)) - t) ** 2 / (t * t)
+                   for s, e, t in self._rows())
 
     def seconds(self, tokens: int) -> float | None:
         """Predicted time to prefill `tokens` tokens from nothing; None before any sample."""

@@ -32,9 +32,17 @@ a preempted request's pending saves are waited for in `handle_preemptions`, befo
 can be reused). A full save queue drops the save (a future miss), never blocks the step.
 `kvstore.async_save=false` publishes synchronously in `wait_for_save` instead.
 
-A failed or short fetch is reported through `get_block_ids_with_load_errors` and vLLM recomputes
-those blocks: never garbage. A daemon that is down is a lookup miss within the client's
-deadline, so vLLM computes as if there were no connector.
+A load's deadline follows its size and the measured bandwidth, and the time this engine takes
+to recompute what it carries (learnt from its own full prefills): it is abandoned only when
+finishing it can no longer beat recomputing. A load cut short, or a failed or short fetch,
+keeps the prefix that arrived intact; only the blocks after it are reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes those: never garbage, never more than
+what is missing. A daemon that is down is a lookup miss within the client's deadline, so vLLM
+computes as if there were no connector. Background saves copy on the CPUs vLLM's compute
+threads are not bound to (`VLLM_CPU_NUM_OF_RESERVED_CPU`), so they do not take turns with
+the decode steps that run meanwhile. A save that does not happen (queue full, daemon down,
+slow or full) is counted and logged: the first at once, then a summary at most once a
+minute.
 
 Limits: one KV-cache group of full attention (no MLA, sliding-window or hybrid models), tensor
 and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings
@@ -44,6 +52,7 @@ bypass the store).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import threading
@@ -67,6 +76,7 @@ from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, View, native_co
 from client.sync import KVClient
 from kernels.layouts import EngineKV, EngineLayout
 from kvstore.layout import KVLayout
+from kvstore.planner import PrefillModel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +91,7 @@ log = logging.getLogger("kvstore.vllm")
 _MAX_CLIENTS = 16  # one client per (salt, LoRA) namespace; salts are few in practice
 _COPY_PIECE_BYTES = 64 << 20  # a load checks its deadline between copies of about this size
 _SHUTDOWN_SAVE_S = 10.0  # at shutdown, pending saves get this long to finish
+_DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary this often
 
 
 class ConnectorConfigError(ValueError):
@@ -101,7 +112,9 @@ class ConnectorConfig:
     """Model id in the layout (default: vLLM's model path); set it to share blocks with
     engines that name the model differently."""
     deadline_s: float = 1.0
-    """Per-call deadline: a daemon slower than this is a miss."""
+    """Deadline of a control call (lookup, lease, release): a daemon slower than this is a
+    miss. A load or save also gets its bytes' time at the daemon's measured bandwidth, and a
+    load goes on as long as finishing it beats recomputing (`AsyncKVClient.fetch_with`)."""
     transfer: str = "auto"
     """`auto`, `shm` or `stream` (see `AsyncKVClient`)."""
     tenant: str = ""
@@ -241,6 +254,10 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     """Requests preempted this step: their pages may be reused by this step's forward."""
+    prefill: tuple[int, int] | None = None
+    """`(start, end)` when this step computes only prompt tokens `[start, end)` of one
+    request, with nothing to load: the worker times such steps to learn what recomputing
+    costs (a chunked prefill gives one per chunk)."""
 
 
 @dataclass
@@ -306,13 +323,36 @@ def _pieces(items: list[View], bytes_per_page: int) -> Iterable[list[View]]:
         yield group
 
 
+def _side_cpus() -> set[int] | None:
+    """CPUs the calling thread (vLLM's worker, bound to its compute CPUs) is not bound to:
+    where a background save should copy, so it does not take turns with the forward pass on
+    the compute CPUs. None where the thread may run anywhere (nothing to move away from)."""
+    try:
+        bound = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    every = set(range(os.cpu_count() or 1))
+    side = every - bound
+    return side or None
+
+
+def _run_on(cpus: set[int] | None) -> None:
+    """Bind the calling thread to `cpus` (no-op for None, or where that is refused)."""
+    if cpus:
+        try:
+            if os.sched_getaffinity(0) != cpus:
+                os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError):
+            pass
+
+
 class _Saver:
     """A background thread that runs saves in order, with a bounded queue, counting the
     saves pending per request."""
 
-    def __init__(self, save: Callable[[SaveSpec], None], maxsize: int) -> None:
+    def __init__(self, save: Callable[[SaveSpec, float], None], maxsize: int) -> None:
         self._save = save
-        self._queue: queue.Queue[SaveSpec | None] = queue.Queue(maxsize)
+        self._queue: queue.Queue[tuple[SaveSpec, float] | None] = queue.Queue(maxsize)
         self._pending: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvstore-saver", daemon=True)
@@ -323,7 +363,7 @@ class _Saver:
         with self._cond:
             self._pending[spec.req_id] += 1
         try:
-            self._queue.put_nowait(spec)
+            self._queue.put_nowait((spec, time.perf_counter()))
         except queue.Full:
             self._done(spec.req_id)
             return False
@@ -351,9 +391,10 @@ class _Saver:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (spec := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            spec, queued = item
             try:
-                self._save(spec)
+                self._save(spec, queued)
             except Exception:  # a failed save is a future miss, never the engine's problem
                 log.exception("kvstore save failed for request %s", spec.req_id)
             finally:
@@ -394,6 +435,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._finishing: set[str] = set()  # of those, finished ones with saves still pending
         self.loaded_tokens = 0
         self.saved_tokens = 0
+        # What recomputing costs here, learnt from the worker's own full prefills: a load goes
+        # on while finishing it can still beat recomputing what it carries.
+        self._prefill = PrefillModel()
+        self._step_began: float | None = None
+        self._side_cpus: set[int] | None = None  # CPUs off vLLM's compute threads: saves
+        self.dropped_saves = 0  # saves not queued (queue full); the client counts its own
+        self._drops_logged_at: float | None = None
+        self._drops_unlogged = 0
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss is never an error: a block that fails to load is recomputed. vLLM's
             # default policy ("fail") would fail the request instead. The scheduler reads the
@@ -458,6 +507,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = KVStoreConnectorMetadata(
             preempted=sorted(scheduler_output.preempted_req_ids or ()))
         scheduled = scheduler_output.num_scheduled_tokens
+        meta.prefill = self._prefill_span(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -476,6 +526,25 @@ class KVStoreConnector(KVConnectorBase_V1):
                 state.block_ids.extend(new_ids[0])
             self._plan(req_id, state, cached.num_computed_tokens[i], scheduled[req_id], meta)
         return meta
+
+    def _prefill_span(self, out: SchedulerOutput) -> tuple[int, int] | None:
+        """`(start, end)` of the prompt tokens this step computes, when it computes only those
+        of a single request (no decode, no other request)."""
+        scheduled = out.num_scheduled_tokens
+        if len(scheduled) != 1:
+            return None
+        (req_id, n), = scheduled.items()
+        new = out.scheduled_new_reqs
+        if new:
+            start, prompt = new[0].num_computed_tokens, len(new[0].prompt_token_ids or ())
+        else:
+            cached = out.scheduled_cached_reqs
+            state = self._requests.get(req_id)
+            if state is None or req_id not in cached.req_ids:
+                return None
+            start = cached.num_computed_tokens[cached.req_ids.index(req_id)]
+            prompt = len(state.tokens)
+        return (start, start + n) if n > 0 and start + n <= prompt else None
 
     def _plan(self, req_id: str, state: _Request, computed: int, num_scheduled: int,
               meta: KVStoreConnectorMetadata) -> None:
@@ -538,9 +607,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                                        f"vLLM's block size {self._block_size}")
         if cache.engine is None:
             native_copy()  # build (or load) the C copy routine now, not in the first request
+        self._side_cpus = _side_cpus()
+        log.info("kvstore: background saves copy on CPUs %s", sorted(self._side_cpus or ())
+                 or "any (vLLM's compute threads are not bound)")
         self._cache = cache
+        # Map the daemon's arena at engine start: its pages are touched in the background
+        # before the first save copies into them (client.aio.PREFAULT_ENV).
+        self._client("", "").prepare()
         if self._cfg.async_save and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before every step's forward: the step's start, to time full prefills."""
+        super().bind_connector_metadata(connector_metadata)
+        self._step_began = time.perf_counter()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._failed_reqs.clear()
@@ -551,20 +631,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception:  # a cache must never take the engine down: recompute instead
                 log.exception("kvstore load failed for request %s", spec.req_id)
                 loaded = spec.start
+            ms = (time.perf_counter() - began) * 1e3
+            self.loaded_tokens += max(0, loaded - spec.start)
             if loaded < spec.end:
                 self._failed_reqs.add(spec.req_id)
-                # The whole scheduler blocks from the first token not loaded: vLLM recomputes
-                # from the first of them.
+                # Only the blocks from the first token not loaded: vLLM keeps the prefix that
+                # arrived and recomputes from there.
                 first = loaded // self._block_size
                 last = -(-spec.end // self._block_size)
                 self._load_errors.update(spec.block_ids[first:last])
-                log.warning("kvstore: request %s loaded %d of %d claimed tokens; vLLM "
-                            "recomputes the rest", spec.req_id, max(0, loaded - spec.start),
-                            spec.end - spec.start)
+                log.warning("kvstore: request %s loaded %d of %d claimed tokens in %.1f ms "
+                            "(tokens [%d, %d)); vLLM recomputes the rest", spec.req_id,
+                            max(0, loaded - spec.start), spec.end - spec.start, ms,
+                            spec.start, loaded)
             else:
-                self.loaded_tokens += spec.end - spec.start
                 log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
-                         spec.start, spec.end, (time.perf_counter() - began) * 1e3)
+                         spec.start, spec.end, ms)
+
+    def _recompute_s(self, start: int, end: int) -> float | None:
+        """Seconds this engine would take to compute tokens `[start, end)` of a prompt (the
+        attention over the first `start` included), from its own full prefills; None before
+        it has timed one."""
+        t_end, t_start = self._prefill.seconds(end), self._prefill.seconds(start)
+        if t_end is None or t_start is None or t_end <= t_start:
+            return None
+        return t_end - t_start
 
     def _metadata(self) -> KVStoreConnectorMetadata:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
@@ -585,9 +676,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         guard = _CopyGuard()
 
         def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
-                    ) -> None:
+                    ) -> int:
             items: list[View] = []
-            for b, view in zip(blocks, views, strict=True):
+            owners: list[int] = []  # the position in `blocks` of each item
+            for i, (b, view) in enumerate(zip(blocks, views, strict=True)):
                 # Only tokens vLLM asked for: the ones before `start` it computed itself, and
                 # those pages may be prefix-cache pages other requests are reading; `end` may
                 # fall inside a page (the prompt's last token is vLLM's to compute).
@@ -596,14 +688,19 @@ class KVStoreConnector(KVConnectorBase_V1):
                     pages = token_pages(spec.block_ids, self._block_size, ps, lo,
                                         -(-hi // ps) * ps)
                     items.append((view, lo - b * bt, pages, hi - lo))
+                    owners.append(i)
+            copied = 0
             for piece in _pieces(items, bytes_per_page):
                 if not guard.run(stop, lambda piece=piece: cache.scatter_views(piece)):
-                    return
+                    return owners[copied]  # the blocks before the first item not copied
+                copied += len(piece)
+            return len(blocks)
 
         began = time.perf_counter()
         try:
             n = self._client(spec.salt, spec.lora).fetch_with(
-                spec.tokens, consume, skip_blocks=spec.start // bt)
+                spec.tokens, consume, skip_blocks=spec.start // bt,
+                budget_s=self._recompute_s(spec.start, spec.end))
         finally:
             guard.close()  # no copy into vLLM's pages after this
         # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
@@ -621,7 +718,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Blocks are saved whole, all layers at once, after the forward (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        for spec in self._metadata().saves:
+        meta = self._metadata()
+        if meta.prefill is not None and self._step_began is not None and not meta.loads:
+            self._prefill.observe_span(*meta.prefill, time.perf_counter() - self._step_began)
+        for spec in meta.saves:
             if self._cfg.async_save:
                 self._save_reqs.add(spec.req_id)  # the scheduler holds its blocks for us
             if self._cache is None or spec.req_id in self._failed_reqs:
@@ -629,19 +729,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             if self._saver is None:
                 try:
-                    self._save(spec)
+                    self._save(spec, time.perf_counter())
                 except Exception:
                     log.exception("kvstore save failed for request %s", spec.req_id)
             elif not self._saver.submit(spec):
-                log.warning("kvstore: save queue full (%d); request %s is not saved",
-                            self._cfg.save_queue, spec.req_id)
+                self._dropped(spec.req_id)
 
-    def _save(self, spec: SaveSpec) -> None:
+    def _save(self, spec: SaveSpec, queued: float) -> None:
         """Copy the prompt's full blocks from vLLM's pages into blocks reserved in the
         daemon's memory, and commit them (in the saver thread, or in `wait_for_save`)."""
         cache = self._cache
-        assert cache is not None
+        if cache is None:
+            return
         began = time.perf_counter()
+        copying = [0.0]
         pages = token_pages(spec.block_ids, self._block_size, cache.page_size, 0,
                             len(spec.tokens))
         per_block = self._layout.block_tokens // cache.page_size
@@ -649,20 +750,28 @@ class KVStoreConnector(KVConnectorBase_V1):
         guard = _CopyGuard()
 
         def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
-                    ) -> None:
+                    ) -> int:
+            _run_on(self._side_cpus)  # off vLLM's compute threads, which decode meanwhile
             items: list[View] = [(view, 0, pages[b * per_block : (b + 1) * per_block])
                                  for b, view in zip(blocks, views, strict=True)]
+            t0 = time.perf_counter()
+            copied = 0
             for piece in _pieces(items, bytes_per_page):
                 if not guard.run(stop, lambda piece=piece: cache.gather_views(piece)):
-                    return
+                    break
+                copied += len(piece)
+            copying[0] += time.perf_counter() - t0
+            return copied
 
         try:
             stored = self._client(spec.salt, spec.lora).publish_with(spec.tokens, produce)
         finally:
             guard.close()  # no reads of vLLM's pages after this: they may be freed next
         self.saved_tokens += stored
-        log.debug("kvstore: request %s published in %.1f ms; %d prompt tokens cached",
-                  spec.req_id, (time.perf_counter() - began) * 1e3, stored)
+        log.info("kvstore: request %s saved %d tokens in %.1f ms (copy %.1f ms, queued "
+                 "%.1f ms); %d prompt tokens cached", spec.req_id, len(spec.tokens),
+                 (time.perf_counter() - began) * 1e3, copying[0] * 1e3, (began - queued) * 1e3,
+                 stored)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before this step's forward can write into a preempted request's freed pages: wait
@@ -684,6 +793,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._finishing -= done
         self._save_reqs -= done
         return done or None, None
+
+    def _dropped(self, req_id: str) -> None:
+        """A save the full queue turned away: counted, logged once, then summarised."""
+        self.dropped_saves += 1
+        self._drops_unlogged += 1
+        now = time.monotonic()
+        if self._drops_logged_at is None or now - self._drops_logged_at >= _DROP_LOG_S:
+            log.warning("kvstore: save queue full (%d): %d save(s) dropped since the last such "
+                        "line (%d in all; latest: request %s); a dropped save is a future miss",
+                        self._cfg.save_queue, self._drops_unlogged, self.dropped_saves, req_id)
+            self._drops_logged_at, self._drops_unlogged = now, 0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -34,15 +34,16 @@ class _ShortFetch:
         kv[:, :, short:] = float("nan")
         return short, kv
 
-    def fetch_with(self, tokens: Any, consume: Any, *, skip_blocks: int = 0) -> int:
+    def fetch_with(self, tokens: Any, consume: Any, *, skip_blocks: int = 0,
+                   **kwargs: Any) -> int:
         last = len(self._client.keys(tokens)) - 1
 
-        def poisoned(blocks: list[int], views: list[torch.Tensor], stop: Any) -> None:
+        def poisoned(blocks: list[int], views: list[torch.Tensor], stop: Any) -> int | None:
             views = [torch.full_like(v, float("nan")) if b == last else v
                      for b, v in zip(blocks, views, strict=True)]
-            consume(blocks, views, stop)
+            return consume(blocks, views, stop)  # type: ignore[no-any-return]
 
-        n = self._client.fetch_with(tokens, poisoned, skip_blocks=skip_blocks)
+        n = self._client.fetch_with(tokens, poisoned, skip_blocks=skip_blocks, **kwargs)
         return min(n, last * self._client.layout.block_tokens)
 
 

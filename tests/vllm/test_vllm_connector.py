@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,15 +37,25 @@ LOGPROB_TOL = 1e-3  # loaded KV are the recompute run's bytes; only the suffix m
 DOWN_BOUND_S = 30.0  # a generate with the daemon gone: recompute, bounded by client deadlines
 
 
+def logging_config() -> Path:
+    """A logging config for every vLLM process (`VLLM_LOGGING_CONFIG_PATH`) that also shows
+    the connector's INFO lines (its loads and saves) in the engine's output."""
+    from benchmarks.vllm_ttft import LOGGING
+
+    path = Path(tempfile.gettempdir()) / f"kvstore-vllm-test-logging-{os.getpid()}.json"
+    path.write_text(json.dumps(LOGGING))
+    return path
+
+
 class Engine(JsonLineWorker):
     """A `vllm_runner` subprocess: one vLLM engine with the connector."""
 
-    def __init__(self, model: Path, target: str, **opts: Any) -> None:
+    def __init__(self, model: Path, target: str, log: Path | None = None, **opts: Any) -> None:
         args = {"model": str(model), "target": target, "block_size": BLOCK, **opts}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_CONFIG_PATH": str(logging_config())}
         super().__init__("engine", [sys.executable, "-m", "tests.vllm.vllm_runner",
-                                    json.dumps(args)], cwd=ROOT, env=env)
+                                    json.dumps(args)], cwd=ROOT, env=env, log_path=log)
         if not self.read().get("ready"):
             raise RuntimeError("engine did not start:\n" + self.tail())
         require_varied_output(self.generate([" ".join(corpus(4, seed=424242))]))

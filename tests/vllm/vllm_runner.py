@@ -36,7 +36,8 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
-def make_model(path: Path, *, layers: int = 2, dtype: str = "float32") -> Path:
+def make_model(path: Path, *, layers: int = 2, dtype: str = "float32",
+               positions: int = 2048) -> Path:
     """A random-weight Llama (2 layers, 4 heads, 2 KV heads, head_dim 64) with a byte-level
     BPE tokenizer trained here: no model hub needed."""
     import torch
@@ -53,7 +54,7 @@ def make_model(path: Path, *, layers: int = 2, dtype: str = "float32") -> Path:
                                    pad_token="<pad>")
     cfg = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=256, intermediate_size=512,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=2048, bos_token_id=0,
+                      head_dim=64, max_position_embeddings=positions, bos_token_id=0,
                       eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
                       # Wider than the default 0.02, so greedy tokens depend on the context
                       # (a near-zero init repeats one token whatever the prompt); the engine
