@@ -28,7 +28,12 @@ the kvstore daemon and LMCache's server share core 1).
 
 TTFT is the wall time of `LLM.generate` of one prompt with `max_tokens=1`, measured in the
 engine process: scheduling, the connector's lookup and load, the prefill of the tokens not
-loaded, and sampling (no detokenisation: no tokenizer). "Warm" is `reset_prefix_cache()`
+loaded, and sampling (no detokenisation: no tokenizer). Every engine runs with vLLM's own
+scheduler defaults unless `--max-num-batched-tokens` is given; the settings each engine ran
+with (prefix caching, chunked prefill, max batched tokens) are printed and saved with the
+results. "save ms" is the connector's background save of the cold run's prompt (logged by
+the connector: reserve, copy out of vLLM's pages into the daemon's memory, commit), beside
+"load ms", its load of the same prompt from the host tier. "Warm" is `reset_prefix_cache()`
 (retried until it returns True: a connector still saving holds blocks) and then the same
 prompt again, so every reused token comes from the connector, none from vLLM's own prefix
 cache. A warm run's first token is checked against the recompute run's.
@@ -65,6 +70,8 @@ LOGGING = {
                 for name in ("vllm", "kvstore")},
 }
 LOAD_LINE = re.compile(r"kvstore: request \S+ loaded tokens \[(\d+), (\d+)\) in ([\d.]+) ms")
+SAVE_LINE = re.compile(r"kvstore: request \S+ saved (\d+) tokens in ([\d.]+) ms \(copy "
+                       r"([\d.]+) ms, queued ([\d.]+) ms\); (\d+) prompt tokens cached")
 
 
 # ---- engine subprocess: `python -m benchmarks.vllm_ttft --engine '{json}'`
@@ -82,13 +89,20 @@ def engine_main(opts: dict[str, Any]) -> None:
                                kv_connector_module_path=opts.get("module"),
                                kv_role="kv_both",
                                kv_connector_extra_config=opts.get("extra", {}))
+    sched: dict[str, Any] = {k: opts[k] for k in ("max_num_batched_tokens",
+                                                  "enable_chunked_prefill") if k in opts}
     llm = LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True,
               skip_tokenizer_init=True, block_size=opts["block_size"],
-              max_model_len=opts["max_model_len"],
-              max_num_batched_tokens=opts["max_model_len"], max_num_seqs=4, seed=0,
-              kv_transfer_config=ktc)
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, detokenize=False)
-    print("RESULT " + json.dumps({"ready": True}), flush=True)
+              max_model_len=opts["max_model_len"], max_num_seqs=4, seed=0,
+              kv_transfer_config=ktc, **sched)
+    sc, cc = llm.llm_engine.vllm_config.scheduler_config, llm.llm_engine.vllm_config.cache_config
+    settings = {"enable_prefix_caching": cc.enable_prefix_caching,
+                "enable_chunked_prefill": sc.enable_chunked_prefill,
+                "max_num_batched_tokens": sc.max_num_batched_tokens,
+                "max_num_seqs": sc.max_num_seqs, "block_size": cc.block_size}
+    params = SamplingParams(temperature=0.0, max_tokens=opts.get("max_tokens", 1), logprobs=5,
+                            detokenize=False)
+    print("RESULT " + json.dumps({"ready": True, "settings": settings}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
@@ -122,11 +136,16 @@ class Engine(JsonLineWorker):
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                     "VLLM_CPU_KVCACHE_SPACE": str(opts.pop("kv_space_gib", 4)),
                     "VLLM_CPU_NUM_OF_RESERVED_CPU": str(opts.pop("reserved_cpus", 1)),
+                    # a step of thousands of tokens on 2 busy cores can take minutes; vLLM's
+                    # default (300 s) would kill the engine
+                    "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
                     **(env or {})}
         super().__init__("engine", [str(python), "-m", "benchmarks.vllm_ttft", "--engine",
                                     json.dumps(opts)], cwd=ROOT, env=full_env, log_path=log)
-        if not self.read().get("ready"):
+        ready = self.read()
+        if not ready.get("ready"):
             raise RuntimeError(f"engine did not start; see {log}")
+        self.settings: dict[str, Any] = ready.get("settings", {})
 
     def generate(self, ids: list[int]) -> dict[str, Any]:
         return self.call(op="generate", ids=ids)
@@ -195,6 +214,16 @@ def lmcache_server(port: int, log: Path, l1_gb: int, chunk: int):  # type: ignor
                 proc.wait(10)
 
 
+def save_times(log: Path) -> dict[int, list[float]]:
+    """kvstore connector save times (ms) in the engine log, by prompt tokens saved (only
+    saves that stored the whole prompt)."""
+    found: dict[int, list[float]] = {}
+    for line in log.read_text().splitlines():
+        if (m := SAVE_LINE.search(line)) and m.group(1) == m.group(5):
+            found.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+    return found
+
+
 def load_times(log: Path, seen: int) -> tuple[list[float], int]:
     """kvstore connector load times (ms) logged since line `seen` of the engine log."""
     lines = log.read_text().splitlines()
@@ -223,6 +252,11 @@ def main() -> None:
                         "same for every engine: without it vLLM reserves one more CPU when a "
                         "connector is configured, which on 2 cores gives the connector engines "
                         "2 compute threads and the plain one 1")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="vLLM's max_num_batched_tokens, the same for every engine (default: "
+                        "vLLM's own, 4096 for the LLM class on CPU)")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens generated per request (TTFT is measured with 1)")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
@@ -251,8 +285,12 @@ def run(args: argparse.Namespace) -> None:
     prompts = {n: prompt_ids(n, seed=n) for n in lengths}
     warmup = prompt_ids(512, seed=7)  # first-use costs of each engine, outside the figures
     primer = prompt_ids(2 * args.block_size, seed=11)  # reconnects clients after a restart
-    base = {"model": str(model), "block_size": args.block_size, "max_model_len": max_len,
-            "kv_space_gib": kv_space, "reserved_cpus": args.reserved_cpus}
+    base: dict[str, Any] = {"model": str(model), "block_size": args.block_size,
+                            "max_model_len": max_len, "kv_space_gib": kv_space,
+                            "reserved_cpus": args.reserved_cpus, "max_tokens": args.max_tokens}
+    if args.max_num_batched_tokens:
+        base["max_num_batched_tokens"] = args.max_num_batched_tokens
+    settings: dict[str, dict[str, Any]] = {}
     lmcache = not args.no_lmcache and VENV_LMCACHE.exists()
     if not args.no_lmcache and not lmcache:
         print(f"no {VENV_LMCACHE}: LMCache rows skipped (bash scripts/setup_lmcache.sh)")
@@ -280,6 +318,7 @@ def run(args: argparse.Namespace) -> None:
 
     # 1. recompute: vLLM alone
     engine = Engine(VENV_VLLM, dict(base), data / "engine-recompute.log")
+    settings["recompute"] = engine.settings
     try:
         warm_up(engine)
         for n in lengths:
@@ -306,6 +345,7 @@ def run(args: argparse.Namespace) -> None:
                                 "module": "client.integrations.vllm", "extra": extra},
                     data / "engine-kvstore.log",
                     env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
+    settings["kvstore"] = engine.settings
     try:
         warm_up(engine)
         for n in lengths:
@@ -322,6 +362,10 @@ def run(args: argparse.Namespace) -> None:
     finally:
         engine.close()
         daemon.stop()
+    saves = save_times(data / "engine-kvstore.log")
+    for n in lengths:  # the cold run saved the prompt (in the background, after its TTFT)
+        for r in samples.get((n, "kvstore cold"), []):
+            r["save_ms"] = saves.get(n, [])
 
     # 3. LMCache through its MP connector and server
     if lmcache:
@@ -347,9 +391,11 @@ def run(args: argparse.Namespace) -> None:
     print(f"\nvLLM {_vllm_version()} on CPU, {args.layers}-layer Llama with 8B's KV shape "
           f"({bytes_per_token // 1024} KiB/token, bf16), vLLM block {args.block_size}, "
           f"kvstore block {kv_block}, LMCache chunk {args.chunk_size}; TTFT = wall time of a "
-          f"1-token generate, median of {args.repeats} (cold: 1 run)\n")
-    columns = ["tokens", "run", "cached", "TTFT s", "load ms", "vs recompute", "vs LMCache",
-               "same token"]
+          f"{args.max_tokens}-token generate, median of {args.repeats} (cold: 1 run); load "
+          f"average {os.getloadavg()[0]:.1f}")
+    print(f"vLLM settings: {json.dumps(settings)}\n")
+    columns = ["tokens", "run", "cached", "TTFT s", "load ms", "save ms", "save/load",
+               "vs recompute", "vs LMCache", "same token", "logprob diff"]
     print(table(rows, columns))
     for n in lengths:
         ratio = next((r["vs LMCache"] for r in rows
@@ -357,6 +403,7 @@ def run(args: argparse.Namespace) -> None:
         if isinstance(ratio, float):
             print(f"{n} tokens: kvstore host recall = {ratio:.2f}x LMCache's (goal <= 0.5)")
     payload = {"config": {k: v for k, v in vars(args).items() if k != "engine"},
+               "vllm_settings": settings, "load_average": os.getloadavg(),
                "kv_block": kv_block, "bytes_per_token": bytes_per_token,
                "vllm": _vllm_version(), "rows": rows,
                "samples": {f"{n}/{name}": s for (n, name), s in samples.items()}}
@@ -374,6 +421,7 @@ def summarize(samples: dict[tuple[int, str], list[dict[str, Any]]], lengths: lis
         base = samples.get((n, "recompute"), [])
         # The recompute engine's first run is its cold one; all of them compute everything.
         ref_token = base[0]["token"] if base else None
+        ref_lp = base[0].get("logprob") if base else None
         recompute = statistics.median(s["seconds"] for s in base) if base else None
         lm = samples.get((n, "LMCache warm"))
         lm_ttft = statistics.median(s["seconds"] for s in lm) if lm else None
@@ -383,13 +431,25 @@ def summarize(samples: dict[tuple[int, str], list[dict[str, Any]]], lengths: lis
                 continue
             ttft = statistics.median(s["seconds"] for s in runs)
             loads = [ms for s in runs for ms in s.get("load_ms", [])]
+            saved = [ms for s in runs for ms in s.get("save_ms", [])]
+            host = [ms for s in samples.get((n, "kvstore host"), [])
+                    for ms in s.get("load_ms", [])]
             row: dict[str, Any] = {
                 "tokens": n, "run": name, "cached": runs[-1]["cached"], "TTFT s": ttft,
                 "load ms": statistics.median(loads) if loads else "",
+                "save ms": statistics.median(saved) if saved else "",
+                # a save beside the host-tier load of the same prompt
+                "save/load": (statistics.median(saved) / statistics.median(host)
+                              if saved and host else ""),
                 "vs recompute": recompute / ttft if recompute else "",
                 "vs LMCache": (ttft / lm_ttft if lm_ttft and name.startswith("kvstore ")
                                and name != "kvstore cold" else ""),
                 "same token": all(s["token"] == ref_token for s in runs),
+                # the first token's log-probability against the full recompute's: loads
+                # compute one token over stored KV, in bf16 the last bits differ
+                "logprob diff": (max(abs(s["logprob"] - ref_lp) for s in runs)
+                                 if ref_lp is not None and all(s.get("logprob") is not None
+                                                               for s in runs) else ""),
                 "runs": [s["seconds"] for s in runs]}
             rows.append(row)
     return rows
