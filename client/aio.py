@@ -505,6 +505,11 @@ class AsyncKVClient:
         restarting), so a cheap probe finds it back; else it is slow, and only the backoff
         tries it again (each try costs a deadline)."""
         self._arena_id = ""  # the daemon may come back with another arena
+        if gone:
+            # Let go of the dead daemon's arena (unmapped once no client or copy uses it):
+            # its pages stay allocated while mapped, and a restarted daemon must reserve its
+            # new arena in the same shared memory.
+            self._arena = None
         self._breaker.failure(what)
         if gone and (self._probe is None or self._probe.done()):
             self._probe = asyncio.get_running_loop().create_task(self._probe_until_back())

@@ -17,6 +17,7 @@ import pytest
 
 from server.process import DaemonProcess
 from tests.fault.smallfs import tmpfs
+from tests.reliability import wait_until
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 
@@ -92,3 +93,33 @@ def test_two_arenas_overcommitting_shm_never_kill_an_engine(tmp_path: Path) -> N
         finally:
             first.kill()
             second.kill()
+
+
+def test_a_restarted_daemon_finds_shm_an_engine_held_for_the_old_arena(tmp_path: Path) -> None:
+    """The daemon dies while a same-node engine maps its arena (12 MiB on 16 MiB of shm). The
+    engine must let go of the dead arena once it sees the daemon gone, or the restarted daemon
+    cannot reserve a new one (its pages stay allocated while any process maps them)."""
+    from client import KVClient
+    from tests.conftest import random_kv, same_bytes, small_layout
+
+    layout = small_layout(block_tokens=256)  # 128 KiB blocks
+    tokens = list(range(1024))
+    with tmpfs(tmp_path / "shm", "16m") as shm:
+        d = _daemon(tmp_path, "d", shm, "12MiB").start()
+        try:
+            with KVClient(d.target, layout, deadline_s=5, transfer="shm") as c:
+                assert c.publish(tokens, random_kv(layout, 1024)) == 1024
+                assert c.fetch(tokens)[0] == 1024  # the engine maps the arena
+                d.kill()
+                assert c.lookup(tokens) == 0  # the engine sees the daemon gone
+                d.start(timeout=30)  # refused ("cannot be reserved") while the map is held
+                kv = random_kv(layout, 1024, seed=1)
+
+                def back() -> bool:
+                    return c.publish(tokens, kv) == 1024
+
+                wait_until(back, 10, "the engine publishing to the restarted daemon")
+                n, got = c.fetch(tokens)
+                assert n == 1024 and same_bytes(got, kv)
+        finally:
+            d.kill()
