@@ -14,7 +14,7 @@ import json
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 class JsonLineWorker:
@@ -33,8 +33,7 @@ class JsonLineWorker:
 
     def read(self) -> dict[str, Any]:
         """The next result; log lines before it are kept. RuntimeError if the child exits."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self._pipe(self.proc.stdout):
             if line.startswith("RESULT "):
                 return json.loads(line.removeprefix("RESULT "))
             self._tail.append(line)
@@ -44,10 +43,16 @@ class JsonLineWorker:
         where = f"; see {self.log_path}" if self.log_path else ""
         raise RuntimeError(f"{self.name} exited ({self.proc.wait()}){where}:\n{self.tail()}")
 
+    @staticmethod
+    def _pipe(pipe: IO[str] | None) -> IO[str]:
+        if pipe is None:  # Popen was given PIPE for both: cannot happen
+            raise RuntimeError("worker pipe is closed")
+        return pipe
+
     def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        stdin = self._pipe(self.proc.stdin)
+        stdin.write(json.dumps(cmd) + "\n")
+        stdin.flush()
         return self.read()
 
     def tail(self, n: int = 60) -> str:

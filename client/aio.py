@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -578,12 +578,12 @@ class AsyncKVClient:
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
-    async def _unary(self, method: str, request: object,  # type: ignore[type-var]
+    async def _unary(self, method: str, request: object,
                      until: float | None = None) -> T:
         """A unary call: a control call's deadline, or until `until` (a transfer's)."""
         fn = getattr(self._stub_(), method)
         timeout = self.deadline_s if until is None else self._left(until)
-        return await fn(request, timeout=timeout, metadata=self._metadata)
+        return cast(T, await fn(request, timeout=timeout, metadata=self._metadata))
 
     async def _info(self) -> pb.InfoReply:
         return await self._unary("Info", pb.InfoRequest())
@@ -694,7 +694,7 @@ class AsyncKVClient:
                    and refs[j].offset == refs[j - 1].offset + refs[j - 1].length):
                 j += 1
             raw = arena.tensor[refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
-            view = raw.view(self.layout.torch_dtype).view(j - i, *shape)  # type: ignore[arg-type]
+            view = raw.view(self.layout.torch_dtype).view(j - i, *shape)
             # [n, L, kv, T, H, D] -> [L, kv, n, T, H, D] -> tokens of the run in order
             pairs.append((view.permute(1, 2, 0, 3, 4, 5), blocks[i]))
             i = j
@@ -704,7 +704,7 @@ class AsyncKVClient:
         """`t[:, :, first*T:(first+n)*T]` as `[L, kv, n, T, H, D]`."""
         bt = self.layout.block_tokens
         part = t[:, :, first * bt : (first + n) * bt]
-        return part.unflatten(2, (n, bt))
+        return torch.unflatten(part, 2, (n, bt))
 
     def _tokens_slice(self, i: int) -> slice:
         bt = self.layout.block_tokens
@@ -712,7 +712,7 @@ class AsyncKVClient:
 
     def _new_out(self, blocks: int) -> torch.Tensor:
         return torch.empty(self.layout.kv_shape(blocks * self.layout.block_tokens),
-                           dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
+                           dtype=self.layout.torch_dtype)
 
     def _kept(self, blocks: int, out: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
         """`fetch`'s result for the first `blocks` blocks of `out` (a miss when none)."""
@@ -869,7 +869,7 @@ class AsyncKVClient:
             staging[filled : filled + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
             filled += len(chunk.data)
             if filled == size:
-                view = torch.from_numpy(staging).view(self.layout.torch_dtype)  # type: ignore[arg-type]
+                view = torch.from_numpy(staging).view(self.layout.torch_dtype)
                 out[:, :, self._tokens_slice(start + block)].copy_(
                     view.view(self.layout.block_shape))
                 block, filled = block + 1, 0
@@ -953,7 +953,7 @@ class AsyncKVClient:
     def _block_view(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
         """One block of the arena as `[layers, kv, block_tokens, heads, head_dim]`."""
         raw = arena.tensor[ref.offset : ref.offset + ref.length]
-        return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)  # type: ignore[arg-type]
+        return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)
 
     async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int,
                           until: float, progress: _Progress) -> int:
@@ -989,7 +989,7 @@ class AsyncKVClient:
     async def _publish_with(self, keys: list[bytes], produce: BlockCopy, until: float) -> int:
         if self.transfer == "stream":
             kv = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
-                             dtype=self.layout.torch_dtype)  # type: ignore[arg-type]
+                             dtype=self.layout.torch_dtype)
             blocks = list(range(len(keys)))
             got = await self._copy(produce, len(blocks), blocks,
                                    [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks],

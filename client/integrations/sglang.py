@@ -229,7 +229,7 @@ def _tokens(pages: PageKeys) -> Tokens:
     return cast(Tokens, pages)
 
 
-class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
+class KVStoreHiCache(HiCacheStorage):
     """SGLang HiCache storage backed by a kvstore daemon (see the module docstring).
 
     SGLang's dynamic loader constructs it as `KVStoreHiCache(storage_config, kwargs)` and then

@@ -51,6 +51,7 @@ bypass the store).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -691,7 +692,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     owners.append(i)
             copied = 0
             for piece in _pieces(items, bytes_per_page):
-                if not guard.run(stop, lambda piece=piece: cache.scatter_views(piece)):
+                if not guard.run(stop, functools.partial(cache.scatter_views, piece)):
                     return owners[copied]  # the blocks before the first item not copied
                 copied += len(piece)
             return len(blocks)
@@ -757,7 +758,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             copied = 0
             for piece in _pieces(items, bytes_per_page):
-                if not guard.run(stop, lambda piece=piece: cache.gather_views(piece)):
+                if not guard.run(stop, functools.partial(cache.gather_views, piece)):
                     break
                 copied += len(piece)
             copying[0] += time.perf_counter() - t0
