@@ -6,8 +6,9 @@ The names are imported on first use (PEP 562), so `import client.cli` (the opera
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from client.aio import AsyncKVClient
@@ -19,15 +20,4 @@ __all__ = ["AsyncKVClient", "BackoffPolicy", "KVClient"]
 _LAZY = {"AsyncKVClient": "client.aio", "BackoffPolicy": "client.backoff",
          "KVClient": "client.sync"}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # `from client import cli` then imports the submodule
-        raise AttributeError(f"module 'client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports("client", _LAZY, globals())

@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstore.errors import (
     CapacityError,
@@ -18,6 +17,7 @@ from kvstore.errors import (
     LayoutMismatchError,
 )
 from kvstore.layout import KVLayout
+from kvstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvstore.keys import Namespace, chain_keys
@@ -37,15 +37,4 @@ __version__ = "0.1.0"
 
 _LAZY = {"Namespace": "kvstore.keys", "chain_keys": "kvstore.keys"}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:  # `from kvstore import config` then imports the submodule
-        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports("kvstore", _LAZY, globals())

@@ -40,7 +40,7 @@ import logging
 import math
 import threading
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import torch
@@ -52,6 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from client.aio import AsyncKVClient, Tokens
 from client.cli import DEFAULT_TARGET
+from client.integrations.settings import read_extra
 from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
 
@@ -89,24 +90,7 @@ class KVStoreHiCacheConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KVStoreHiCacheConfig:
-        extra = extra or {}
-        known = {f"kvstore.{f.name}" for f in fields(cls)}
-        unknown = sorted(k for k in extra if k.startswith("kvstore.") and k not in known)
-        if unknown:
-            raise InvalidArgumentError(f"unknown kvstore HiCache settings {unknown}; "
-                                       f"known: {sorted(known)}")
-        values = {k.removeprefix("kvstore."): v for k, v in extra.items() if k in known}
-        if "deadline_s" in values:
-            try:
-                values["deadline_s"] = float(values["deadline_s"])
-            except (TypeError, ValueError):
-                raise InvalidArgumentError(f"kvstore.deadline_s must be a number, got "
-                                           f"{values['deadline_s']!r}") from None
-        for name in ("target", "tenant", "salt", "model_revision"):
-            if name in values and not isinstance(values[name], str):
-                raise InvalidArgumentError(f"kvstore.{name} must be a string, got "
-                                           f"{values[name]!r}")
-        cfg = cls(**values)
+        cfg = cls(**read_extra(cls, extra, "HiCache", InvalidArgumentError))
         if not cfg.deadline_s > 0:
             raise InvalidArgumentError(f"kvstore.deadline_s must be positive, got "
                                        f"{cfg.deadline_s}")

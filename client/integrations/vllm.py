@@ -74,6 +74,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from client.cli import DEFAULT_TARGET
 from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, View, native_copy, token_pages
+from client.integrations.settings import read_extra
 from client.sync import KVClient
 from kernels.layouts import EngineKV, EngineLayout
 from kvstore.layout import KVLayout
@@ -128,21 +129,7 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
-        known = {f"kvstore.{name}" for name in cls.__dataclass_fields__}
-        unknown = sorted(k for k in extra if k.startswith("kvstore.") and k not in known)
-        if unknown:
-            raise ConnectorConfigError(f"unknown kvstore connector settings {unknown}; "
-                                       f"known: {sorted(known)}")
-        values = {k.removeprefix("kvstore."): v for k, v in extra.items() if k in known}
-        if "block_tokens" in values:
-            values["block_tokens"] = int(values["block_tokens"])
-        if "deadline_s" in values:
-            values["deadline_s"] = float(values["deadline_s"])
-        if "save_queue" in values:
-            values["save_queue"] = int(values["save_queue"])
-        if "async_save" in values:
-            values["async_save"] = _bool(values["async_save"], "kvstore.async_save")
-        cfg = cls(**values)
+        cfg = cls(**read_extra(cls, extra, "connector", ConnectorConfigError))
         # Checked here, at engine start, rather than at the first request's lookup.
         if cfg.deadline_s <= 0:
             raise ConnectorConfigError(f"kvstore.deadline_s must be positive, got "
@@ -154,17 +141,6 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"kvstore.save_queue must be positive, got "
                                        f"{cfg.save_queue}")
         return cfg
-
-
-def _bool(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConnectorConfigError(f"{name} must be true or false, got {value!r}")
 
 
 def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
