@@ -303,8 +303,8 @@ class RedisPath:
 def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk: bool,
         progress: Any = None) -> dict[str, Any]:
     """Measure every path; returns samples (GB/s per repeat) and what was skipped, and why."""
-    from client import KVClient
-    from server.process import DaemonProcess
+    from kvstore.client import KVClient
+    from kvstore.server.process import DaemonProcess
     from tests.redis_servers import RedisServer
 
     def step(n: int = 1) -> None:

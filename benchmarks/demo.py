@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, barh, llama_8b_kv_shaped, table, write_results
-from client import KVClient
-from client.integrations.hf import CachedPrefill, layout_for_model
-from server.process import DaemonProcess
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.server.process import DaemonProcess
 
 
 def main() -> None:

@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, require, save, table, write_results
-from client import KVClient
 from kvstore import KVLayout, chain_keys
-from server.process import DaemonProcess
+from kvstore.client import KVClient
+from kvstore.server.process import DaemonProcess
 
 BIG = KVLayout(model="llama-8b-shaped", num_layers=32, num_kv_heads=8, head_dim=128,
                dtype=torch.bfloat16, block_tokens=256)

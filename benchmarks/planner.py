@@ -53,11 +53,11 @@ from benchmarks.common import (
     table,
     write_results,
 )
-from client import KVClient
-from client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 
 SUFFIX = 32
 PROMPTS = {"primer": 1, "short": 1, "medium": 4, "long": 8}  # cached blocks per prompt

@@ -28,10 +28,10 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, require, table, write_results
-from server.store import REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES
+from kvstore.server.store import REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES
+from kvstore.tiers.remote import RemoteOptions, RemoteTier, RemoteWrite, frame_value, redis_key
 from tests import redis_servers
 from tests.redis_servers import RedisClusterNodes, RedisServer
-from tiers.remote import RemoteOptions, RemoteTier, RemoteWrite, frame_value, redis_key
 
 NS = bytes(range(32))
 LAYOUT = b"L" * 32

@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, llama_8b_kv_shaped, save, table, write_results
-from client import KVClient
-from client.integrations.hf import CachedPrefill, layout_for_model
-from server.process import DaemonProcess
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.server.process import DaemonProcess
 
 
 def _redis(data: Path) -> contextlib.AbstractContextManager:

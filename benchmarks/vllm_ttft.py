@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from benchmarks.common import RESULTS, table, write_results
-    from server.process import DaemonProcess
+    from kvstore.server.process import DaemonProcess
 
     lengths = [int(x) for x in args.lengths.split(",")]
     data = (ROOT / args.data_dir).resolve()
@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> None:
     logging_config = data / "logging.json"
     logging_config.write_text(json.dumps(LOGGING))
     engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
-                                "module": "client.integrations.vllm", "extra": extra},
+                                "module": "kvstore.client.integrations.vllm", "extra": extra},
                     data / "engine-kvstore.log",
                     env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
     settings["kvstore"] = engine.settings

@@ -1,7 +1,7 @@
 """kvstore client library: `KVClient` (sync) and `AsyncKVClient`, embedded in engines.
 
-The names are imported on first use (PEP 562), so `import client.cli` (the operator's
-`kvstore` command) does not import torch: `from client import KVClient` works as before.
+The names are imported on first use (PEP 562), so `import kvstore.client.cli` (the operator's
+`kvstore` command) does not import torch: `from kvstore.client import KVClient` works as before.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 from kvstore.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from client.aio import AsyncKVClient
-    from client.backoff import BackoffPolicy
-    from client.sync import KVClient
+    from kvstore.client.aio import AsyncKVClient
+    from kvstore.client.backoff import BackoffPolicy
+    from kvstore.client.sync import KVClient
 
 __all__ = ["AsyncKVClient", "BackoffPolicy", "KVClient"]
 
-_LAZY = {"AsyncKVClient": "client.aio", "BackoffPolicy": "client.backoff",
-         "KVClient": "client.sync"}
+_LAZY = {"AsyncKVClient": "kvstore.client.aio", "BackoffPolicy": "kvstore.client.backoff",
+         "KVClient": "kvstore.client.sync"}
 
 __getattr__, __dir__ = lazy_exports("client", _LAZY, globals())

@@ -35,8 +35,8 @@ import grpc
 import numpy as np
 import torch
 
-from client.backoff import BackoffPolicy, Breaker
 from kvstore.arena import Arena
+from kvstore.client.backoff import BackoffPolicy, Breaker
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace
 from kvstore.layout import KVLayout

@@ -32,13 +32,14 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
 # No torch on this path (an operator's command, a health check every few seconds): nothing
-# here imports client.aio / client.sync; tests/unit/test_cli_fast.py checks sys.modules.
+# here imports kvstore.client.aio / kvstore.client.sync; tests/unit/test_cli_fast.py checks
+# sys.modules.
 
 DEFAULT_TARGET = "unix:.data/kvstore/kv.sock"  # the default data_dir, relative
 
 
 def normalize_target(target: str) -> tuple[str, bool]:
-    """gRPC target and whether it is a Unix socket; as `client.aio.normalize_target`, which
+    """gRPC target and whether it is a Unix socket; as `kvstore.client.aio.normalize_target`, which
     imports torch with the client."""
     if target.startswith("/"):
         return f"unix:{target}", True

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from client.aio import AsyncKVClient, BlockCopy, Tokens
+from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan

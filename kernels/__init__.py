@@ -6,8 +6,8 @@ CUDA tensors go through a kernel compiled at run time (kv_copy.cu, NVRTC via
 cupy); CPU tensors through its pure-torch twin (reference.py).
 """
 
-from kernels.api import gather, scatter
-from kernels.errors import (
+from kvstore.kernels.api import gather, scatter
+from kvstore.kernels.errors import (
     BlockIdError,
     DeviceError,
     DTypeError,
@@ -17,7 +17,7 @@ from kernels.errors import (
     ShapeError,
     StrideError,
 )
-from kernels.layouts import (
+from kvstore.kernels.layouts import (
     VLLM_LAYOUTS,
     EngineKV,
     EngineLayout,

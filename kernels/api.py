@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
-from kernels.errors import DeviceError
-from kernels.layouts import EngineKV
-from kernels.plan import CopyRequest, Direction, IdsLike, plan_launch, prepare
+from kvstore.kernels import reference
+from kvstore.kernels.errors import DeviceError
+from kvstore.kernels.layouts import EngineKV
+from kvstore.kernels.plan import CopyRequest, Direction, IdsLike, plan_launch, prepare
 
 
 def gather(
@@ -60,7 +60,7 @@ def _run(req: CopyRequest, engine: EngineKV, stream: torch.cuda.Stream | None) -
     if device.type != "cuda":
         raise DeviceError(f"no copy path for engine tensors on {device}")
     # Imported here: the CUDA path pulls in cupy, which CPU-only users lack.
-    from kernels import cuda
+    from kvstore.kernels import cuda
 
     if req.staging.device == device:
         staging_ptr = req.staging.data_ptr()

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from kernels.errors import DeviceError, KernelUnavailableError
-from kernels.plan import SCALAR_PARAMS, KernelLaunch, scalar_args
+from kvstore.kernels.errors import DeviceError, KernelUnavailableError
+from kvstore.kernels.plan import SCALAR_PARAMS, KernelLaunch, scalar_args
 
 SOURCE_DIR = Path(__file__).resolve().parent
 KV_COPY_SOURCE = SOURCE_DIR / "kv_copy.cu"

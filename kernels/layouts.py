@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.errors import DeviceError, DTypeError, LayoutError, ShapeError, StrideError
+from kvstore.kernels.errors import DeviceError, DTypeError, LayoutError, ShapeError, StrideError
 
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
     {

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.errors import BlockIdError, DTypeError, ShapeError, StrideError
-from kernels.layouts import EngineKV
+from kvstore.kernels.errors import BlockIdError, DTypeError, ShapeError, StrideError
+from kvstore.kernels.layouts import EngineKV
 
 VEC_WIDTHS: tuple[int, ...] = (16, 8, 4, 2, 1)
 """Bytes per load/store, widest first; 16 is one ``uint4``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.plan import CopyRequest, Direction
+from kvstore.kernels.plan import CopyRequest, Direction
 
 # Copies move bits, not numbers: an integer view of the same width keeps NaN
 # payloads intact and works for dtypes (fp8) that lack CPU indexing kernels.

@@ -21,5 +21,10 @@ PIP=".venv/bin/pip --disable-pip-version-check -q"
 # torch first and pinned: a local CPU build of 2.13.0 is on these machines, while a looser pin
 # downloads gigabytes of CUDA wheels. pyproject keeps torch>=2.4 so GPU users keep their build.
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install "torch==2.13.0"
+# This checkout installed as `kvstore` before the distribution became kvstore-cache (the name
+# `kvstore` on PyPI is another project's): two editable installs of one tree would both claim it.
+if .venv/bin/pip show kvstore 2>/dev/null | grep -q "^Editable project location: $PWD\$"; then
+  $PIP uninstall -y kvstore
+fi
 $PIP install -e ".[dev]"
 echo ">> setup done: $(.venv/bin/python -c 'import torch, grpc; print("torch", torch.__version__, "grpc", grpc.__version__)')"

@@ -55,9 +55,10 @@ compressed_tensors" || pip_install "torch==$TORCH_VERSION" "${SGLANG_DEPS[@]}"
 # the runtime at import. Probe from / (in the repository root `import kvstore` finds the source
 # tree whether or not it is installed).
 ROOT=$PWD
-if ! (cd / && "$PY" -c "import client, kvstore, sys
-sys.exit(not (kvstore.__file__.startswith('$ROOT/') and client.__file__.startswith('$ROOT/')))") \
-    2>/dev/null; then
+if ! (cd / && "$PY" -c "import kvstore.client, sys
+sys.exit(not kvstore.client.__file__.startswith('$ROOT/'))") 2>/dev/null; then
+  # This checkout installed as `kvstore` before the distribution became kvstore-cache.
+  "$PY" -m pip uninstall -y -q kvstore 2>/dev/null || true
   pip_install --no-deps -e .
 fi
 DEPS=("grpcio>=1.60" "grpcio-health-checking>=1.60" "rocksdict>=0.3.23" "xxhash>=3.4"
@@ -68,7 +69,7 @@ kvstore.proto.kvstore_pb2" || pip_install "torch==$TORCH_VERSION" "${DEPS[@]}"
 (cd / && "$PY" -) <<'PYEOF'
 import importlib.metadata as m
 
-import client.integrations.sglang  # noqa: F401  (the backend SGLang loads by module path)
+import kvstore.client.integrations.sglang  # noqa: F401  (the backend SGLang loads by module path)
 import kvstore.proto.kvstore_pb2  # noqa: F401  (validates the protobuf runtime)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: F401

@@ -1,4 +1,5 @@
-"""`kvstore-server` / `python -m server`: parse flags, load the configuration, run the daemon."""
+"""`kvstore-server` / `python -m kvstore.server`: parse flags, load the configuration, run the
+daemon."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kvstore.server").warning(
             "--token on the command line is readable by every local user (/proc/PID/cmdline, "
             "ps); put it in token_file (mode 0600) or KVSTORE_TOKEN instead")
-    from server.app import Daemon
+    from kvstore.server.app import Daemon
 
     try:
         daemon = Daemon(config)

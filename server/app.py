@@ -27,15 +27,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore.config import ServerConfig, admin_token
 from kvstore.errors import ConfigError
-from server.auth import TokenInterceptor
-from server.inspect import NamespaceBook
-from server.metrics import Metrics
-from server.service import Admission, KVStoreService, add_service
-from server.store import TieredStore
-from server.tenancy import TokenTable, load_tenant_tokens
-from tiers.disk import DiskTier
-from tiers.host import HostTier
-from tiers.remote import RemoteOptions, RemoteTier
+from kvstore.server.auth import TokenInterceptor
+from kvstore.server.inspect import NamespaceBook
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import Admission, KVStoreService, add_service
+from kvstore.server.store import TieredStore
+from kvstore.server.tenancy import TokenTable, load_tenant_tokens
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.remote import RemoteOptions, RemoteTier
 
 log = logging.getLogger("kvstore.server")
 SERVICE_NAME = "kvstore.v1.KVStore"

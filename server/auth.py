@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from server.tenancy import TokenTable, current_tenant
+from kvstore.server.tenancy import TokenTable, current_tenant
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"

@@ -11,8 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from kvstore.proto import kvstore_pb2 as pb
-from server.store import TieredStore
-from server.tenancy import Scope
+from kvstore.server.store import TieredStore
+from kvstore.server.tenancy import Scope
 
 MAX_NAMESPACES = 4096  # layouts remembered; the oldest is forgotten past it (blocks stay)
 

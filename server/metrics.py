@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.store import TieredStore
-from tiers.remote import RemoteStats
+from kvstore.server.store import TieredStore
+from kvstore.tiers.remote import RemoteStats
 
 
 class StoreCollector(Collector):

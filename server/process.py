@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The daemon runs from the repository root in a checkout (where `python -m kvstore.server`
+# imports without an install); from an installed wheel, from wherever its caller is.
+CWD = ROOT if (ROOT / "pyproject.toml").is_file() else None
 
 
 class DaemonProcess:
-    """`python -m server` in its own process, on a data directory that outlives restarts."""
+    """`python -m kvstore.server` in its own process, on a data directory that outlives restarts."""
 
     def __init__(self, data_dir: Path, *args: str) -> None:
         self.data_dir = Path(data_dir).resolve()  # gRPC wants unix:///absolute/path
@@ -31,10 +34,10 @@ class DaemonProcess:
         return f"unix://{self.socket}"
 
     def start(self, timeout: float = 20.0) -> DaemonProcess:
-        cmd = [sys.executable, "-m", "server", "--data-dir", str(self.data_dir), *self.args]
+        cmd = [sys.executable, "-m", "kvstore.server", "--data-dir", str(self.data_dir), *self.args]
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=logf,
+        self.proc = subprocess.Popen(cmd, cwd=CWD, stdout=subprocess.PIPE, stderr=logf,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         if self.proc.stdout is None:  # never: stdout=PIPE

@@ -22,10 +22,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import IntegrityError
-from server.write_through import QueuedWrite, WriteThroughQueue
-from tiers.base import BlockEntry, Tier
-from tiers.disk import DiskTier
-from tiers.remote import (
+from kvstore.server.write_through import QueuedWrite, WriteThroughQueue
+from kvstore.tiers.base import BlockEntry, Tier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.remote import (
     RemoteSkippedError,
     RemoteTier,
     RemoteUnavailableError,
@@ -37,7 +37,7 @@ from tiers.remote import (
 )
 
 if TYPE_CHECKING:
-    from server.store import TieredStore
+    from kvstore.server.store import TieredStore
 
 log = logging.getLogger(__name__)
 # A batch: enough blocks to amortize a round trip, few enough bytes to stay well inside the

@@ -26,10 +26,10 @@ from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from server.inspect import NamespaceBook, inspect_reply
-from server.metrics import Metrics
-from server.store import Lease, TieredStore
-from server.tenancy import Scope, current_scope
+from kvstore.server.inspect import NamespaceBook, inspect_reply
+from kvstore.server.metrics import Metrics
+from kvstore.server.store import Lease, TieredStore
+from kvstore.server.tenancy import Scope, current_scope
 
 log = logging.getLogger(__name__)
 # Bytes per streamed data message. 1 MiB, not 4: a stream nobody reads holds ~4.6 MiB of the

@@ -34,12 +34,12 @@ from typing import Literal, TypeVar
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, NotFoundError
 from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
-from server.remote_writer import RemoteWriter
-from server.write_through import WriteThroughQueue
-from tiers.base import BlockEntry, Tier
-from tiers.disk import DiskTier
-from tiers.host import HostTier
-from tiers.remote import RemoteTier, RemoteUnavailableError
+from kvstore.server.remote_writer import RemoteWriter
+from kvstore.server.write_through import WriteThroughQueue
+from kvstore.tiers.base import BlockEntry, Tier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 
 
 def small_layout(dtype: torch.dtype = torch.float32, model: str = "tiny", **kw: object) -> KVLayout:

@@ -29,7 +29,7 @@ import grpc
 from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 
 SOAK_S = float(os.environ.get("KV_SOAK_S", "0"))
 

@@ -39,8 +39,8 @@ from kvstore.integrity import (
     encode_header,
     verify_binding,
 )
-from tiers.base import PAGE, BlockEntry, Tier, TierStats
-from tiers.disk_index import (
+from kvstore.tiers.base import PAGE, BlockEntry, Tier, TierStats
+from kvstore.tiers.disk_index import (
     READ_PIECE,
     Index,
     IndexDamagedError,

@@ -34,7 +34,7 @@ from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch, Write
 
 from kvstore.errors import IntegrityError
 from kvstore.integrity import HEADER_BYTES, decode_header
-from tiers.base import PAGE
+from kvstore.tiers.base import PAGE
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tiers.slab import SlabTier
+from kvstore.tiers.slab import SlabTier
 
 if TYPE_CHECKING:
     import torch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvstore.arena import Arena
 from kvstore.errors import ConfigError
-from tiers.slab import SlabTier
+from kvstore.tiers.slab import SlabTier
 
 log = logging.getLogger(__name__)
 

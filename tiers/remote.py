@@ -56,7 +56,7 @@ from kvstore.errors import (
 from kvstore.integrity import FORMAT_VERSION, HEADER_BYTES, checksum, decode_header, encode_header
 from kvstore.integrity import verify as verify_payload
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
-from tiers.breaker import CircuitBreaker
+from kvstore.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tiers.base import BlockEntry, Tier
+from kvstore.tiers.base import BlockEntry, Tier
 
 
 class SlabTier(Tier):

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from client.sync import KVClient
+from kvstore.client.sync import KVClient
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan, PrefillModel
 

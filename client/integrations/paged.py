@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from kernels.layouts import EngineKV
+from kvstore import kernels
+from kvstore.kernels.layouts import EngineKV
 
 log = logging.getLogger("kvstore.paged")
 

@@ -5,7 +5,7 @@ SGLang loads it with its dynamic backend mechanism:
     python -m sglang.launch_server ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
-            "module_path": "client.integrations.sglang", "class_name": "KVStoreHiCache",
+            "module_path": "kvstore.client.integrations.sglang", "class_name": "KVStoreHiCache",
             "interface_v1": 1, "kvstore.target": "unix:///run/kv.sock"}'
 
 `interface_v1` makes SGLang call the zero-copy interface (`batch_get_v1` / `batch_set_v1`):
@@ -50,9 +50,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from client.aio import AsyncKVClient, Tokens
-from client.cli import DEFAULT_TARGET
-from client.integrations.settings import read_extra
+from kvstore.client.aio import AsyncKVClient, Tokens
+from kvstore.client.cli import DEFAULT_TARGET
+from kvstore.client.integrations.settings import read_extra
 from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
 

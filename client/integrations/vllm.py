@@ -3,7 +3,7 @@
 Load it with
 
     KVTransferConfig(kv_connector="KVStoreConnector",
-                     kv_connector_module_path="client.integrations.vllm", kv_role="kv_both",
+                     kv_connector_module_path="kvstore.client.integrations.vllm", kv_role="kv_both",
                      kv_connector_extra_config={"kvstore.target": "unix:///path/kv.sock"})
 
 Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.block_tokens`
@@ -13,8 +13,8 @@ the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
-published through the transformers integration (`client.integrations.hf`) is found here when the
-model and layout agree.
+published through the transformers integration (`kvstore.client.integrations.hf`) is found here
+when the model and layout agree.
 
 Scheduler side: `get_num_new_matched_tokens` looks the prompt up and claims the cached prefix
 but the prompt's last token (vLLM computes at least one token: a prompt whose blocks are all
@@ -72,11 +72,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from client.cli import DEFAULT_TARGET
-from client.integrations.paged import VLLM_CPU_ISAS, PagedCache, View, native_copy, token_pages
-from client.integrations.settings import read_extra
-from client.sync import KVClient
-from kernels.layouts import EngineKV, EngineLayout
+from kvstore.client.cli import DEFAULT_TARGET
+from kvstore.client.integrations.paged import (
+    VLLM_CPU_ISAS,
+    PagedCache,
+    View,
+    native_copy,
+    token_pages,
+)
+from kvstore.client.integrations.settings import read_extra
+from kvstore.client.sync import KVClient
+from kvstore.kernels.layouts import EngineKV, EngineLayout
 from kvstore.layout import KVLayout
 from kvstore.planner import PrefillModel
 
@@ -589,7 +595,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                  or "any (vLLM's compute threads are not bound)")
         self._cache = cache
         # Map the daemon's arena at engine start: its pages are touched in the background
-        # before the first save copies into them (client.aio.PREFAULT_ENV).
+        # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
         self._client("", "").prepare()
         if self._cfg.async_save and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)

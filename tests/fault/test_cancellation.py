@@ -24,9 +24,9 @@ import time
 import pytest
 import torch
 
-import client.aio
-from client import AsyncKVClient, KVClient
-from client.backoff import BackoffPolicy
+import kvstore.client.aio
+from kvstore.client import AsyncKVClient, KVClient
+from kvstore.client.backoff import BackoffPolicy
 from kvstore.layout import KVLayout
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import CapacityWatch, soak_record, soak_seconds, stats, wait_quiescent
@@ -99,7 +99,7 @@ async def _load(target: str, layout: KVLayout, prompts, values, seconds: float,
 
 def test_random_cancellation_leaks_nothing_and_misdelivers_nothing(daemon_factory, monkeypatch):
     # One block per copy piece, so a cancelled copy is stopped between blocks.
-    monkeypatch.setattr(client.aio, "COPY_PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr(kvstore.client.aio, "COPY_PIECE_BYTES", 256 << 10)
     d = daemon_factory("--host-bytes", "4MiB", "--disk-bytes", "16MiB",
                        "--lease-timeout-s", str(LEASE_S)).start()
     layout = _layout()

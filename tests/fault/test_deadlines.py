@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import (

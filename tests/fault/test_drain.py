@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, small_layout
 from tests.reliability import Worker, layout_pb, soak_record, stats, stub, wait_until

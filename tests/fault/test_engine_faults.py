@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from client import KVClient
-from client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
 from tests.integration.test_hf import reference, tiny_llama
 
 pytest.importorskip("transformers", reason="transformers is not installed")

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from client import KVClient
+from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import SOAK_S, Worker, soak_record, wait_until
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from client import AsyncKVClient, KVClient
+from kvstore.client import AsyncKVClient, KVClient
 from kvstore.proto import kvstore_pb2 as pb
-from server.process import ROOT
+from kvstore.server.process import ROOT
 from tests.conftest import random_kv, small_layout
 from tests.reliability import (
     CapacityWatch,

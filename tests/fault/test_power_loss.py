@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.tiers.base import PAGE
+from kvstore.tiers.disk import DiskTier
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import CapacityWatch, layout_pb, soak_record, stats, stub, tier
-from tiers.base import PAGE
-from tiers.disk import DiskTier
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 DISK = 1 << 20  # ~85 records of one 8 KiB block (a header page + 2 pages each)

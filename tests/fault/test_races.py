@@ -25,10 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from client import AsyncKVClient, KVClient
+from kvstore.client import AsyncKVClient, KVClient
 from kvstore.proto import kvstore_pb2 as pb
-from server.process import ROOT
-from server.store import TieredStore
+from kvstore.server.process import ROOT
+from kvstore.server.store import TieredStore
+from kvstore.tiers.base import PAGE
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import (
     CapacityWatch,
@@ -40,9 +43,6 @@ from tests.reliability import (
     tier,
     wait_quiescent,
 )
-from tiers.base import PAGE
-from tiers.disk import DiskTier
-from tiers.host import HostTier
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 CANARY = 0xA5

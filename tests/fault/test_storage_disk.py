@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from client import KVClient
-from server.process import DaemonProcess
+from kvstore.client import KVClient
+from kvstore.server.process import DaemonProcess
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.fault.smallfs import ext4, fail_read_only, fill, tmpfs
 from tests.reliability import stats, tier, wait_quiescent
@@ -95,8 +95,8 @@ def _check_degraded(d: _Daemon, why: str) -> None:
     text = d.metrics()
     assert _metric(text, "kvstore_disk_degraded") == 1
     assert _metric(text, "kvstore_disk_write_failures_total") >= 1
-    cli = subprocess.run([sys.executable, "-m", "client.cli", "--target", d.target, "stats"],
-                         capture_output=True, text=True, timeout=60, check=False)
+    cli = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "--target", d.target,
+                          "stats"], capture_output=True, text=True, timeout=60, check=False)
     assert cli.returncode == 0 and "disk tier DEGRADED" in cli.stdout and why in cli.stdout, cli
     log = d.log.read_text()
     assert len(re.findall(r"disk tier degraded", log)) == 1, log  # logged once

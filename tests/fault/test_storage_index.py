@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from client import KVClient
-from server.process import DaemonProcess
+from kvstore.client import KVClient
+from kvstore.server.process import DaemonProcess
+from kvstore.tiers.base import PAGE
 from tests.conftest import random_kv, small_layout
 from tests.reliability import stats, tier
-from tiers.base import PAGE
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 LAYOUT = small_layout()  # 8 KiB blocks
@@ -194,7 +194,7 @@ def test_clean_index_is_not_rebuilt(published, tmp_path) -> None:
 def test_rebuild_keeps_lru_order_and_drops_what_was_evicted(tmp_path) -> None:
     """The records' sequence numbers give the rebuilt index the LRU order the old one had,
     and a record evicted before the damage does not come back (its magic was zeroed)."""
-    from tiers.disk import DiskTier
+    from kvstore.tiers.disk import DiskTier
 
     def key(i: int) -> bytes:
         return bytes([i]) * 32

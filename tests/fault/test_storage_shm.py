@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 from tests.fault.smallfs import tmpfs
 from tests.reliability import wait_until
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration]
 # each back and compares it byte for byte. Exit 0 only if every prompt came back identical.
 ENGINE = """
 import sys
-from client import KVClient
+from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
 target, n = sys.argv[1], int(sys.argv[2])
 layout = small_layout(block_tokens=256)  # 128 KiB blocks
@@ -99,7 +99,7 @@ def test_a_restarted_daemon_finds_shm_an_engine_held_for_the_old_arena(tmp_path:
     """The daemon dies while a same-node engine maps its arena (12 MiB on 16 MiB of shm). The
     engine must let go of the dead arena once it sees the daemon gone, or the restarted daemon
     cannot reserve a new one (its pages stay allocated while any process maps them)."""
-    from client import KVClient
+    from kvstore.client import KVClient
     from tests.conftest import random_kv, same_bytes, small_layout
 
     layout = small_layout(block_tokens=256)  # 128 KiB blocks

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.errors import InvalidArgumentError
 from kvstore.planner import TRANSFER_SLACK, PrefillModel, transfer_deadline
 from tests.conftest import random_kv, same_bytes, small_layout

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from client import KVClient
-from client.backoff import BackoffPolicy
+from kvstore.client import KVClient
+from kvstore.client.backoff import BackoffPolicy
 from kvstore.errors import PermissionDeniedError
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, small_layout

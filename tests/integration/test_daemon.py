@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
-from client import KVClient
 from kvstore import InvalidArgumentError
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import random_kv, same_bytes, small_layout

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-import client.aio
-from client import KVClient
+import kvstore.client.aio
+from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import stats, wait_quiescent
 
@@ -30,13 +30,13 @@ def host_of(blocks: int) -> str:
 def heads(monkeypatch) -> list[int]:
     """The first block of every Fetch the client sends (instrumentation: the calls run)."""
     starts: list[int] = []
-    real = client.aio.AsyncKVClient._fetch_head
+    real = kvstore.client.aio.AsyncKVClient._fetch_head
 
     async def counted(self, keys, start, **kw):
         starts.append(start)
         return await real(self, keys, start, **kw)
 
-    monkeypatch.setattr(client.aio.AsyncKVClient, "_fetch_head", counted)
+    monkeypatch.setattr(kvstore.client.aio.AsyncKVClient, "_fetch_head", counted)
     return starts
 
 
@@ -101,13 +101,13 @@ def test_window_asked_ahead_without_staging_space_is_asked_again(daemon_factory,
     # for ahead) finds no staging space. It must be asked for again, not taken as the end.
     d, tokens, kv = on_disk_only(daemon_factory, 9, "--host-bytes", host_of(3))
     d.start()
-    real_copy = client.aio.AsyncKVClient._copy_out
+    real_copy = kvstore.client.aio.AsyncKVClient._copy_out
 
     def slow_copy(self, *args):  # a slow copy: the window asked ahead lands while it runs
         time.sleep(0.5)
         return real_copy(self, *args)
 
-    monkeypatch.setattr(client.aio.AsyncKVClient, "_copy_out", slow_copy)
+    monkeypatch.setattr(kvstore.client.aio.AsyncKVClient, "_copy_out", slow_copy)
     with KVClient(d.target, LAYOUT, deadline_s=5) as c:
         heads.clear()
         n, got = c.fetch(tokens)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client import KVClient
-from client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.integration
@@ -201,7 +201,7 @@ def test_cache_round_trip_is_byte_exact_through_either_transfer(daemon, transfer
     shorter than the prompt too (its tensors are then views of the prompt-sized buffers)."""
     from transformers import DynamicCache
 
-    from client.integrations.hf import fetch_cache, publish_cache
+    from kvstore.client.integrations.hf import fetch_cache, publish_cache
 
     model = tiny_llama(torch.bfloat16)
     layout = layout_for_model(model, block_tokens=32)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import KVClient
+from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import Worker, wait_until
 
@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 
 def kvstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.client.cli", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -91,7 +91,7 @@ def test_health_serving(daemon):
 
 
 def test_print_config_redacts_the_token():
-    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--listen",
+    r = subprocess.run([sys.executable, "-m", "kvstore.server", "--print-config", "--listen",
                         "127.0.0.1:7000", "--token", "hunter2", "--host-bytes", "2GiB"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -101,7 +101,8 @@ def test_print_config_redacts_the_token():
 
 
 def test_invalid_config_names_the_option():
-    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--host-bytes", "lots"],
+    r = subprocess.run([sys.executable, "-m", "kvstore.server", "--print-config", "--host-bytes",
+                        "lots"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "host_bytes" in r.stderr
 

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from client import AsyncKVClient, KVClient
 from kvstore import InvalidArgumentError
+from kvstore.client import AsyncKVClient, KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import random_kv, same_bytes, small_layout

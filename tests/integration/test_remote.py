@@ -15,13 +15,10 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.integrity import HEADER_BYTES
-from server.process import DaemonProcess
-from tests import redis_servers
-from tests.conftest import random_kv, same_bytes, small_layout
-from tests.redis_servers import RedisClusterNodes, RedisServer, cli
-from tiers.remote import (
+from kvstore.server.process import DaemonProcess
+from kvstore.tiers.remote import (
     PutResult,
     RemoteOptions,
     RemoteTier,
@@ -30,6 +27,9 @@ from tiers.remote import (
     frame_value,
     redis_key,
 )
+from tests import redis_servers
+from tests.conftest import random_kv, same_bytes, small_layout
+from tests.redis_servers import RedisClusterNodes, RedisServer, cli
 
 pytestmark = pytest.mark.integration
 

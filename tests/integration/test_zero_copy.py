@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from client import KVClient
+from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
 
 pytestmark = pytest.mark.integration

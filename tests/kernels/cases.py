@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from kernels import EngineKV, EngineLayout, staging_shape
+from kvstore.kernels import EngineKV, EngineLayout, staging_shape
 
 
 @dataclasses.dataclass(frozen=True)

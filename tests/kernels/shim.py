@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.plan import KernelLaunch, scalar_args
+from kvstore.kernels.plan import KernelLaunch, scalar_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

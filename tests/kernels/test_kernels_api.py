@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import EngineKV, EngineLayout
-from kernels.plan import Direction, launch_shape, plan_launch, prepare, vector_bytes
+from kvstore import kernels
+from kvstore.kernels import EngineKV, EngineLayout
+from kvstore.kernels.plan import Direction, launch_shape, plan_launch, prepare, vector_bytes
 
 
 def nhd(num_layers: int = 2, pages: int = 6, dtype: torch.dtype = torch.float16) -> EngineKV:
@@ -240,8 +240,8 @@ def test_kernel_arguments_point_at_the_metadata() -> None:
 
     import numpy as np
 
-    from kernels.cuda import kernel_arguments, metadata
-    from kernels.plan import scalar_args
+    from kvstore.kernels.cuda import kernel_arguments, metadata
+    from kvstore.kernels.plan import scalar_args
 
     engine = nhd(num_layers=2)
     staging = staging_for(engine, slots=3)
@@ -274,7 +274,7 @@ def test_plane_strides_must_agree() -> None:
 
 
 def test_cuda_path_errors_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import cuda
+    from kvstore.kernels import cuda
 
     with pytest.raises(kernels.DeviceError, match="must be pinned"):
         cuda.mapped_device_pointer(torch.zeros(4))  # pageable: unreachable from a GPU

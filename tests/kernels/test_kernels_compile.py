@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kernels.cuda import KV_COPY_SOURCE, NVRTC_OPTIONS, cuda_sources
-from kernels.plan import KERNEL_NAMES, POINTER_PARAMS, SCALAR_PARAMS, UNROLL
+from kvstore.kernels.cuda import KV_COPY_SOURCE, NVRTC_OPTIONS, cuda_sources
+from kvstore.kernels.plan import KERNEL_NAMES, POINTER_PARAMS, SCALAR_PARAMS, UNROLL
 
 ARCHS = ("sm_80", "sm_90")
 SOURCES = cuda_sources()

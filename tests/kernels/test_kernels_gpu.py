@@ -15,9 +15,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import EngineKV, EngineLayout, reference
-from kernels.plan import Direction, prepare
+from kvstore import kernels
+from kvstore.kernels import EngineKV, EngineLayout, reference
+from kvstore.kernels.plan import Direction, prepare
 from tests.kernels.cases import (
     CacheSpec,
     assert_same_bytes,

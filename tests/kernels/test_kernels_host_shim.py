@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import EngineKV, EngineLayout, reference
-from kernels.plan import (
+from kvstore.kernels import EngineKV, EngineLayout, reference
+from kvstore.kernels.plan import (
     KERNEL_NAMES,
     VEC_WIDTHS,
     Direction,

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import kernels
-from kernels import EngineKV, EngineLayout
-from kernels.plan import Direction, plan_launch, prepare
+from kvstore import kernels
+from kvstore.kernels import EngineKV, EngineLayout
+from kvstore.kernels.plan import Direction, plan_launch, prepare
 from tests.kernels.cases import assert_same_bytes
 from tests.kernels.shim import ShimRunner, storage_bytes
 

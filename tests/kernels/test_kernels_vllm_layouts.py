@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import EngineLayout, LayoutError
-from kernels.plan import Direction, plan_launch, prepare
+from kvstore import kernels
+from kvstore.kernels import EngineLayout, LayoutError
+from kvstore.kernels.plan import Direction, plan_launch, prepare
 from tests.kernels.cases import assert_same_bytes, random_bytes_
 from tests.kernels.shim import ShimRunner, storage_bytes
 

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels
-from kernels.plan import Direction, plan_launch, prepare
+from kvstore import kernels
+from kvstore.kernels.plan import Direction, plan_launch, prepare
 from tests.kernels.cases import assert_same_bytes, random_bytes_
 from tests.kernels.shim import ShimRunner
 

@@ -31,10 +31,10 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is a dev depen
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from client import KVClient  # noqa: E402
+from kvstore.client import KVClient  # noqa: E402
 from kvstore.layout import DTYPE_BYTES  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
-from server.process import DaemonProcess  # noqa: E402
+from kvstore.server.process import DaemonProcess  # noqa: E402
 from tests.conftest import random_kv, same_bytes, small_layout  # noqa: E402
 from tests.reliability import (  # noqa: E402
     SOAK_S,

@@ -25,8 +25,8 @@ import grpc
 import pytest
 import torch
 
-from client import KVClient
 from kvstore import KVLayout
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import random_kv, same_bytes, small_layout
@@ -314,10 +314,10 @@ def test_tenant_stats_show_only_its_own_blocks(tenant_daemon):
 def test_fetch_internal_error_reaches_log_and_metrics(tmp_path, caplog):
     import asyncio
 
-    from server.metrics import Metrics
-    from server.service import KVStoreService, add_service
-    from server.store import TieredStore
-    from tiers.host import HostTier
+    from kvstore.server.metrics import Metrics
+    from kvstore.server.service import KVStoreService, add_service
+    from kvstore.server.store import TieredStore
+    from kvstore.tiers.host import HostTier
 
     store = TieredStore(HostTier(1 << 20, shm_dir=tmp_path), None)
 

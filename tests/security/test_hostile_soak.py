@@ -29,8 +29,8 @@ import grpc
 import pytest
 import torch
 
-from client import KVClient
 from kvstore import KVLayout
+from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, same_bytes
 from tests.reliability import (

@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import KVClient, cli
+from kvstore.client import KVClient, cli
 from kvstore.proto import kvstore_pb2 as pb
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import stub
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import KVClient
+from kvstore.client import KVClient
 from kvstore.errors import ConfigError
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from server.tenancy import Scope, TokenTable, load_tenant_tokens
+from kvstore.server.tenancy import Scope, TokenTable, load_tenant_tokens
 from tests.conftest import random_kv, same_bytes, small_layout
 
 TOKEN_A = "alpha-token-0123456789"
@@ -130,7 +130,7 @@ def test_world_readable_tokens_file_stops_startup(daemon_factory, tmp_path):
 
 def test_print_config_takes_tenants_without_admin_token(tmp_path):
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
-    r = subprocess.run([sys.executable, "-m", "server", "--print-config", "--listen",
+    r = subprocess.run([sys.executable, "-m", "kvstore.server", "--print-config", "--listen",
                         "127.0.0.1:7001", "--tenant-tokens-file", str(f)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

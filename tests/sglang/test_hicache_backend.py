@@ -41,9 +41,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from client import KVClient
-from client.integrations.sglang import KVStoreHiCache
 from kvstore import InvalidArgumentError, KVLayout
+from kvstore.client import KVClient
+from kvstore.client.integrations.sglang import KVStoreHiCache
 
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
 PAGE = 16
@@ -133,7 +133,8 @@ def storage_config(target: str, *, mla: bool = False, tp: tuple[int, int] = (0, 
         tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
         is_page_first_layout=False, model_name="tiny-llama",
-        extra_config={"backend_name": "kvstore", "module_path": "client.integrations.sglang",
+        extra_config={"backend_name": "kvstore",
+                      "module_path": "kvstore.client.integrations.sglang",
                       "class_name": "KVStoreHiCache", "interface_v1": 1,
                       "kvstore.target": target, **extra})
 

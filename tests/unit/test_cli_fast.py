@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from client.cli import build_parser, normalize_target
+from kvstore.client.cli import build_parser, normalize_target
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs the CLI's main() as the console script does, then reports on stderr what was imported.
 _WRAPPER = """
 import sys
-from client.cli import main
+from kvstore.client.cli import main
 rc = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "numpy", "client.aio", "client.sync") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "numpy", "kvstore.client.aio", "kvstore.client.sync")
+               if m in sys.modules)
 print("IMPORTED=" + ",".join(heavy), file=sys.stderr)
 sys.exit(rc)
 """
@@ -121,7 +122,7 @@ def test_bad_usage_exits_2() -> None:
 
 
 def test_target_normalized_as_the_client_does() -> None:
-    from client.aio import normalize_target as client_normalize  # imports torch: here only
+    from kvstore.client.aio import normalize_target as client_normalize  # imports torch: here only
 
     for t in ("/run/kv.sock", "unix:/run/kv.sock", "unix:///run/kv.sock", "host:9000"):
         assert normalize_target(t) == client_normalize(t)
@@ -130,16 +131,16 @@ def test_target_normalized_as_the_client_does() -> None:
 def test_public_names_still_import_and_stay_lazy() -> None:
     code = """
 import sys
-import client, kvstore
+import kvstore.client
 assert "torch" not in sys.modules and "numpy" not in sys.modules, "eager import"
-from client import AsyncKVClient, BackoffPolicy, KVClient, cli
+from kvstore.client import AsyncKVClient, BackoffPolicy, KVClient, cli
 from kvstore import KVLayout, Namespace, chain_keys, InvalidArgumentError, __version__
 ns = {}
-exec("from client import *; from kvstore import *", ns)
+exec("from kvstore.client import *; from kvstore import *", ns)
 assert {"KVClient", "AsyncKVClient", "BackoffPolicy", "Namespace", "chain_keys"} <= set(ns)
-assert KVClient.__module__ == "client.sync" and cli.__name__ == "client.cli"
+assert KVClient.__module__ == "kvstore.client.sync" and cli.__name__ == "kvstore.client.cli"
 try:
-    client.no_such_name
+    kvstore.client.no_such_name
 except AttributeError:
     print("ok")
 """

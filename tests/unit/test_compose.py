@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.__main__ import build_parser
+from kvstore.server.__main__ import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -69,7 +69,7 @@ def test_monitoring_scrapes_the_daemon_and_charts_exported_metrics():
 def test_health_check_is_a_fast_ping_of_the_daemon_socket():
     """The check runs `kvstore ping` (no torch: tests/unit/test_cli_fast.py) on the daemon's
     socket, with a per-call timeout that leaves margin inside docker's timeout."""
-    from client.cli import build_parser as cli_parser
+    from kvstore.client.cli import build_parser as cli_parser
 
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     check = services["kvstore"]["healthcheck"]

@@ -1,5 +1,5 @@
-"""`client.integrations.settings.read_extra`: the `kvstore.*` keys of an engine's extra config
-(vLLM's connector and SGLang's HiCache backend both read theirs with it)."""
+"""`kvstore.client.integrations.settings.read_extra`: the `kvstore.*` keys of an engine's extra
+config (vLLM's connector and SGLang's HiCache backend both read theirs with it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from client.integrations.settings import read_extra
+from kvstore.client.integrations.settings import read_extra
 
 
 class SettingsError(ValueError):

@@ -2,7 +2,7 @@
 
 Validation is offline: `kubernetes-validate` (PyPI, a dev extra) bundles the API's JSON
 schemas, and the test cuts the process off the network while it runs. Nothing is deployed.
-The cross-checks run the daemon's own parser (`python -m server --print-config`) on the
+The cross-checks run the daemon's own parser (`python -m kvstore.server --print-config`) on the
 DaemonSet's command and compare what the engine pod mounts and dials with what the daemon uses.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from client.cli import build_parser as cli_parser
+from kvstore.client.cli import build_parser as cli_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy/kubernetes").glob("*.yaml"))
@@ -57,7 +57,7 @@ def daemon_config() -> dict[str, Any]:
     """The daemon's effective configuration for the DaemonSet's command, from the daemon."""
     cmd = pod("DaemonSet", "kvstore")["containers"][0]["command"]
     assert cmd[0] == "kvstore-server"
-    r = subprocess.run([sys.executable, "-m", "server", "--print-config", *cmd[1:]],
+    r = subprocess.run([sys.executable, "-m", "kvstore.server", "--print-config", *cmd[1:]],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, f"the daemon refuses the DaemonSet's flags: {r.stderr}"
     config: dict[str, Any] = json.loads(r.stdout)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.integrations.paged import PagedCache, token_pages
-from kernels.layouts import EngineKV, EngineLayout
+from kvstore.client.integrations.paged import PagedCache, token_pages
+from kvstore.kernels.layouts import EngineKV, EngineLayout
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 2, 2, 8, 4, 6
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from client.integrations import paged
-from client.integrations.paged import PagedCache
+from kvstore.client.integrations import paged
+from kvstore.client.integrations.paged import PagedCache
 
 needs_native = pytest.mark.skipif(paged.native_copy() is None,
                                   reason="no C compiler: the torch copy is used instead")

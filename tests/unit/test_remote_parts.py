@@ -11,9 +11,9 @@ from redis.crc import key_slot
 from kvstore.errors import ConfigError, IntegrityError, LayoutMismatchError
 from kvstore.integrity import HEADER_BYTES
 from kvstore.remote_url import parse_remote_url, redact_url
-from server.write_through import WriteThroughQueue
-from tiers.breaker import CircuitBreaker
-from tiers.remote import frame_value, namespace_pattern, read_frame, redis_key
+from kvstore.server.write_through import WriteThroughQueue
+from kvstore.tiers.breaker import CircuitBreaker
+from kvstore.tiers.remote import frame_value, namespace_pattern, read_frame, redis_key
 
 NS = bytes(range(32))
 LAYOUT = b"L" * 32

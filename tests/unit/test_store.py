@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvstore.errors import NotFoundError
-from server.store import Lease, TieredStore
-from tiers.base import PAGE
-from tiers.disk import DiskTier
-from tiers.host import HostTier
+from kvstore.server.store import Lease, TieredStore
+from kvstore.tiers.base import PAGE
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
 
 NS_A = b"A" * 32
 NS_B = b"B" * 32

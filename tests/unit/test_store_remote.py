@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from server.remote_writer import REMOTE_WRITE_ATTEMPTS
-from server.store import TieredStore
-from tests.unit.test_store import LAYOUT, LENGTH, NS_A, fetched_bytes, key, payload, publish
-from tiers.base import PAGE
-from tiers.breaker import CircuitBreaker
-from tiers.disk import DiskTier
-from tiers.host import HostTier
-from tiers.remote import (
+from kvstore.server.remote_writer import REMOTE_WRITE_ATTEMPTS
+from kvstore.server.store import TieredStore
+from kvstore.tiers.base import PAGE
+from kvstore.tiers.breaker import CircuitBreaker
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.remote import (
     PutResult,
     RemoteUnavailableError,
     RemoteWrite,
     frame_value,
     read_frame,
 )
+from tests.unit.test_store import LAYOUT, LENGTH, NS_A, fetched_bytes, key, payload, publish
 
 
 class FakeRemote:

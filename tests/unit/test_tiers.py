@@ -13,11 +13,11 @@ import torch
 
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError
 from kvstore.integrity import HEADER_BYTES
-from tiers.base import PAGE, BlockEntry, Tier
-from tiers.disk import DiskTier
-from tiers.gpu import GpuTier
-from tiers.host import HostTier
-from tiers.slab import SlabTier
+from kvstore.tiers.base import PAGE, BlockEntry, Tier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.slab import SlabTier
 
 NS = b"n" * 32
 LAYOUT = b"L" * 32

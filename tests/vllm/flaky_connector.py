@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from client.integrations.vllm import KVStoreConnector
-from client.sync import KVClient
+from kvstore.client.integrations.vllm import KVStoreConnector
+from kvstore.client.sync import KVClient
 
 
 class _ShortFetch:

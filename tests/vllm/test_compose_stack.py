@@ -74,7 +74,7 @@ def complete(native: Native, ids: list[int]) -> dict[str, Any]:
 def daemon_stats(native: Native) -> Any:
     import torch
 
-    from client import KVClient
+    from kvstore.client import KVClient
     from kvstore.layout import KVLayout
 
     layout = KVLayout(model="stats", num_layers=1, num_kv_heads=1, head_dim=8,

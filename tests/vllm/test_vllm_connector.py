@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from benchmarks.worker import JsonLineWorker
-from server.process import ROOT, DaemonProcess
+from kvstore.server.process import ROOT, DaemonProcess
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run `bash scripts/setup_vllm.sh`, "
@@ -74,7 +74,7 @@ def prompts(seed: int) -> list[str]:
 
 def hit_blocks(daemon: DaemonProcess) -> int:
     """Blocks the daemon has served by Fetch: each one an external hit in vLLM."""
-    from client import KVClient
+    from kvstore.client import KVClient
     from tests.conftest import small_layout
 
     with KVClient(daemon.target, small_layout()) as c:  # Stats ignores the layout
@@ -189,8 +189,8 @@ def test_block_published_by_transformers_is_found(engine: Engine, daemon: Daemon
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from client import KVClient
-    from client.integrations.hf import CachedPrefill, layout_for_model
+    from kvstore.client import KVClient
+    from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(prompts(seed=2)[0])["input_ids"]

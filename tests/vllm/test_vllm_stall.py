@@ -21,7 +21,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run `bash scripts/setup_vllm.sh`",
                 allow_module_level=True)
 
-from server.process import DaemonProcess
+from kvstore.server.process import DaemonProcess
 from tests.vllm.test_vllm_connector import BLOCK, Engine, assert_same_generation, hit_blocks
 from tests.vllm.vllm_runner import make_model
 

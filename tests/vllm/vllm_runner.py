@@ -74,7 +74,8 @@ def build_llm(opts: dict[str, Any]) -> Any:
     extra = {"kvstore.target": opts["target"], "kvstore.deadline_s": opts.get("deadline_s", 1.0)}
     extra.update(opts.get("extra", {}))
     ktc = KVTransferConfig(kv_connector=opts.get("connector", "KVStoreConnector"),
-                           kv_connector_module_path=opts.get("module", "client.integrations.vllm"),
+                           kv_connector_module_path=opts.get("module",
+                                                            "kvstore.client.integrations.vllm"),
                            kv_role="kv_both", kv_connector_extra_config=extra)
     return LLM(model=opts["model"], dtype=opts.get("dtype", "float32"), enforce_eager=True,
                block_size=opts.get("block_size", 32), max_model_len=opts.get("max_model_len", 1024),
