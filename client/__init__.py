@@ -20,4 +20,4 @@ __all__ = ["AsyncKVClient", "BackoffPolicy", "KVClient"]
 _LAZY = {"AsyncKVClient": "kvstore.client.aio", "BackoffPolicy": "kvstore.client.backoff",
          "KVClient": "kvstore.client.sync"}
 
-__getattr__, __dir__ = lazy_exports("client", _LAZY, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
