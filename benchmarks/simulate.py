@@ -9,8 +9,13 @@ simulated cache cost a few hundred MB of RAM here.
 
 Model, per request (requests are replayed in timestamp order, one at a time):
 
-1. A router picks a machine: `random`, or `affinity` (consistent hashing of the first
-   `--affinity-blocks` block ids, so the turns of one conversation meet their own prefix).
+1. A router picks a machine: `random`, `affinity` (consistent hashing of the first
+   `--affinity-blocks` block ids, so the turns of one conversation meet their own prefix), or
+   `kv-aware` / `kv-ttft`, which know where each block lives from the KV events the machines
+   publish (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, `--kv-lag` requests late):
+   the best cached prefix first, ties to the least loaded (`kv-aware`), or the least queued
+   work + modeled TTFT (`kv-ttft`). A request spills to the router's next choice when the
+   chosen machine has more than `--spill-bound-s` seconds of work queued.
 2. Longest prefix: each block, in chain order, is looked up in the machine's host tier, then its
    disk tier, then the shared remote tier; the walk stops at the first block found nowhere.
    Disk and remote hits are promoted into host (host victims are demoted to disk, disk victims
@@ -21,15 +26,19 @@ Model, per request (requests are replayed in timestamp order, one at a time):
 
 Reported: the fraction of prompt blocks served from host / disk / remote / computed, and an
 estimated TTFT per request from a bandwidth-vs-prefill model (`TTFTModel`) that loads a cached
-prefix only as far as loading beats recomputing (the machines' tiers evict with `--eviction`).
-Separately, each eviction policy of `--policies` on a single tier is compared with Belady's
-optimal (MIN) at the same capacities (`--belady-capacities`), written under "policies" in the
-JSON: `{"default": NAME, "capacity_blocks": [...], "hit_rate": {"belady": [...], "lru": [...],
-...}}`.
+prefix only as far as loading beats recomputing (the machines' tiers evict with `--eviction`):
+for an idle engine, and with a FIFO queue per machine (one request at a time, each taking its
+modeled TTFT; `ttft_q_*`). `--churn` makes machines fail, leave or join mid-trace (their host
+and disk lost; a joiner starts empty); each row also reports the window of the trace after
+each churn event. Separately, each eviction policy of `--policies` on a single tier is compared
+with Belady's optimal (MIN) at the same capacities (`--belady-capacities`), written under
+"policies" in the JSON: `{"default": NAME, "capacity_blocks": [...], "hit_rate": {"belady":
+[...], "lru": [...], ...}}`.
 
-What it does not model (see docs/SCALE.md): time. Every request is published before the next
-arrives (no in-flight prefixes, no write-through lag, no queueing), the GPU's own prefix cache
-is not simulated, and the remote tier is exact LRU where Redis samples.
+What it does not model (see docs/SCALE.md): the cache is looked up and published at arrival
+(no in-flight prefixes, no write-through lag: the queue delays a request's first token, not its
+blocks), a machine prefills one request at a time (no batching, no decode), the GPU's own
+prefix cache is not simulated, and the remote tier is exact LRU where Redis samples.
 """
 
 from __future__ import annotations
@@ -38,15 +47,17 @@ import argparse
 import bisect
 import hashlib
 import heapq
+import itertools
 import json
 import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 from tqdm import tqdm
@@ -132,24 +143,218 @@ def load_trace(path: Path, limit: int | None = None) -> list[Request]:
     return out
 
 
+# ---------------------------------------------------------------- KV events
+
+# What a machine publishes as blocks enter and leave its tiers: vLLM's KV events
+# (`vllm.distributed.kv_events`: BlockStored, BlockRemoved, AllBlocksCleared), with the fields a
+# router's index uses, the block hashes and the medium. llm-d's and Dynamo's KV routers build
+# their index from these; the `kv-aware` router below builds its own from nothing else.
+HOST_MEDIUM, DISK_MEDIUM = "CPU", "DISK"
+_MEDIUM_BIT = {HOST_MEDIUM: 1, DISK_MEDIUM: 2}
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[bytes]
+    medium: str
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The machine's tiers are gone (it failed or left)."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """Events of one machine, in the order they happened."""
+
+    machine: int
+    events: list[KVEvent]
+
+
+class KVIndex:
+    """Which machine holds which block, in which tier, learned from KV events only.
+
+    `publish` is called once per request with the events that request caused (plus those of
+    any churn just before it). With `lag` = K a batch is applied only after K more batches have
+    been published: the index is exactly K requests stale, as a router fed over a slow bus.
+    """
+
+    def __init__(self, lag: int = 0) -> None:
+        if lag < 0:
+            raise ValueError("lag must be >= 0")
+        self.lag = lag
+        self._where: dict[bytes, dict[int, int]] = {}  # key -> {machine: tier bits}
+        self._pending: deque[list[EventBatch]] = deque()
+        self._dropped: set[int] = set()
+        self.events_applied = 0
+
+    def publish(self, batches: list[EventBatch]) -> None:
+        self._pending.append(batches)
+        while len(self._pending) > self.lag:
+            for batch in self._pending.popleft():
+                self._apply(batch)
+
+    def drop_machine(self, machine: int) -> None:
+        """Forget a machine now (it left the cluster); its late events are ignored."""
+        self._dropped.add(machine)
+        self._clear(machine)
+
+    def holders(self, key: bytes) -> dict[int, str]:
+        """Machine -> the fastest tier it holds `key` in (`HOST_MEDIUM` or `DISK_MEDIUM`)."""
+        return {m: HOST_MEDIUM if bits & 1 else DISK_MEDIUM
+                for m, bits in self._where.get(key, {}).items()}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def prefixes(self, keys: Sequence[bytes], machines: Container[int]) -> dict[int, bytes]:
+        """For each of `machines` holding the chain's first block, its cached prefix as tier
+        codes (HOST where it is in host, else DISK), stopping at its first missing block."""
+        out: dict[int, bytearray] = {}
+        active: list[int] | None = None
+        where = self._where
+        for key in keys:
+            holders = where.get(key)
+            if not holders:
+                break
+            if active is None:
+                active = [m for m in holders if m in machines]
+            else:
+                active = [m for m in active if m in holders]
+            if not active:
+                break
+            for m in active:
+                out.setdefault(m, bytearray()).append(HOST if holders[m] & 1 else DISK)
+        return {m: bytes(codes) for m, codes in out.items()}
+
+    def _apply(self, batch: EventBatch) -> None:
+        m = batch.machine
+        if m in self._dropped:
+            return
+        where = self._where
+        for ev in batch.events:
+            self.events_applied += 1
+            if isinstance(ev, BlockStored):
+                bit = _MEDIUM_BIT[ev.medium]
+                for key in ev.block_hashes:
+                    holders = where.get(key)
+                    if holders is None:
+                        where[key] = {m: bit}
+                    else:
+                        holders[m] = holders.get(m, 0) | bit
+            elif isinstance(ev, BlockRemoved):
+                bit = _MEDIUM_BIT[ev.medium]
+                for key in ev.block_hashes:
+                    holders = where.get(key)
+                    if holders is None or m not in holders:
+                        continue
+                    left = holders[m] & ~bit
+                    if left:
+                        holders[m] = left
+                    else:
+                        del holders[m]
+                        if not holders:
+                            del where[key]
+            else:
+                self._clear(m)
+
+    def _clear(self, machine: int) -> None:
+        # A scan of the whole index: only on churn, a few times a run.
+        empty = []
+        for key, holders in self._where.items():
+            if holders.pop(machine, None) is not None and not holders:
+                empty.append(key)
+        for key in empty:
+            del self._where[key]
+
+
 # ---------------------------------------------------------------- routing
 
 
 class Router(Protocol):
-    """Chooses the machine (0 .. n-1) that serves a request."""
+    """Chooses the machine that serves a request."""
 
     def route(self, request: Request) -> int: ...
 
 
-class RandomRouter:
+class LoadView(Protocol):
+    """What a router may know of the machines' load."""
+
+    def outstanding_s(self, machine: int) -> float:
+        """Seconds of work queued on `machine` (modeled TTFTs not yet finished)."""
+        ...
+
+    def requests_of(self, machine: int) -> int: ...
+
+
+class _Idle:
+    def outstanding_s(self, machine: int) -> float:
+        return 0.0
+
+    def requests_of(self, machine: int) -> int:
+        return 0
+
+
+IDLE: LoadView = _Idle()
+
+
+class ClusterRouter:
+    """A router over a machine set that changes (`add_machine`, `remove_machine`).
+
+    `choices` yields the live machines in preference order; the cluster takes the first whose
+    queued work is within its spill bound. It is a generator where ranking costs something
+    (random numbers, a ring walk), so a request that does not spill pays for one choice only.
+    """
+
+    def __init__(self, machines: int) -> None:
+        self.live: list[int] = list(range(machines))
+
+    @property
+    def machines(self) -> int:
+        return len(self.live)
+
+    def add_machine(self, machine: int) -> None:
+        if machine in self.live:
+            raise ValueError(f"machine {machine} is already in the cluster")
+        self.live.append(machine)
+
+    def remove_machine(self, machine: int) -> None:
+        self.live.remove(machine)
+
+    def choices(self, request: Request, load: LoadView) -> Iterator[int]:
+        raise NotImplementedError
+
+    def observe(self, batches: list[EventBatch]) -> None:
+        """KV events, once per request; only a router that indexes blocks uses them."""
+
+    def route(self, request: Request) -> int:
+        return next(iter(self.choices(request, IDLE)))
+
+
+class RandomRouter(ClusterRouter):
     """Uniformly random machine: the load balancer that knows nothing about prefixes."""
 
     def __init__(self, machines: int, seed: int = 0) -> None:
-        self.machines = machines
+        super().__init__(machines)
         self._rng = random.Random(seed)
 
-    def route(self, request: Request) -> int:
-        return self._rng.randrange(self.machines)
+    def choices(self, request: Request, load: LoadView) -> Iterator[int]:
+        live = self.live
+        first = live[self._rng.randrange(len(live))]
+        yield first
+        rest = [m for m in live if m != first]  # spill: the others in random order
+        self._rng.shuffle(rest)
+        yield from rest
 
 
 def _hash64(data: bytes) -> int:
@@ -157,37 +362,152 @@ def _hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-class AffinityRouter:
+class AffinityRouter(ClusterRouter):
     """Consistent hashing of a request's first `prefix_blocks` block ids.
 
     A ring with `vnodes` points per machine: adding a machine moves only ~1/N of the prefixes,
     which is what a real deployment needs (a rehash of everything would empty every cache).
     One block is not enough on the conversation trace: every request starts with block 0 (a
-    shared system prompt), so `prefix_blocks=1` sends all traffic to one machine.
+    shared system prompt), so `prefix_blocks=1` sends all traffic to one machine. A request
+    spills to the next machines clockwise on the ring (consistent hashing with bounded loads).
     """
 
     def __init__(self, machines: int, prefix_blocks: int = 2, vnodes: int = 64) -> None:
         if prefix_blocks < 1:
             raise ValueError("prefix_blocks must be >= 1")
-        self.machines = machines
+        super().__init__(machines)
         self.prefix_blocks = prefix_blocks
+        self.vnodes = vnodes
+        self._build()
+
+    def _build(self) -> None:
         ring = sorted((_hash64(f"machine-{m}/vnode-{v}".encode()), m)
-                      for m in range(machines) for v in range(vnodes))
+                      for m in self.live for v in range(self.vnodes))
         self._points = [p for p, _ in ring]
         self._owners = [m for _, m in ring]
 
-    def route(self, request: Request) -> int:
+    def add_machine(self, machine: int) -> None:
+        super().add_machine(machine)
+        self._build()
+
+    def remove_machine(self, machine: int) -> None:
+        super().remove_machine(machine)
+        self._build()
+
+    def choices(self, request: Request, load: LoadView) -> Iterator[int]:
         head = b"".join(request.keys[: self.prefix_blocks])
-        i = bisect.bisect(self._points, _hash64(head)) % len(self._points)
-        return self._owners[i]
+        owners = self._owners
+        n = len(owners)
+        i = bisect.bisect(self._points, _hash64(head))
+        seen: set[int] = set()
+        for j in range(i, i + n):
+            m = owners[j % n]
+            if m not in seen:
+                seen.add(m)
+                yield m
+                if len(seen) == len(self.live):
+                    return
 
 
-def make_router(kind: str, machines: int, seed: int = 0, affinity_blocks: int = 2) -> Router:
+class KVAwareRouter(ClusterRouter):
+    """Routes by where the blocks are, as the machines' KV events told it (`KVIndex`).
+
+    Each live machine's cached prefix of the request (host or disk, from the index) is priced
+    with the TTFT model: the modeled TTFT of an idle engine with that prefix. So a longer prefix
+    wins, and a host block counts more than a disk block by exactly what it saves. The shared
+    remote tier is not indexed: it is the same for every machine.
+
+    - `load_weight=0` (`kv-aware`): best prefix first; ties (a new conversation, whose only
+      cached block is the shared system prompt everywhere) go to the machine with the least
+      queued work, then the fewest requests so far: llm-d's and Dynamo's order.
+    - `load_weight=1` (`kv-ttft`): the cost is queued work + modeled TTFT, the TTFT the request
+      would see there, so a long queue outweighs a short prefix without a spill bound.
+    """
+
+    def __init__(self, machines: int, model: TTFTModel, load_weight: float = 0.0,
+                 lag: int = 0) -> None:
+        super().__init__(machines)
+        self.model = model
+        self.load_weight = load_weight
+        self.index = KVIndex(lag)
+
+    def remove_machine(self, machine: int) -> None:
+        super().remove_machine(machine)
+        self.index.drop_machine(machine)
+
+    def observe(self, batches: list[EventBatch]) -> None:
+        self.index.publish(batches)
+
+    def choices(self, request: Request, load: LoadView) -> Iterator[int]:
+        model, length = self.model, request.input_length
+        prefixes = self.index.prefixes(request.keys[: request.full_blocks], set(self.live))
+        cold = model.ttft(b"", length)
+
+        def cost(m: int) -> tuple[float, float, int, int]:
+            p = prefixes.get(m)
+            ttft = model.ttft(p, length) if p else cold
+            queued = load.outstanding_s(m)
+            return ttft + self.load_weight * queued, queued, load.requests_of(m), m
+
+        return iter(sorted(self.live, key=cost))
+
+
+ROUTINGS = ("random", "affinity", "kv-aware", "kv-ttft")
+KV_ROUTINGS = ("kv-aware", "kv-ttft")
+
+
+def make_router(kind: str, machines: int, seed: int = 0, affinity_blocks: int = 2,
+                model: TTFTModel | None = None, lag: int = 0) -> ClusterRouter:
     if kind == "random":
         return RandomRouter(machines, seed)
     if kind == "affinity":
         return AffinityRouter(machines, affinity_blocks)
-    raise ValueError(f"unknown routing {kind!r} (random, affinity)")
+    if kind in KV_ROUTINGS:
+        return KVAwareRouter(machines, model or TTFTModel(), 1.0 if kind == "kv-ttft" else 0.0,
+                             lag)
+    raise ValueError(f"unknown routing {kind!r} ({', '.join(ROUTINGS)})")
+
+
+# ---------------------------------------------------------------- churn
+
+
+CHURN_KINDS = ("fail", "leave", "join")
+
+
+@dataclass(frozen=True)
+class ChurnEvent:
+    """At fraction `at` of the trace's requests, `machine` fails or leaves, or one joins."""
+
+    at: float
+    kind: str
+    machine: int | None = None
+
+    def __str__(self) -> str:
+        who = "" if self.machine is None else f":{self.machine}"
+        return f"{self.kind}{who}@{self.at:g}"
+
+
+def parse_churn(text: str) -> list[ChurnEvent]:
+    """`fail:3@0.5,join@0.7,leave:1@0.8` (machine ids as numbered at the start, joiners take
+    the next ids); `none` or '' is no churn."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item or item == "none":
+            continue
+        what, sep, at = item.partition("@")
+        kind, _, machine = what.partition(":")
+        try:
+            frac = float(at)
+            who = int(machine) if machine else None
+        except ValueError:
+            raise ValueError(f"churn {item!r}: expected KIND[:MACHINE]@FRACTION") from None
+        if not sep or kind not in CHURN_KINDS or not 0.0 <= frac <= 1.0:
+            raise ValueError(f"churn {item!r}: expected fail:M@F, leave:M@F or join@F, "
+                             "F in [0, 1]")
+        if (kind == "join") != (who is None):
+            raise ValueError(f"churn {item!r}: fail and leave name a machine, join does not")
+        out.append(ChurnEvent(frac, kind, who))
+    return sorted(out, key=lambda e: e.at)
 
 
 # ---------------------------------------------------------------- the cluster
@@ -209,20 +529,32 @@ class Machine:
     host: TierPolicy
     disk: TierPolicy
     requests: int = 0
+    alive: bool = True
+    busy_until: float = 0.0  # when its queued work is done (trace seconds)
+    in_flight: deque[float] = field(default_factory=deque)  # finish times, FIFO
+    joined_at: int = 0  # request index
+    left_at: int | None = None
 
 
 @dataclass
 class SimResult:
-    """What a replay produced: per-request served tiers (bytes of tier codes) and machines."""
+    """What a replay produced: per-request served tiers (bytes of tier codes), machines, and
+    the queue model's wait and TTFT."""
 
     config: ClusterConfig
     served: list[bytes] = field(default_factory=list)
     machine_of: list[int] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)  # queueing before its prefill began
+    ttft_q_s: list[float] = field(default_factory=list)  # wait + modeled TTFT
     total_blocks: int = 0
     tier_blocks: list[int] = field(default_factory=lambda: [0, 0, 0])
     unpromoted: int = 0  # lower-tier hits host had no room for (full of pinned blocks)
     remote_writes: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
+    spilled: int = 0  # requests not sent to the router's first choice (over the bound)
+    block_events: int = 0  # blocks named in BlockStored / BlockRemoved events
+    lost_in_flight: int = 0  # requests queued or in prefill on a machine when it failed
+    churn_log: list[dict[str, Any]] = field(default_factory=list)
 
     def fractions(self) -> dict[str, float]:
         """Fraction of prompt blocks served from each tier, and computed."""
@@ -238,22 +570,77 @@ class ClusterSim:
     `eviction` names the eviction policy of the machines' tiers (`kvstore.eviction`); the
     remote tier stays LRU (Redis evicts by approximate LRU). The policies' clock is the trace's:
     every call made for a request happens at its arrival time.
+
+    Each machine serves one request at a time, first come first served: a request's service
+    time is its modeled TTFT (`model`), and it waits for the machine's earlier work. A
+    `ClusterRouter` ranks machines; the first whose queued work is at most `spill_bound_s`
+    seconds takes the request (all over: the least loaded). The cache is looked up and published
+    at arrival all the same: the queue changes timing, not contents.
+
+    Machines publish KV events (`EventBatch`) as blocks enter and leave their tiers, once per
+    request, to `subscribers` and to the router's `observe`.
     """
 
-    def __init__(self, config: ClusterConfig, router: Router, eviction: str = "lru") -> None:
+    def __init__(self, config: ClusterConfig, router: Router, eviction: str = "lru",
+                 model: TTFTModel | None = None, spill_bound_s: float = math.inf) -> None:
         self.config = config
         self.router = router
         self.block = config.block_bytes
+        self.eviction = eviction
+        self.model = model or TTFTModel()
+        self.spill_bound_s = spill_bound_s
         self.now = 0.0
-
-        def clock() -> float:
-            return self.now
-
-        self.machines = [Machine(TierPolicy(f"m{i}.host", config.host_bytes, eviction, clock),
-                                 TierPolicy(f"m{i}.disk", config.disk_bytes, eviction, clock))
-                         for i in range(config.machines)]
-        self.remote = TierPolicy("remote", config.remote_bytes, "lru", clock)
+        self.subscribers: list[Callable[[list[EventBatch]], object]] = []
+        if isinstance(router, ClusterRouter):
+            self.subscribers.append(router.observe)
+        self._outbox: list[EventBatch] = []
+        self._events: list[KVEvent] = []  # the current request's machine's
+        self._seq = 0  # requests processed
+        self.machines = [self._new_machine(i) for i in range(config.machines)]
+        self.remote = TierPolicy("remote", config.remote_bytes, "lru", self._clock)
         self.result = SimResult(config)
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _new_machine(self, i: int) -> Machine:
+        cfg = self.config
+        return Machine(TierPolicy(f"m{i}.host", cfg.host_bytes, self.eviction, self._clock),
+                       TierPolicy(f"m{i}.disk", cfg.disk_bytes, self.eviction, self._clock),
+                       joined_at=self._seq)
+
+    # -- what routers may see of the load (`LoadView`)
+
+    def outstanding_s(self, machine: int) -> float:
+        return max(self.machines[machine].busy_until - self.now, 0.0)
+
+    def requests_of(self, machine: int) -> int:
+        return self.machines[machine].requests
+
+    # -- events
+
+    def _stored(self, medium: str, key: bytes) -> None:
+        ev = self._events
+        last = ev[-1] if ev else None
+        if isinstance(last, BlockStored) and last.medium == medium:
+            last.block_hashes.append(key)  # one event per run of blocks, as vLLM batches them
+        else:
+            ev.append(BlockStored([key], medium))
+        self.result.block_events += 1
+
+    def _removed(self, medium: str, key: bytes) -> None:
+        ev = self._events
+        last = ev[-1] if ev else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(key)
+        else:
+            ev.append(BlockRemoved([key], medium))
+        self.result.block_events += 1
+
+    def _publish(self) -> None:
+        batches, self._outbox = self._outbox, []
+        for deliver in self.subscribers:
+            deliver(batches)
 
     # -- placement helpers: each mirrors what server/store.py does with real bytes
 
@@ -269,6 +656,7 @@ class ClusterSim:
         for v in victims:
             self._demote(m, v)
         host.add(key, self.block)
+        self._stored(HOST_MEDIUM, key)
         return True
 
     def _demote(self, m: Machine, key: bytes) -> None:
@@ -278,9 +666,12 @@ class ClusterSim:
             for v in disk.victims(self.block):  # disk holds no pins: never raises here
                 disk.remove(v)
                 disk.count_eviction()
+                self._removed(DISK_MEDIUM, v)
             disk.add(key, self.block)
+            self._stored(DISK_MEDIUM, key)
         m.host.remove(key)
         m.host.count_eviction()
+        self._removed(HOST_MEDIUM, key)
 
     def _write_through(self, keys: Sequence[bytes]) -> None:
         remote = self.remote
@@ -296,14 +687,43 @@ class ClusterSim:
             self.result.remote_writes += 1
         remote.touch_chain(keys)
 
+    # -- routing
+
+    def _route(self, req: Request) -> int:
+        router = self.router
+        if not isinstance(router, ClusterRouter):
+            return router.route(req)
+        bound = self.spill_bound_s
+        first = chosen = best = -1
+        best_queued = math.inf
+        for m in router.choices(req, self):
+            queued = self.outstanding_s(m)
+            if first < 0:
+                first = m
+            if queued <= bound:
+                chosen = m
+                break
+            if queued < best_queued:
+                best, best_queued = m, queued
+        else:
+            chosen = best  # every machine is over the bound: the least loaded
+        if chosen < 0:
+            raise RuntimeError("no machine left in the cluster")
+        if chosen != first:
+            self.result.spilled += 1
+        return chosen
+
     # -- one request
 
     def process(self, req: Request) -> bytes:
         """Serve one request; returns its served-prefix tier codes (one byte per block)."""
         self.now = req.timestamp_ms / 1e3
-        idx = self.router.route(req)
+        idx = self._route(req)
         m = self.machines[idx]
+        if not m.alive:
+            raise RuntimeError(f"request routed to machine {idx}, which has left")
         m.requests += 1
+        self._events = []
         host, disk, remote = m.host, m.disk, self.remote
         keys = req.keys[: req.full_blocks]
         served = bytearray()
@@ -351,13 +771,85 @@ class ClusterSim:
         out = bytes(served)
         res.served.append(out)
         res.machine_of.append(idx)
+
+        # The queue: FIFO, one request at a time; its service time is its modeled TTFT.
+        flight = m.in_flight
+        while flight and flight[0] <= self.now:
+            flight.popleft()
+        start = max(self.now, m.busy_until)
+        m.busy_until = start + self.model.ttft(out, req.input_length)
+        flight.append(m.busy_until)
+        res.wait_s.append(start - self.now)
+        res.ttft_q_s.append(m.busy_until - self.now)
+
+        self._outbox.append(EventBatch(idx, self._events))
+        self._publish()
+        self._seq += 1
         return out
 
+    # -- churn
+
+    def fail(self, machine: int) -> None:
+        """The machine is gone with its host and disk; what it had queued is lost."""
+        self._remove(machine, failed=True)
+
+    def leave(self, machine: int) -> None:
+        """The machine finishes what it has queued and goes, with its host and disk."""
+        self._remove(machine, failed=False)
+
+    def join(self) -> int:
+        """A new, empty machine; returns its id (the next unused one)."""
+        i = len(self.machines)
+        self.machines.append(self._new_machine(i))
+        if isinstance(self.router, ClusterRouter):
+            self.router.add_machine(i)
+        self.result.churn_log.append({"at_request": self._seq, "kind": "join", "machine": i})
+        return i
+
+    def _remove(self, machine: int, failed: bool) -> None:
+        if not isinstance(self.router, ClusterRouter):
+            raise TypeError("machines can leave only under a ClusterRouter")
+        if not 0 <= machine < len(self.machines) or not self.machines[machine].alive:
+            raise ValueError(f"machine {machine} is not in the cluster")
+        m = self.machines[machine]
+        self.router.remove_machine(machine)
+        lost = sum(t > self.now for t in m.in_flight) if failed else 0
+        self.result.lost_in_flight += lost
+        m.alive, m.left_at = False, self._seq
+        # Its tiers are lost: fresh empty ones keep the eviction counts for the totals.
+        for name in ("host", "disk"):
+            old = getattr(m, name)
+            new = TierPolicy(old.name, 0, "lru", self._clock)
+            new.evictions = old.evictions
+            setattr(m, name, new)
+        self._outbox.append(EventBatch(machine, [AllBlocksCleared()]))
+        self.result.churn_log.append({"at_request": self._seq,
+                                      "kind": "fail" if failed else "leave",
+                                      "machine": machine, "lost_in_flight": lost})
+
+    def apply(self, event: ChurnEvent) -> None:
+        if event.kind == "join":
+            self.join()
+        elif event.machine is None:
+            raise ValueError(f"{event}: no machine")
+        elif event.kind == "fail":
+            self.fail(event.machine)
+        else:
+            self.leave(event.machine)
+
     def run(self, requests: Iterable[Request],
-            progress: Callable[[int], object] | None = None) -> SimResult:
-        """Replay `requests` in order; `progress(n)` is called every few hundred requests."""
+            progress: Callable[[int], object] | None = None,
+            churn: Sequence[ChurnEvent] = ()) -> SimResult:
+        """Replay `requests` in order; `progress(n)` is called every few hundred requests.
+        Each churn event happens just before the request at its fraction of the trace."""
+        reqs = list(requests) if churn else requests
+        n = len(reqs) if isinstance(reqs, Sequence) else 0
+        todo = deque(sorted(churn, key=lambda e: e.at))
         pending = 0
-        for req in requests:
+        for i, req in enumerate(reqs):
+            while todo and todo[0].at * n <= i:
+                self.now = req.timestamp_ms / 1e3
+                self.apply(todo.popleft())
             self.process(req)
             pending += 1
             if progress is not None and pending == 256:
@@ -370,6 +862,15 @@ class ClusterSim:
               "remote": self.remote.evictions}
         self.result.evictions = ev
         return self.result
+
+    def load_imbalance(self) -> float:
+        """Max over mean of the machines' requests per request of the trace they were in it
+        for: with no churn, max/mean requests per machine."""
+        total = self._seq
+        rates = [m.requests / span for m in self.machines
+                 if (span := (total if m.left_at is None else m.left_at) - m.joined_at) > 0]
+        mean = sum(rates) / len(rates) if rates else 0.0
+        return max(rates) / mean if mean else 1.0
 
 
 # ---------------------------------------------------------------- TTFT model
@@ -553,6 +1054,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]  # float("inf") is infinity
+
+
 def _gib(nbytes: int) -> float:
     return nbytes / 2**30
 
@@ -566,7 +1071,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--machines", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
                    help="comma-separated machine counts to sweep (default 1,2,4,8,16,32,64)")
     p.add_argument("--routing", default="random,affinity",
-                   help="comma-separated routings: random, affinity (default both)")
+                   help="comma-separated routings: random, affinity, kv-aware (best cached "
+                        "prefix per the machines' KV events, ties to the least loaded), "
+                        "kv-ttft (least queued work + modeled TTFT) (default random,affinity)")
     p.add_argument("--affinity-blocks", type=int, default=2,
                    help="affinity routing hashes this many leading block ids (default 2; "
                         "block 0 is in every request of the conversation trace)")
@@ -575,7 +1082,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", default="1TiB",
                    help="disk per machine: bytes or NNblocks (%(default)s)")
     p.add_argument("--remote", default="1TiB",
-                   help="shared remote tier: bytes or NNblocks (%(default)s)")
+                   help="shared remote tier: bytes or NNblocks; a comma-separated list sweeps "
+                        "it, e.g. 1TiB,0 (%(default)s)")
     p.add_argument("--bytes-per-token", type=int, default=LLAMA3_8B_BF16_BYTES_PER_TOKEN,
                    help="KV bytes per token (default Llama-3-8B bf16: 131072)")
     p.add_argument("--prefill-tps", type=float, default=15_000.0,
@@ -595,10 +1103,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="eviction policy of the machines' tiers in the cluster sweep "
                         "(default: the daemon's, %(default)s)")
+    p.add_argument("--spill-bound-s", type=_floats, default=[math.inf],
+                   help="a request spills to the router's next choice when the chosen "
+                        "machine has more than this many seconds of work queued; a comma-"
+                        "separated list sweeps it (default inf: never)")
+    p.add_argument("--kv-lag", type=_ints, default=[0],
+                   help="KV events reach the kv routers this many requests late; a list "
+                        "sweeps it (default 0)")
+    p.add_argument("--churn", action="append", default=None,
+                   help="machines failing, leaving, joining at fractions of the trace's "
+                        "requests, e.g. fail:3@0.5,join@0.7,leave:1@0.8; repeat the flag to "
+                        "sweep, 'none' for no churn (default none)")
+    p.add_argument("--churn-window", type=float, default=0.05,
+                   help="hit fractions and TTFT are also reported over this fraction of the "
+                        "trace after each churn event (default 0.05: ~600 requests, 3 min)")
     p.add_argument("--seed", type=int, default=0, help="random routing seed")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--json", type=Path, default=None,
-                   help="write the results here instead of benchmarks/results/simulate.json")
+                   help="write the results here instead of benchmarks/results/NAME.json")
+    p.add_argument("--name", default="simulate",
+                   help="results name: benchmarks/results/NAME.json and NAME_*.png "
+                        "(%(default)s)")
     p.add_argument("--cost", action="store_true",
                    help="only measure each policy's bookkeeping cost (touching a 512-block "
                         "chain, one eviction) and exit")
@@ -617,39 +1142,125 @@ def policy_names(text: str) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """One replay of a sweep. `kv_lag` is None for routers that do not read KV events."""
+
+    routing: str
+    machines: int
+    remote_bytes: int
+    churn: str = "none"
+    spill_bound_s: float = math.inf
+    kv_lag: int | None = None
+
+
+def grid(machines: Sequence[int], routings: Sequence[str], remotes: Sequence[int],
+         churns: Sequence[str] = ("none",), spill_bounds: Sequence[float] = (math.inf,),
+         kv_lags: Sequence[int] = (0,)) -> list[RunSpec]:
+    """Every combination, machines innermost; the lag sweeps only the KV-event routers."""
+    return [RunSpec(routing, n, remote, churn, bound, lag)
+            for remote in remotes for churn in churns for bound in spill_bounds
+            for routing in routings
+            for lag in (kv_lags if routing in KV_ROUTINGS else [None])
+            for n in machines]
+
+
+def block_fractions(res: SimResult, requests: Sequence[Request], lo: int,
+                    hi: int) -> dict[str, float]:
+    """`SimResult.fractions` over requests lo..hi-1 only."""
+    counts = [0, 0, 0]
+    for s in res.served[lo:hi]:
+        for code in (HOST, DISK, REMOTE):
+            counts[code] += s.count(code)
+    total = max(sum(len(r.hash_ids) for r in requests[lo:hi]), 1)
+    out = {name: c / total for name, c in zip(TIER_NAMES, counts, strict=True)}
+    out["computed"] = 1.0 - sum(out.values())
+    return out
+
+
+def _bound_json(bound: float) -> float | None:
+    return None if math.isinf(bound) else bound  # JSON has no infinity
+
+
 def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequence[str],
-          host_bytes: int, disk_bytes: int, remote_bytes: int, block_bytes: int,
+          host_bytes: int, disk_bytes: int, remote_bytes: int | Sequence[int], block_bytes: int,
           models: dict[str, TTFTModel], seed: int = 0, affinity_blocks: int = 2,
-          bar: tqdm | None = None, eviction: str = "lru") -> list[dict[str, Any]]:
-    """One replay per (routing, machines); a row of hit fractions and TTFT stats for each."""
+          bar: tqdm | None = None, eviction: str = "lru", churns: Sequence[str] = ("none",),
+          spill_bounds: Sequence[float] = (math.inf,), kv_lags: Sequence[int] = (0,),
+          churn_window: float = 0.05, series_points: int = 40) -> list[dict[str, Any]]:
+    """One replay per `RunSpec` of the grid; a row of hit fractions, TTFT stats (idle engine,
+    and with the queue), load, and for each churn event of any `churns`, the same over the
+    `churn_window` of the trace after it (in every row, churn or not, to compare)."""
     span_s = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3, 1e-3)
+    remotes = [remote_bytes] if isinstance(remote_bytes, int) else list(remote_bytes)
+    n_req = len(requests)
+    marks = sorted({(e.at, str(e)) for c in churns for e in parse_churn(c)})
     rows: list[dict[str, Any]] = []
-    for routing in routings:
-        for n in machines:
-            if bar is not None:
-                bar.set_postfix_str(f"{routing} x{n}")
-            cfg = ClusterConfig(n, host_bytes, disk_bytes, remote_bytes, block_bytes)
-            sim = ClusterSim(cfg, make_router(routing, n, seed, affinity_blocks), eviction)
-            res = sim.run(requests, bar.update if bar is not None else None)
-            row: dict[str, Any] = {"routing": routing, "machines": n, **res.fractions()}
-            per_machine = np.bincount(np.asarray(res.machine_of), minlength=n)
-            row["load_max_over_mean"] = float(per_machine.max() / per_machine.mean())
-            for label, model in models.items():
-                t = model.ttfts(res, requests)
-                for stat, v in ttft_stats(t).items():
-                    row[f"ttft_{stat}_s" + ("" if label == "default" else f"@{label}")] = v
-                if label == "default":
-                    # Busiest machine's prefill time over the trace's span: above 1 it could
-                    # not keep up, and real TTFT would be dominated by queueing we do not model.
-                    busy = np.bincount(np.asarray(res.machine_of), weights=t, minlength=n)
-                    row["max_util"] = float(busy.max() / span_s)
-            row["unpromoted"] = res.unpromoted
-            row["remote_writes"] = res.remote_writes
-            # Write-through ingest the remote tier must absorb, averaged over the trace.
-            row["remote_write_gbps"] = res.remote_writes * block_bytes / span_s / 1e9
-            row["evictions"] = res.evictions
-            rows.append(row)
+    for spec in grid(machines, routings, remotes, churns, spill_bounds, kv_lags):
+        n = spec.machines
+        if bar is not None:
+            bar.set_postfix_str(f"{spec.routing} x{n}" + (
+                "" if spec.churn == "none" else f" {spec.churn}"))
+        cfg = ClusterConfig(n, host_bytes, disk_bytes, spec.remote_bytes, block_bytes)
+        router = make_router(spec.routing, n, seed, affinity_blocks, models["default"],
+                             spec.kv_lag or 0)
+        sim = ClusterSim(cfg, router, eviction, models["default"], spec.spill_bound_s)
+        res = sim.run(requests, bar.update if bar is not None else None,
+                      parse_churn(spec.churn))
+        row: dict[str, Any] = {"routing": routing_label(spec), "machines": n,
+                               "remote_gib": _gib(spec.remote_bytes), "churn": spec.churn,
+                               "spill_bound_s": _bound_json(spec.spill_bound_s),
+                               "kv_lag": spec.kv_lag, **res.fractions()}
+        row["load_max_over_mean"] = sim.load_imbalance()
+        for label, model in models.items():
+            t = model.ttfts(res, requests)
+            for stat, v in ttft_stats(t).items():
+                row[f"ttft_{stat}_s" + ("" if label == "default" else f"@{label}")] = v
+            if label == "default":
+                # Busiest machine's prefill time over the trace's span: above 1 it cannot
+                # keep up, and its queue grows without bound (the ttft_q columns).
+                busy = np.bincount(np.asarray(res.machine_of), weights=t,
+                                   minlength=len(sim.machines))
+                row["max_util"] = float(busy.max() / span_s)
+        tq = np.asarray(res.ttft_q_s)
+        wait = np.asarray(res.wait_s)
+        for stat, v in ttft_stats(tq).items():
+            row[f"ttft_q_{stat}_s"] = v
+        row["wait_mean_s"] = float(wait.mean())
+        row["wait_p99_s"] = float(np.percentile(wait, 99))
+        row["spilled"] = res.spilled / n_req
+        row["lost_in_flight"] = res.lost_in_flight
+        row["block_events_per_s"] = res.block_events / span_s
+        row["unpromoted"] = res.unpromoted
+        row["remote_writes"] = res.remote_writes
+        # Write-through ingest the remote tier must absorb, averaged over the trace.
+        row["remote_write_gbps"] = res.remote_writes * block_bytes / span_s / 1e9
+        row["evictions"] = res.evictions
+        row["churn_log"] = res.churn_log
+        row["windows"] = []
+        for at, label in marks:
+            lo, hi = int(at * n_req), min(int((at + churn_window) * n_req), n_req)
+            if hi <= lo:
+                continue
+            window = {"after": label, "requests": [lo, hi],
+                      **block_fractions(res, requests, lo, hi)}
+            window.update({f"ttft_q_{k}_s": v for k, v in ttft_stats(tq[lo:hi]).items()})
+            row["windows"].append(window)
+        spans = list(itertools.pairwise(
+            int(e) for e in np.linspace(0, n_req, series_points + 1)))
+        parts = [block_fractions(res, requests, lo, hi) for lo, hi in spans]
+        row["series"] = {"start": [lo / n_req for lo, _ in spans],
+                         "hit": [1.0 - p["computed"] for p in parts],
+                         "remote": [p["remote"] for p in parts],
+                         "ttft_q_mean_s": [float(tq[lo:hi].mean()) if hi > lo else 0.0
+                                           for lo, hi in spans]}
+        rows.append(row)
     return rows
+
+
+def routing_label(spec: RunSpec) -> str:
+    """The routing's name, with its event lag where there is one."""
+    return spec.routing if not spec.kv_lag else f"{spec.routing} lag {spec.kv_lag}"
 
 
 def belady_compare(requests: Sequence[Request], capacities: Sequence[int], block_bytes: int,
@@ -746,8 +1357,9 @@ def _cost(name: str, chain: int, blocks: int, rounds: int) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dict[str, float],
-         ceiling: float, alt_label: str | None, out: Path) -> list[Path]:
-    """The three PNGs of docs/SCALE.md."""
+         ceiling: float, alt_label: str | None, out: Path,
+         name: str = "simulate") -> list[Path]:
+    """The three PNGs of docs/SCALE.md, NAME_hit_rates, NAME_ttft and NAME_belady."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -775,7 +1387,7 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
         fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
         fig.suptitle("Hit rate per tier vs machines (stacked)")
         fig.tight_layout(rect=(0, 0.07, 1, 1))
-        paths.append(out / "simulate_hit_rates.png")
+        paths.append(out / f"{name}_hit_rates.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
@@ -799,7 +1411,7 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
         axes[0].legend(fontsize=8)
         fig.suptitle("Estimated TTFT vs machines (idle engine, no queueing)")
         fig.tight_layout()
-        paths.append(out / "simulate_ttft.png")
+        paths.append(out / f"{name}_ttft.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
@@ -826,7 +1438,85 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
         ax.legend(fontsize=8)
         ax.set_title("Eviction policies vs Belady's optimal")
         fig.tight_layout()
-        paths.append(out / "simulate_belady.png")
+        paths.append(out / f"{name}_belady.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def plot_routing(rows: list[dict[str, Any]], varied: Sequence[str], out: Path,
+                 name: str = "simulate") -> list[Path]:
+    """NAME_queue.png: TTFT p50 and p99 with queueing, for every row; and, where rows ran with
+    churn, NAME_churn.png: the hit fraction along the trace, one panel per routing, each
+    setting a line, churn events marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: list[Path] = []
+    if not rows:
+        return paths
+
+    def label(r: dict[str, Any], keys: Sequence[str]) -> str:
+        parts = []
+        for k in keys:
+            v = r[k]
+            if k == "remote_gib":
+                parts.append(f"remote {v:g} GiB")
+            elif k == "spill_bound_s":
+                parts.append("no spill" if v is None else f"spill > {v:g} s")
+            elif k == "churn":
+                parts.append("no churn" if v == "none" else v)
+            else:
+                parts.append(str(v))
+        return ", ".join(parts)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.9 + 0.28 * len(rows)), sharey=True)
+    names = [label(r, [*varied, "routing"]) + f", {r['machines']} machines" for r in rows]
+    y = np.arange(len(rows))
+    for ax, stat in zip(axes, ("p50", "p99"), strict=True):
+        ax.barh(y, [r[f"ttft_q_{stat}_s"] for r in rows], color="#2b8cbe",
+                label="with queueing")
+        ax.barh(y, [r[f"ttft_{stat}_s"] for r in rows], color="#fdae6b", height=0.4,
+                label="idle engine")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{stat} TTFT estimate (s)")
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_yticks(y, names, fontsize=8)
+    axes[0].invert_yaxis()
+    axes[1].legend(fontsize=8)
+    fig.suptitle("TTFT with a FIFO queue per machine")
+    fig.tight_layout()
+    paths.append(out / f"{name}_queue.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    churned = [r for r in rows if r["churn"] != "none"]
+    if churned:
+        routings = list(dict.fromkeys(r["routing"] for r in rows))
+        fig, axes = plt.subplots(1, len(routings), figsize=(5.5 * len(routings), 4),
+                                 sharey=True, squeeze=False)
+        others = [k for k in varied if k != "routing"]
+        for ax, routing in zip(axes[0], routings, strict=True):
+            for r in rows:
+                if r["routing"] != routing:
+                    continue
+                ser = r["series"]
+                ax.plot(ser["start"], ser["hit"], drawstyle="steps-post",
+                        label=label(r, others) + f", {r['machines']} m")
+            for ev in parse_churn(churned[0]["churn"]):
+                ax.axvline(ev.at, color="k", ls=":", lw=1)
+                ax.annotate(str(ev).split("@")[0], (ev.at, 0.02), fontsize=8, rotation=90)
+            ax.set_title(f"{routing} routing")
+            ax.set_xlabel("fraction of the trace (requests)")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("prompt blocks served from cache")
+        axes[0][0].set_ylim(bottom=0)
+        axes[0][-1].legend(fontsize=7)
+        fig.suptitle("Hit fraction along the trace, machines failing / leaving / joining")
+        fig.tight_layout()
+        paths.append(out / f"{name}_churn.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
@@ -847,8 +1537,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     block_bytes = args.bytes_per_token * TRACE_BLOCK_TOKENS
     host = parse_capacity(args.host, block_bytes)
     disk = parse_capacity(args.disk, block_bytes)
-    remote = parse_capacity(args.remote, block_bytes)
+    remotes = [parse_capacity(r, block_bytes) for r in args.remote.split(",") if r.strip()]
+    remote = remotes[0]
     routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    for r in routings:
+        if r not in ROUTINGS:
+            raise SystemExit(f"--routing: unknown routing {r!r} ({', '.join(ROUTINGS)})")
+    churns = args.churn or ["none"]
+    try:
+        schedules = [parse_churn(c) for c in churns]
+    except ValueError as e:
+        raise SystemExit(f"--churn: {e}") from None
+    for sched in schedules:  # each machine an event names must be in the cluster then
+        ids, joined = set(range(min(args.machines))), min(args.machines)
+        for ev in sched:
+            if ev.kind == "join":
+                ids.add(joined)
+                joined += 1
+            elif ev.machine in ids:
+                ids.discard(ev.machine)
+            else:
+                raise SystemExit(f"--churn: {ev}: no machine {ev.machine} in a "
+                                 f"{min(args.machines)}-machine cluster at that point")
+        if not ids:
+            raise SystemExit(f"--churn: {','.join(map(str, sched))} leaves no machine")
     requests = load_trace(args.trace, args.limit)
     if not requests:
         raise SystemExit(f"{args.trace}: no requests")
@@ -869,14 +1581,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{unique} unique full blocks ({_gib(unique * block_bytes) / 1024:.1f} TiB at "
           f"{block_bytes / 2**20:g} MiB/block); infinite-cache prefix hit rate {ceiling:.3f}")
     print(f"capacities: host {_gib(host):g} GiB + disk {_gib(disk):g} GiB per machine, "
-          f"remote {_gib(remote):g} GiB shared, evicting with {args.eviction}; loading beats "
-          f"recompute above {model.breakeven_gbps():.2f} GB/s")
+          f"remote {' or '.join(f'{_gib(r):g}' for r in remotes)} GiB shared, evicting with "
+          f"{args.eviction}; loading beats recompute above {model.breakeven_gbps():.2f} GB/s")
 
-    runs = len(routings) * len(args.machines)
+    runs = len(grid(args.machines, routings, remotes, churns, args.spill_bound_s, args.kv_lag))
     with tqdm(total=runs * len(requests), desc="cluster sweep", unit="req",
               mininterval=0.5, smoothing=0.1) as bar:
-        rows = sweep(requests, args.machines, routings, host, disk, remote, block_bytes, models,
-                     args.seed, args.affinity_blocks, bar, args.eviction)
+        rows = sweep(requests, args.machines, routings, host, disk, remotes, block_bytes, models,
+                     args.seed, args.affinity_blocks, bar, args.eviction, churns,
+                     args.spill_bound_s, args.kv_lag, args.churn_window)
     replays = len({DEFAULT_POLICY if p == "default" else p for p in policies}) + 2
     with tqdm(total=replays * len(args.belady_capacities) * len(requests),
               desc="policies vs Belady", unit="req", mininterval=0.5) as bar:
@@ -893,6 +1606,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(table(rows, cols))
     print(f"\nno cache: TTFT mean {baseline['mean']:.3f} s, p50 {baseline['p50']:.3f} s, "
           f"p99 {baseline['p99']:.3f} s")
+    varied = [c for c, values in (("remote_gib", remotes), ("churn", churns),
+                                  ("spill_bound_s", args.spill_bound_s))
+              if len(values) > 1 or values[0] not in (remote, "none", math.inf)]
+    print("\nWith the queue (FIFO, one request at a time per machine; TTFT = wait + modeled "
+          "TTFT):")
+    print(table(rows, [*varied, "routing", "machines", "computed", "ttft_q_mean_s",
+                       "ttft_q_p50_s", "ttft_q_p99_s", "wait_p99_s", "spilled",
+                       "load_max_over_mean", "lost_in_flight"]))
+    windows = [{**{c: r[c] for c in [*varied, "routing", "machines"]}, **w}
+               for r in rows for w in r["windows"]]
+    if windows:
+        print(f"\nThe {args.churn_window:g} of the trace after each churn event:")
+        print(table(windows, [*varied, "routing", "machines", "after", "host", "disk", "remote",
+                              "computed", "ttft_q_mean_s", "ttft_q_p99_s"]))
     if belady:
         print("\nLRU vs Belady, one tier of one machine (prefix hit rate of all prompt blocks):")
         print(table(belady, ["capacity_blocks", "capacity_gib", "lru", "belady_admit_all",
@@ -913,11 +1640,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "trace": {"path": str(args.trace), "requests": len(requests), "block_accesses": n_blocks,
                   "unique_full_blocks": unique, "infinite_cache_hit_rate": ceiling},
         "capacities_bytes": {"host_per_machine": host, "disk_per_machine": disk,
-                             "remote_shared": remote, "block": block_bytes},
+                             "remote_shared": remote, "remote_swept": remotes,
+                             "block": block_bytes},
         "model": asdict(model), "breakeven_gbps": model.breakeven_gbps(),
         "remote_gbps_alt": args.remote_gbps_alt, "routing_seed": args.seed,
         "affinity_blocks": args.affinity_blocks,
-        "eviction": args.eviction,
+        "eviction": args.eviction, "churn": churns, "churn_window": args.churn_window,
+        "spill_bound_s": [_bound_json(b) for b in args.spill_bound_s], "kv_lag": args.kv_lag,
         "no_cache_ttft_s": baseline, "sweep": rows, "belady": belady, "policies": compared,
         "runtime_s": runtime,
     }
@@ -926,10 +1655,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(payload, indent=2))
         path = args.json
     else:
-        path = write_results("simulate", payload)
+        path = write_results(args.name, payload)
     if not args.no_plots:
-        for p in plot(rows, belady, baseline, ceiling, alt_label, RESULTS):
-            print(f"wrote {p.relative_to(REPO)}")
+        # The per-machines figures show the first value of every other swept setting.
+        first = {"remote_gib": _gib(remote), "churn": churns[0],
+                 "spill_bound_s": _bound_json(args.spill_bound_s[0])}
+        main_rows = [r for r in rows if all(r[k] == v for k, v in first.items())
+                     and r["kv_lag"] in (None, args.kv_lag[0])]
+        paths = plot(main_rows, belady, baseline, ceiling, alt_label, RESULTS, args.name)
+        paths += plot_routing(rows, varied, RESULTS, args.name)
+        for p in paths:
+            print(f"wrote {p.relative_to(REPO) if p.is_relative_to(REPO) else p}")
     print(f"wrote {path} in {runtime:.0f} s")
     return payload
 
