@@ -783,8 +783,10 @@ class AsyncKVClient:
                           until: float | None = None) -> pb.FetchChunk:
         """One SHM Fetch of `keys[start:]`: its header (with a lease when it hit). The daemon
         reads a window of disk or remote hits before it answers: the transfer's deadline."""
+        # `prior_keys`: the blocks before `start`, which the daemon then keeps in host rather
+        # than evict to make room for the rest (a prompt larger than its host tier).
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_SHM)
+                              transfer=pb.TRANSFER_SHM, prior_keys=keys[:start])
         timeout = self.deadline_s if until is None else self._left(until)
         call = self._stub_().Fetch(req, timeout=timeout, metadata=self._metadata)
         return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
@@ -829,7 +831,7 @@ class AsyncKVClient:
         """Streamed fetch (TCP) from block `start` on, into `out` (allocated for all keys on
         first need)."""
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_STREAM)
+                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
         call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
         head = await anext(stream)  # a stream's lease ends with the stream

@@ -56,6 +56,7 @@ class TierPolicy:
             other.add(key, self._sizes[key])
         other._pins.update(self._pins)
         other.evictions = self.evictions
+        other.used_bytes = self.used_bytes  # scratch space too (`Tier.prepare_scratch`)
         return other
 
     def __contains__(self, key: bytes) -> bool:
@@ -111,6 +112,9 @@ class TierPolicy:
 
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
+
+    def pin_count(self, key: bytes) -> int:
+        return self._pins.get(key, 0)
 
     def eviction_order(self) -> Iterator[bytes]:
         """Unpinned keys, the next victim first (O(n) or more: not for the hot path)."""

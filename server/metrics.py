@@ -30,6 +30,8 @@ class StoreCollector(Collector):
              "Stored payloads that failed verification (served as misses, then deleted)."),
             ("kvstore_demotions", c.demotions, "Blocks written down a tier on eviction."),
             ("kvstore_promotions", c.promotions, "Blocks copied up a tier on a hit."),
+            ("kvstore_scratch_reads", c.scratch_reads,
+             "Blocks of prompts larger than the host tier's share, served without promotion."),
             ("kvstore_stored_blocks", c.stored_blocks, "Blocks published."),
             ("kvstore_expired_leases", c.expired_leases,
              "Leases reclaimed by lease_timeout_s because their client never ended them."),

@@ -222,14 +222,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.max_blocks = max_blocks_per_call
         self.max_message_bytes = max_message_bytes
 
-    def _keys(self, keys: Any) -> list[bytes]:
-        if len(keys) > self.max_blocks:
-            raise InvalidArgumentError(f"{len(keys)} keys in one call; the limit is "
+    def _keys(self, keys: Any, more: int = 0, name: str = "keys") -> list[bytes]:
+        """`keys` checked: `more` other keys of the same call count against the limit too."""
+        if len(keys) + more > self.max_blocks:
+            raise InvalidArgumentError(f"{len(keys) + more} keys in one call; the limit is "
                                        f"{self.max_blocks}")
         out: list[bytes] = list(keys)  # each access to a repeated field makes new bytes: once
         if out and set(map(len, out)) != {KEY_BYTES}:
             i, k = next((i, k) for i, k in enumerate(out) if len(k) != KEY_BYTES)
-            raise InvalidArgumentError(f"keys[{i}] is {len(k)} bytes, keys are {KEY_BYTES}")
+            raise InvalidArgumentError(f"{name}[{i}] is {len(k)} bytes, keys are {KEY_BYTES}")
         return out
 
     @staticmethod
@@ -275,6 +276,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         layout = layout_from_proto(request.layout)
         scope = current_scope()
         keys = scope.keys(self._keys(request.keys))
+        # The prompt's earlier keys count against the same limit: they name its blocks too.
+        prior = scope.keys(self._keys(request.prior_keys, len(keys), "prior_keys"))
         ns = scope.namespace(request.namespace)
         shm = request.transfer == pb.TRANSFER_SHM
         if shm:
@@ -282,7 +285,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(ns) == KEY_BYTES:
             self.namespaces.note(ns, request.layout, scope, request.namespace)
         lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes,
-                                       owner=scope.tenant, hold=True)
+                                       owner=scope.tenant, hold=True, prior=prior)
         try:
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
                     for e, t in zip(lease.entries, lease.tiers, strict=True)]

@@ -36,7 +36,7 @@ from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from kvstore.server.remote_writer import RemoteWriter
 from kvstore.server.write_through import WriteThroughQueue
-from kvstore.tiers.base import BlockEntry, Tier
+from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
@@ -69,28 +69,61 @@ class Lease:
     tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
     needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
     keys: list[bytes] = field(default_factory=list)  # publish: the chain `needed` covers
+    scratch: list[BlockEntry] = field(default_factory=list)  # fetch: freed at release (`_Room`)
     more: bool = False  # stopped for lack of host space, not for a miss
 
 
 @dataclass
 class _Staged:
-    """One block of a fetch in progress: a pinned host hit (`src` None) or a disk hit being
-    read into the host reservation `dst`, committed and pinned once read."""
+    """One block of a fetch in progress: a pinned host hit, or a disk or remote hit read into
+    `dst`: a host reservation, committed and pinned once read (a promotion), or scratch space
+    that the lease frees at release (see `_Room`)."""
 
     tier: str
     dst: BlockEntry
-    src: BlockEntry | None = None
-    done: bool = False  # the disk read finished (committed or given back)
-    pinned: bool = False  # `dst` is a committed host block this fetch holds a pin on
+    src: BlockEntry | None = None  # the disk record read into `dst` (pinned on disk until read)
+    holds: Literal["pinned", "reservation", "scratch", "nothing"] = "pinned"  # what `dst` is
+    done: bool = False  # the disk read finished (its record unpinned)
 
     def abandon(self, store: TieredStore) -> None:
-        """Undo on an error or cancellation: unpin, or give the reservation back."""
-        if self.pinned:
+        """Give back what it holds (on an error, a cancellation, or past a failed block)."""
+        if not self.done and self.src is not None and store.disk is not None:
+            store.disk.complete_load(self.src)
+            self.done = True
+        if self.holds == "pinned":
             store.host.complete_load(self.dst)
-        elif not self.done and self.src is not None:
-            if store.disk is not None:
-                store.disk.complete_load(self.src)
+        elif self.holds == "reservation":
             store.host.abort_store(self.dst)
+        elif self.holds == "scratch":
+            store.host.free_scratch(self.dst)
+        self.holds = "nothing"  # so a second call gives nothing back twice
+
+
+@dataclass
+class _Room:
+    """How one fetch makes host room for the blocks it reads from disk or the remote tier.
+
+    The prompt is `prior` (served by earlier calls of the same client fetch) and `keys`. If its
+    cached blocks fit the host tier it is promoted whole; room is made by evicting other
+    blocks, never the prompt's own: they are pinned while the call runs (`held`). A larger
+    prompt, promoted whole, would push itself out: each promotion evicting (and, for a block
+    only in host, writing) another block of the same prompt, which this fetch or the next reads
+    back. It keeps its first blocks up to its share instead (`limit`: the capacity less two
+    fetch windows, the one the client copies and the one read meanwhile), and its blocks past
+    that are read into scratch space, served like any hit and freed at release: no promotion,
+    no eviction, no write. A prompt that holds more than its share (published whole) gives way
+    from its deepest block when scratch space is needed, once: it holds its share afterwards.
+    """
+
+    prior: Sequence[bytes]
+    keys: Sequence[bytes]
+    layout_digest: bytes
+    open_ended: bool  # the remote tier may extend the prompt past its local blocks
+    planned: bool = False  # sized at the call's first disk or remote hit (`_plan_room`)
+    keep: int = 0  # promote while the prompt's bytes in host stay within this (capacity or limit)
+    limit: int = 0  # its share when it does not fit; past it, its deepest blocks give way
+    used: int = 0  # bytes of the prompt in the host tier
+    held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
 
 
 @dataclass
@@ -105,6 +138,7 @@ class StoreCounters:
     remote_lost_writes: int = 0  # queued for write-through, gone from every local tier first
     remote_dropped_writes: int = 0  # write-through given up: refused, or failed too often
     remote_lookup_hits: int = 0  # blocks a lookup found in the remote tier only
+    scratch_reads: int = 0  # blocks a fetch read into scratch space, not promoted (`_Room`)
     expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
@@ -244,9 +278,10 @@ class TieredStore:
 
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
-                    block_bytes: int = 0, owner: str = "", hold: bool = False) -> Lease:
-        """Pin the longest cached prefix in host memory (promoting disk and remote hits) under
-        a lease.
+                    block_bytes: int = 0, owner: str = "", hold: bool = False,
+                    prior: Sequence[bytes] = ()) -> Lease:
+        """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
+        reading them into scratch space, see `_Room`) under a lease.
 
         Two passes: first every block of the prefix is pinned (host hits) or given a host
         reservation (disk hits, possibly demoting others), then all disk reads run at once,
@@ -255,7 +290,9 @@ class TieredStore:
         in memory), then pinned like host hits. The remote tier is asked only when
         `namespace` is given; `block_bytes` sizes its batches. Past `fetch_window_bytes` of
         promotions the lease stops short with `more` set: the client asks for the rest while it
-        copies this part, so the next reads overlap its copy.
+        copies this part, so the next reads overlap its copy. `prior`: the keys before `keys`
+        in the same prompt (served by the client's earlier calls); with them, a prompt larger
+        than the host tier is served without pushing itself out of it (`_Room`).
 
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
@@ -266,6 +303,7 @@ class TieredStore:
         if (tier := self._remote_for(namespace)) is not None:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch)
+        room = _Room(prior, keys, layout_digest, open_ended=remote is not None)
         window = self.fetch_window_bytes
         promoted = 0
         try:
@@ -273,9 +311,9 @@ class TieredStore:
                 if window and promoted >= window:
                     lease.more = True  # the rest in the client's next call, while it copies
                     break
-                item = await self._stage(key, layout_digest, lease, staged)
+                item = await self._stage(key, layout_digest, lease, staged, room)
                 if item is None and remote is not None and not lease.more:
-                    item = await self._stage_remote(remote, i, key, lease, staged)
+                    item = await self._stage_remote(remote, i, key, lease, staged, room)
                 if item is None:
                     break
                 staged.append(item)
@@ -290,6 +328,9 @@ class TieredStore:
                 s.abandon(self)
             self.release(lease.id)
             raise
+        finally:
+            for entry in room.held:
+                self.host.complete_load(entry)
         cut = len(staged)
         for s, err in zip(reads, errors, strict=True):
             if err is None:
@@ -301,8 +342,10 @@ class TieredStore:
             if i < cut:
                 lease.entries.append(s.dst)
                 lease.tiers.append(s.tier)
-            elif s.pinned:
-                self.host.complete_load(s.dst)  # pinned for a block past a failure: unpin
+                if s.holds == "scratch":
+                    lease.scratch.append(s.dst)
+            else:
+                s.abandon(self)  # past a failed block: unpin, free
         lease.more = lease.more and cut == len(staged)
         if self.disk is not None:
             self.read_rates.observe(self.disk.name, sum(
@@ -332,13 +375,13 @@ class TieredStore:
         return {**self.saved_read_bandwidth, **self.read_rates.bandwidth}
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease,
-                     staged: list[_Staged]) -> _Staged | None:
-        """Pin a host hit, or reserve host space for a disk hit; None ends the prefix."""
+                     staged: list[_Staged], room: _Room) -> _Staged | None:
+        """Pin a host hit, or take host room for a disk hit; None ends the prefix."""
         entry = self.host.get(key)
         if entry is not None:
             if entry.layout_digest != layout_digest:
                 return None
-            return _Staged(self.host.name, self.host.prepare_load(key), pinned=True)
+            return _Staged(self.host.name, self.host.prepare_load(key))
         if self.disk is None:
             return None
         src = self.disk.get(key)
@@ -346,7 +389,8 @@ class TieredStore:
             return None
         self.disk.prepare_load(key)
         try:
-            dst = await self._reserve_host(key, src.namespace, src.layout_digest, src.length)
+            dst, scratch = await self._take_room(room, key, src.namespace, src.layout_digest,
+                                                 src.length)
         except BaseException as e:
             self.disk.complete_load(src)
             if isinstance(e, CapacityError):
@@ -356,57 +400,125 @@ class TieredStore:
         if dst is None:  # another call is promoting or publishing it right now: a miss here
             self.disk.complete_load(src)
             return None
-        return _Staged(self.disk.name, dst, src)
+        return _Staged(self.disk.name, dst, src, "scratch" if scratch else "reservation")
+
+    def _plan_room(self, room: _Room, length: int) -> None:
+        """Pin the prompt's host blocks for the rest of the call and size its share of the
+        host tier (`_Room`); `length` is the size of the blocks read."""
+        host, disk = self.host, self.disk
+        size = host.units_for(length) * PAGE  # a block's, as the prompt's blocks are alike
+        room.held = [host.prepare_load(k) for k in room.prior if host.contains(k)]
+        # The prompt's other blocks: served by earlier calls, or on disk ahead of this one.
+        rest = (len(room.prior) - len(room.held)) * size
+        local = True  # every key is in a local tier
+        for key in room.keys:
+            if host.contains(key):
+                room.held.append(host.prepare_load(key))
+                continue
+            src = disk.get(key) if disk is not None else None
+            if src is None or src.layout_digest != room.layout_digest:
+                local = False
+                break
+            rest += size
+        room.used = sum(e.units * PAGE for e in room.held)
+        cap = host.capacity_bytes
+        room.limit = max(0, cap - 2 * max(self.fetch_window_bytes, size))
+        # Past the local prefix the remote tier may hold more than counted here: then the
+        # prompt fits only if it leaves the scratch room free anyway.
+        fits = room.used + rest <= (room.limit if room.open_ended and not local else cap)
+        room.keep = cap if fits else room.limit
+        room.planned = True
+
+    async def _take_room(self, room: _Room, key: bytes, namespace: bytes, layout_digest: bytes,
+                         length: int) -> tuple[BlockEntry | None, bool]:
+        """Host space for a block this fetch reads: a reservation to promote it into while the
+        prompt is within its share, else scratch space (True). None: another call is promoting
+        `key` right now. `CapacityError` when no room can be made."""
+        if not room.planned:
+            self._plan_room(room, length)
+        size = self.host.units_for(length) * PAGE
+        if room.used + size <= room.keep:
+            dst = await self._reserve_host(key, namespace, layout_digest, length)
+            room.used += size if dst is not None else 0
+            return dst, False
+        while (scratch := self.host.prepare_scratch(length)) is None:
+            victim = self.host.next_victim() or self._give_way(room)  # never another of its own
+            if victim is None:
+                raise CapacityError("host tier is full of pinned or in-flight blocks")
+            await self._demote(victim)
+        return scratch, True
+
+    def _give_way(self, room: _Room) -> bytes | None:
+        """While the prompt holds more than its share, its deepest host block that only this
+        call pins, unpinned for demotion; else None."""
+        if room.used <= room.limit:
+            return None
+        for i in range(len(room.held) - 1, -1, -1):
+            entry = room.held[i]
+            if (self.host.entries.get(entry.key) is entry
+                    and self.host.policy.pin_count(entry.key) == 1):
+                del room.held[i]
+                self.host.complete_load(entry)
+                room.used -= entry.units * PAGE
+                return entry.key
+        return None
 
     async def _read_disk(self, s: _Staged) -> Exception | None:
-        """Read one staged disk block into its host reservation; commit it or give it back.
-        Returns the failure (integrity or I/O) instead of raising, so one bad block does not
-        abandon its neighbours' reads."""
+        """Read one staged disk block into its host reservation (then commit it) or scratch
+        space; give it back on failure. Returns the failure (integrity or I/O) instead of
+        raising, so one bad block does not abandon its neighbours' reads."""
         disk, src = self.disk, s.src
         if disk is None or src is None:
             return None  # only staged disk hits are read
         try:
             await self._run_io(disk.read_into, src, self.host.memview(s.dst))
         except (IntegrityError, OSError) as e:
-            disk.complete_load(src)
-            self.host.abort_store(s.dst)
-            s.done = True
+            s.abandon(self)
             return e
         disk.complete_load(src)
+        s.done = True
+        self.counters.add(self.counters.bytes_read, disk.name, src.length)
+        if s.holds == "scratch":
+            self.counters.scratch_reads += 1
+            return None
         # Committed and pinned at once: other reads of this fetch still run, and meanwhile
         # other calls evict unpinned host blocks to make room.
         self.host.complete_store(s.dst)
         self.host.prepare_load(s.dst.key)
-        s.done = s.pinned = True
+        s.holds = "pinned"
         self.counters.promotions += 1
-        self.counters.add(self.counters.bytes_read, disk.name, src.length)
         return None
 
     async def _stage_remote(self, remote: _RemoteReads, i: int, key: bytes, lease: Lease,
-                            staged: list[_Staged]) -> _Staged | None:
-        """Read `key` from the remote tier into host (a promotion) and pin it like a host hit.
-        None ends the prefix."""
+                            staged: list[_Staged], room: _Room) -> _Staged | None:
+        """Read `key` from the remote tier into host (a promotion, pinned like a host hit, or
+        scratch space). None ends the prefix."""
         payload = await remote.take(i)
         if payload is None:
             return None
         try:
-            dst = await self._reserve_host(key, remote.namespace, remote.layout_digest,
-                                           len(payload))
+            dst, scratch = await self._take_room(room, key, remote.namespace,
+                                                 remote.layout_digest, len(payload))
         except CapacityError:
             lease.more = bool(staged)  # the client copies these, releases, asks again
             return None
         if dst is None:  # another call is promoting or publishing it right now: a miss here
             return None
+        s = _Staged(remote.remote.name, dst, holds="scratch" if scratch else "reservation")
         try:
             # Verified by the remote tier already; from here it is host memory like any other.
             await self._run_io(_copy, self.host.memview(dst), payload)
         except BaseException:
-            self.host.abort_store(dst)
+            s.abandon(self)
             raise
+        self.counters.add(self.counters.bytes_read, remote.remote.name, len(payload))
+        if scratch:
+            self.counters.scratch_reads += 1
+            return s
         self.host.complete_store(dst)
         self.counters.promotions += 1
-        self.counters.add(self.counters.bytes_read, remote.remote.name, len(payload))
-        return _Staged(remote.remote.name, self.host.prepare_load(key), pinned=True)
+        s.dst, s.holds = self.host.prepare_load(key), "pinned"
+        return s
 
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1
@@ -612,9 +724,11 @@ class TieredStore:
         del self.leases[lease_id]
         for entry in lease.entries:
             if lease.kind == "fetch":
-                self.host.complete_load(entry)
+                self.host.complete_load(entry)  # a no-op for scratch space (under no key)
             else:
                 self.host.abort_store(entry)
+        for entry in lease.scratch:
+            self.host.free_scratch(entry)
         return True
 
     def reap_expired(self) -> int:

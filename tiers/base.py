@@ -136,6 +136,28 @@ class Tier(ABC):
         if self.entries.get(entry.key) is entry:
             self._drop(entry)
 
+    # ---- scratch: space for bytes passing through, owned by the caller until it frees it
+    def prepare_scratch(self, length: int) -> BlockEntry | None:
+        """Space for `length` bytes that hold no block: allocated and counted as used, but
+        under no key, so never visible, never a victim. None when the caller must evict first
+        (`next_victim`); `CapacityError` when it could never fit. Free with `free_scratch`."""
+        units = self.units_for(length)
+        if units > self.alloc.total:
+            raise CapacityError(f"{self.name}: {length} bytes exceed the tier's "
+                                f"{self.capacity_bytes}-byte capacity")
+        if not self.policy.fits(units * PAGE):
+            return None
+        unit = self.alloc.allocate(units)
+        if unit is None:
+            return None
+        self.policy.used_bytes += units * PAGE
+        return BlockEntry(b"", b"", b"", length, unit, units)
+
+    def free_scratch(self, entry: BlockEntry) -> None:
+        """Give back space from `prepare_scratch` (once)."""
+        self.alloc.free(entry.unit, entry.units)
+        self.policy.used_bytes -= entry.units * PAGE
+
     # ---- load
     def prepare_load(self, key: bytes) -> BlockEntry:
         entry = self.get(key)

@@ -98,16 +98,18 @@ class BlockRef(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "keys", "transfer")
+    __slots__ = ("namespace", "layout", "keys", "transfer", "prior_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     transfer: Transfer
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ...) -> None: ...
+    prior_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id", "more")

@@ -14,7 +14,7 @@ import torch
 import kvstore.client.aio
 from kvstore.client import KVClient
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.reliability import stats, wait_quiescent
+from tests.reliability import stats, tier, wait_quiescent
 
 pytestmark = pytest.mark.integration
 LAYOUT = small_layout()  # 16-token blocks of 8 KiB
@@ -135,3 +135,31 @@ def test_window_asked_ahead_is_released_when_the_fetch_fails(daemon_factory, hea
     # 1 s before the deadline: this polls until it has ended, long before lease_timeout_s.
     wait_quiescent(d.target, 3.0)
     assert stats(d.target).expired_leases == 0  # released, not left to lease_timeout_s
+
+
+@pytest.mark.parametrize("transfer", ["shm", "stream"])
+def test_prompt_larger_than_the_host_tier_does_not_push_itself_out(daemon_factory, transfer):
+    # 14 blocks on disk, room for 10 in host, windows of 3. Promoted whole, the prompt would
+    # push itself out of host: each promotion past the 10th evicting one of its own blocks,
+    # which the next fetch reads back (and promotes again, evicting another). It keeps its
+    # first 4 blocks (10 less two windows) instead; the rest is read into scratch space, freed
+    # at release: no block of it evicted, none written, a second fetch promotes nothing.
+    d, tokens, kv = on_disk_only(daemon_factory, 14, "--host-bytes", host_of(10))
+    d.start()
+    with KVClient(d.target, LAYOUT, transfer=transfer) as c:
+        for round_ in range(3):
+            before = stats(d.target)
+            n, got = c.fetch(tokens)
+            after = wait_quiescent(d.target, 2.0)
+            assert n == len(tokens) and same_bytes(got, kv)
+            host, disk = tier(after, "host"), tier(after, "disk")
+            assert after.demotions == before.demotions
+            assert host.evictions == tier(before, "host").evictions == 0
+            assert disk.bytes_written == tier(before, "disk").bytes_written
+            assert after.promotions - before.promotions == (4 if round_ == 0 else 0)
+            assert host.hits - tier(before, "host").hits == (0 if round_ == 0 else 4)
+            assert disk.hits - tier(before, "disk").hits == (14 if round_ == 0 else 10)
+            # The host holds the prompt's first 4 blocks, and no scratch space is left behind.
+            assert host.blocks == 4 and host.used_bytes == 4 * LAYOUT.block_bytes
+        assert c.fetch(tokens[: 4 * BT])[0] == 4 * BT
+        assert tier(stats(d.target), "disk").hits == 14 + 10 + 10  # that one from host only

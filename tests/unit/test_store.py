@@ -35,11 +35,14 @@ def payload(k: bytes) -> bytes:
 
 
 def make_store(tmp_path: Path, host_blocks: int, disk_blocks: int | None = 16,
-               lease_timeout_s: float = 30.0) -> TieredStore:
+               lease_timeout_s: float = 30.0, fetch_window_bytes: int = 64 << 20,
+               disk_read_delay_s: float = 0.0) -> TieredStore:
     host = HostTier(host_blocks * 2 * PAGE, shm_dir=tmp_path)
-    disk = (DiskTier(tmp_path / "disk", disk_blocks * 3 * PAGE, sync="never")
+    disk = (DiskTier(tmp_path / "disk", disk_blocks * 3 * PAGE, sync="never",
+                     fault_read_delay_s=disk_read_delay_s)
             if disk_blocks is not None else None)
-    return TieredStore(host, disk, lease_timeout_s=lease_timeout_s, io_threads=2)
+    return TieredStore(host, disk, lease_timeout_s=lease_timeout_s, io_threads=2,
+                       fetch_window_bytes=fetch_window_bytes)
 
 
 @pytest.fixture
@@ -498,3 +501,154 @@ def test_disk_read_bandwidth_is_measured_and_host_never_is(tmp_path: Path) -> No
         assert 0 < bw["disk"] <= 3 * LENGTH / (2 * delay)
     finally:
         s.close()
+
+
+# ---- prompts larger than the host tier (`_Room`): served without pushing themselves out
+
+async def publish_whole(store: TieredStore, keys: Sequence[bytes]) -> None:
+    """Publish as the client does: reserve, write, commit, and again while `more`."""
+    done = 0
+    while done < len(keys):
+        lease = await publish(store, keys[done:])
+        done += len(lease.needed)
+        if not lease.more:
+            break
+
+
+async def fetch_whole(store: TieredStore, keys: Sequence[bytes]) -> tuple[list[bytes], list[str]]:
+    """Fetch as the client does: a window at a time, each asked for with the keys before it
+    (`prior`) while the window before is still held, then that one released."""
+    got: list[bytes] = []
+    tiers: list[str] = []
+    held: Lease | None = None
+    while len(got) < len(keys):
+        lease = await store.fetch(keys[len(got) :], LAYOUT, prior=keys[: len(got)])
+        if held is not None:
+            store.release(held.id)
+        got += fetched_bytes(store, lease)
+        tiers += lease.tiers
+        held = lease
+        if not lease.more:
+            break
+    if held is not None:
+        store.release(held.id)
+    return got, tiers
+
+
+def nothing_held(store: TieredStore) -> bool:
+    """No lease, no pin, and no scratch space left: the host's used bytes are its blocks'."""
+    host = store.host.stats()
+    return (not store.leases and host.pinned_blocks == 0
+            and host.used_bytes == 2 * PAGE * len(store.host.entries))
+
+
+async def on_disk_only(store: TieredStore, keys: Sequence[bytes]) -> None:
+    """The state after a restart: the blocks on disk, the host tier empty."""
+    await publish_whole(store, keys)
+    await store.flush(60.0)
+    for k in keys:
+        store.host.remove(k)
+
+
+def test_prompt_larger_than_the_host_tier_is_read_past_its_share(tmp_path: Path) -> None:
+    # Host room for 6 blocks, windows of one: the prompt's share is 4 (6 less two windows).
+    store = make_store(tmp_path, host_blocks=6, fetch_window_bytes=LENGTH)
+    keys = [key(i) for i in range(9)]
+
+    async def main() -> None:
+        await on_disk_only(store, keys)
+        c, host = store.counters, store.host
+        for round_ in range(3):
+            demoted, promoted, evicted = c.demotions, c.promotions, host.stats().evictions
+            got, tiers = await fetch_whole(store, keys)
+            assert got == [payload(k) for k in keys]
+            assert tiers == ["disk"] * 9 if round_ == 0 else ["host"] * 4 + ["disk"] * 5
+            assert c.promotions - promoted == (4 if round_ == 0 else 0)
+            assert c.demotions == demoted and host.stats().evictions == evicted
+            assert store.lookup(keys) == ["host"] * 4 + ["disk"] * 5
+            assert nothing_held(store)
+        assert c.scratch_reads == 5 * 3
+        assert c.bytes_written.get("disk", 0) == 9 * LENGTH  # publish and flush only
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_prompt_published_past_the_host_tier_gives_way_once(tmp_path: Path) -> None:
+    # Published whole, the prompt fills the host tier (its first blocks demoted to disk). The
+    # first fetch needs scratch room: the prompt's deepest host blocks are demoted for it, down
+    # to its share (4 of 6), once; later fetches demote, evict and promote nothing.
+    store = make_store(tmp_path, host_blocks=6, fetch_window_bytes=LENGTH)
+    keys = [key(i) for i in range(9)]
+
+    async def main() -> None:
+        await publish_whole(store, keys)
+        c, host = store.counters, store.host
+        assert host.stats().blocks == 6
+        demoted = c.demotions
+        for round_ in range(3):
+            evicted, promoted = host.stats().evictions, c.promotions
+            got, _ = await fetch_whole(store, keys)
+            assert got == [payload(k) for k in keys]
+            assert c.demotions - demoted == 2 and c.promotions == promoted
+            assert host.stats().evictions - evicted == (2 if round_ == 0 else 0)
+            assert host.stats().blocks == 4 and nothing_held(store)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_corrupt_block_in_scratch_ends_the_prefix_and_frees_the_space(tmp_path: Path) -> None:
+    # One call (no windows), host room for 4: blocks 0-1 promoted (its share: 4 less two
+    # blocks), 2-3 read into scratch; block 2 is corrupt, so the prefix ends at it and both
+    # scratch blocks are freed (3 was read fine, past the failure).
+    store = make_store(tmp_path, host_blocks=4, fetch_window_bytes=0)
+    keys = [key(i) for i in range(6)]
+
+    async def main() -> None:
+        await on_disk_only(store, keys)
+        _flip_disk_byte(store, key(2), PAGE + 17)
+        lease = await store.fetch(keys, LAYOUT)
+        assert [e.key for e in lease.entries] == keys[:2] and lease.scratch == []
+        assert fetched_bytes(store, lease) == [payload(k) for k in keys[:2]]
+        assert store.counters.integrity_failures == 1
+        store.release(lease.id)
+        assert nothing_held(store)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_scratch_space_is_freed_by_the_reaper_and_on_cancellation(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, fetch_window_bytes=0, lease_timeout_s=0.5,
+                       disk_read_delay_s=0.0)
+    now = [1000.0]
+    store.clock = lambda: now[0]
+    keys = [key(i) for i in range(6)]
+
+    async def main() -> None:
+        await on_disk_only(store, keys)
+        lease = await store.fetch(keys, LAYOUT)  # handed over; its client never releases it
+        assert len(lease.scratch) == 2
+        now[0] += 1.0
+        assert store.reap_expired() == 1
+        assert nothing_held(store)
+        assert store.disk is not None
+        store.disk.fault_read_delay_s = 0.2  # reads in flight when the call is cancelled
+        call = asyncio.ensure_future(store.fetch(keys[2:], LAYOUT, prior=keys[:2]))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert nothing_held(store)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
