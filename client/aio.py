@@ -1,8 +1,9 @@
 """`AsyncKVClient`: lookup, fetch and publish a prompt's KV blocks against a kvstore daemon.
 
-Keys are computed here (chained SHA-256 over the tokens, see `kvstore.keys`). Over a Unix socket
-the client maps the daemon's host arena and copies blocks straight in and out of shared memory;
-over TCP (or when the arena cannot be mapped) it streams them.
+Keys are computed here (chained SHA-256 over the tokens, see `kvstore.keys`), or given
+(`kvstore.keys.PrefixKeys`: a caller that hashes a prompt once for many calls). Over a Unix
+socket the client maps the daemon's host arena and copies blocks straight in and out of shared
+memory; over TCP (or when the arena cannot be mapped) it streams them.
 
 The engine's contract: a daemon that is down, slow, full or restarting is a miss within the
 call's deadline (logged once per outage), never an exception. Bad input from the caller (a
@@ -38,7 +39,7 @@ import torch
 from kvstore.arena import Arena
 from kvstore.client.backoff import BackoffPolicy, Breaker
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
-from kvstore.keys import KeyCache, Namespace
+from kvstore.keys import KeyCache, Namespace, PrefixKeys
 from kvstore.layout import KVLayout
 from kvstore.planner import (
     DEFAULT_BANDWIDTH,
@@ -54,7 +55,9 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
 R = TypeVar("R")
-Tokens = Sequence[int] | torch.Tensor | np.ndarray
+Tokens = Sequence[int] | torch.Tensor | np.ndarray | PrefixKeys
+"""A prompt: its tokens, or its block keys computed ahead (`kvstore.keys.PrefixKeys`, e.g. an
+engine's `KeyChain` per request, so a prompt looked up again is not converted and hashed again)."""
 BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], int | None]
 """`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`);
 returns how many of the leading blocks it copied in full (None: all of them)."""
@@ -194,6 +197,11 @@ class AsyncKVClient:
     # ---- public API
     def keys(self, tokens: Tokens) -> list[bytes]:
         """Chained keys of the full blocks of `tokens` in this client's namespace."""
+        if isinstance(tokens, PrefixKeys):
+            if tokens.namespace != self._ns or tokens.block_tokens != self.layout.block_tokens:
+                raise InvalidArgumentError("PrefixKeys were chained in another namespace or "
+                                           "over other blocks than this client's")
+            return list(tokens.keys)
         return self._key_cache.keys(tokens)
 
     async def lookup(self, tokens: Tokens) -> int:
@@ -1034,6 +1042,8 @@ def _limit(max_blocks: int | None) -> int | None:
 
 
 def _count(tokens: Tokens) -> int:
+    if isinstance(tokens, PrefixKeys):
+        return tokens.num_tokens
     return int(tokens.shape[0]) if isinstance(tokens, torch.Tensor | np.ndarray) else len(tokens)
 
 

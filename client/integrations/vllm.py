@@ -14,7 +14,10 @@ the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
 published through the transformers integration (`kvstore.client.integrations.hf`) is found here
-when the model and layout agree.
+when the model and layout agree. The scheduler keeps each request's keys (`KeyChain`) from its
+first lookup until `request_finished`: a request looked up again (waiting for blocks, resumed
+after preemption) or extended (a streaming session's next turn) hashes only its new blocks,
+and the workers get the keys with each load and save (`PrefixKeys`), not the tokens.
 
 Scheduler side: `get_num_new_matched_tokens` looks the prompt up and claims the cached prefix
 but the prompt's last token (vLLM computes at least one token: a prompt whose blocks are all
@@ -83,6 +86,7 @@ from kvstore.client.integrations.paged import (
 from kvstore.client.integrations.settings import read_extra
 from kvstore.client.sync import KVClient
 from kvstore.kernels.layouts import EngineKV, EngineLayout
+from kvstore.keys import KeyChain, PrefixKeys
 from kvstore.layout import KVLayout
 from kvstore.planner import PrefillModel
 
@@ -208,11 +212,11 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: FullAttentionSpec) -> None:
 @dataclass
 class LoadSpec:
     """Load tokens `[start, end)` into `block_ids` (the request's vLLM blocks from its first
-    token). `tokens`: the prompt up to the end of the kvstore block holding token `end - 1`
-    (their keys name the blocks to fetch); `end` need not end a block."""
+    token). `keys`: those of the prompt's blocks up to the one holding token `end - 1` (the
+    blocks to fetch); `end` need not end a block."""
 
     req_id: str
-    tokens: list[int]
+    keys: PrefixKeys
     salt: str
     lora: str
     block_ids: list[int]
@@ -222,10 +226,10 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Publish the full kvstore blocks of `tokens`, which sit in `block_ids`."""
+    """Publish the prompt's full kvstore blocks, named by `keys`, which sit in `block_ids`."""
 
     req_id: str
-    tokens: list[int]
+    keys: PrefixKeys
     salt: str
     lora: str
     block_ids: list[int]
@@ -247,7 +251,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """Scheduler-side state of one request the connector follows."""
 
-    tokens: list[int]
+    keys: PrefixKeys  # of the prompt's full kvstore blocks
+    num_tokens: int  # in the prompt
     salt: str
     lora: str
     save_end: int  # tokens in the prompt's full kvstore blocks
@@ -409,6 +414,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
         self._requests: dict[str, _Request] = {}
+        # req_id -> its prompt's keys so far, from its first lookup to request_finished
+        self._chains: dict[str, tuple[tuple[str, str], KeyChain]] = {}
         # worker side
         self._cache: PagedCache | None = None
         self._load_errors: set[int] = set()
@@ -455,6 +462,19 @@ class KVStoreConnector(KVConnectorBase_V1):
             return client
 
     # ==== scheduler side
+    def _prompt_keys(self, request: Request, ns: tuple[str, str], tokens: list[int],
+                     ) -> PrefixKeys:
+        """The keys of the prompt's full blocks, hashing only blocks this request has not
+        had hashed before (vLLM looks a waiting request up at every step it stays waiting)."""
+        held = self._chains.get(request.request_id)
+        if held is None or held[0] != ns:
+            client = self._client(*ns)
+            # A new prompt is keyed by the client, whose cache knows prefixes other requests
+            # shared (a system prompt); the chain then follows this request alone.
+            chain = KeyChain(client.namespace.digest(), self._layout.block_tokens, client.keys)
+            held = self._chains[request.request_id] = (ns, chain)
+        return held[1].keys(tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
         ns = _namespace_of(request)
@@ -462,7 +482,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if ns is None or tokens is None or len(tokens) < 2:
             return 0, False
         try:
-            hit = self._client(*ns).lookup(tokens)
+            hit = self._client(*ns).lookup(self._prompt_keys(request, ns, tokens))
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             return 0, False
@@ -476,10 +496,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         ns = _namespace_of(request)
         if ns is None or request.prompt_token_ids is None:
             return
-        tokens = list(request.prompt_token_ids)
-        block_tokens = self._layout.block_tokens
-        state = _Request(tokens=tokens, salt=ns[0], lora=ns[1],
-                         save_end=len(tokens) // block_tokens * block_tokens, hit_end=hit,
+        keys = self._prompt_keys(request, ns, request.prompt_token_ids)
+        state = _Request(keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
+                         lora=ns[1], save_end=keys.num_tokens, hit_end=hit,
                          block_ids=list(blocks.get_block_ids()[0]))
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
@@ -526,7 +545,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if state is None or req_id not in cached.req_ids:
                 return None
             start = cached.num_computed_tokens[cached.req_ids.index(req_id)]
-            prompt = len(state.tokens)
+            prompt = state.num_tokens
         return (start, start + n) if n > 0 and start + n <= prompt else None
 
     def _plan(self, req_id: str, state: _Request, computed: int, num_scheduled: int,
@@ -534,15 +553,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if state.load is not None:
             start, end = state.load
             bt = self._layout.block_tokens
-            meta.loads.append(LoadSpec(req_id, state.tokens[: -(-end // bt) * bt], state.salt,
+            meta.loads.append(LoadSpec(req_id, state.keys.prefix(-(-end // bt)), state.salt,
                                        state.lora, list(state.block_ids), start, end))
             state.load = None
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
         if state.save_end > state.hit_end and computed < state.save_end \
                 <= computed + num_scheduled:
-            meta.saves.append(SaveSpec(req_id, state.tokens[: state.save_end], state.salt,
-                                       state.lora, list(state.block_ids)))
+            meta.saves.append(SaveSpec(req_id, state.keys, state.salt, state.lora,
+                                       list(state.block_ids)))
             state.save_issued = True
 
     def request_finished(self, request: Request, block_ids: list[int],
@@ -551,6 +570,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         worker reports the save done (`get_finished`)."""
         state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._chains.pop(request.request_id, None)
         return bool(self._cfg.async_save and state is not None and state.save_issued), None
 
     # ==== worker side
@@ -682,7 +702,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         began = time.perf_counter()
         try:
             n = self._client(spec.salt, spec.lora).fetch_with(
-                spec.tokens, consume, skip_blocks=spec.start // bt,
+                spec.keys, consume, skip_blocks=spec.start // bt,
                 budget_s=self._recompute_s(spec.start, spec.end))
         finally:
             guard.close()  # no copy into vLLM's pages after this
@@ -727,7 +747,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         began = time.perf_counter()
         copying = [0.0]
         pages = token_pages(spec.block_ids, self._block_size, cache.page_size, 0,
-                            len(spec.tokens))
+                            spec.keys.num_tokens)
         per_block = self._layout.block_tokens // cache.page_size
         bytes_per_page = self._layout.bytes_per_token * cache.page_size
         guard = _CopyGuard()
@@ -747,12 +767,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             return copied
 
         try:
-            stored = self._client(spec.salt, spec.lora).publish_with(spec.tokens, produce)
+            stored = self._client(spec.salt, spec.lora).publish_with(spec.keys, produce)
         finally:
             guard.close()  # no reads of vLLM's pages after this: they may be freed next
         self.saved_tokens += stored
         log.info("kvstore: request %s saved %d tokens in %.1f ms (copy %.1f ms, queued "
-                 "%.1f ms); %d prompt tokens cached", spec.req_id, len(spec.tokens),
+                 "%.1f ms); %d prompt tokens cached", spec.req_id, spec.keys.num_tokens,
                  (time.perf_counter() - began) * 1e3, copying[0] * 1e3, (began - queued) * 1e3,
                  stored)
 

@@ -1,0 +1,113 @@
+"""The connector's scheduler side hashes a request's prompt once (issue 16, item 5): a request
+looked up again converts and hashes nothing, an extended one only its new blocks, a changed one
+all of it again; loads and saves carry the keys (no tokens) to the workers; a finished
+request's keys are dropped.
+
+Runs the scheduler-role connector in this process on fake requests (only the fields the
+connector reads), against a real daemon.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed in this interpreter: run `bash scripts/setup_vllm.sh`",
+                allow_module_level=True)
+
+from kvstore.client import KVClient
+from kvstore.keys import chain_keys
+from kvstore.server.process import DaemonProcess
+from tests.conftest import random_kv
+from tests.unit.test_key_chain import Counted
+from tests.vllm.bench_connector_keys import request, scheduler_connector
+from tests.vllm.vllm_runner import make_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+BLOCK = 32
+
+
+def step(req: SimpleNamespace, block_ids: list[int], computed: int) -> SimpleNamespace:
+    """A `SchedulerOutput` that schedules `req`'s prompt from token `computed` on."""
+    new = SimpleNamespace(req_id=req.request_id, block_ids=(block_ids,),
+                          num_computed_tokens=computed, prompt_token_ids=req.prompt_token_ids)
+    return SimpleNamespace(
+        preempted_req_ids=set(), scheduled_new_reqs=[new],
+        num_scheduled_tokens={req.request_id: len(req.prompt_token_ids) - computed},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB",
+                      "--disk-bytes", "128MiB").start()
+    yield d
+    d.kill()
+
+
+@pytest.mark.timeout(300)
+def test_prompt_is_hashed_once_and_dropped_when_finished(model_dir: Path, daemon: DaemonProcess,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         ) -> None:
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048)
+    try:
+        rng = random.Random(0)
+        tokens = [rng.randrange(3, 900) for _ in range(40 * BLOCK + 7)]
+        req = request("r1", tokens)
+        count = Counted(monkeypatch)
+        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored yet
+        assert count.take() == (len(tokens), 40)  # by the client's keys (its KeyCache)
+        for _ in range(3):  # vLLM looks a waiting request up at every step
+            assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert count.take() == (0, 0)
+
+        with KVClient(daemon.target, conn._layout, deadline_s=10) as c:  # the engine's namespace
+            assert c.publish(tokens[: 30 * BLOCK], random_kv(conn._layout, 30 * BLOCK)) \
+                == 30 * BLOCK
+            want = chain_keys(c.namespace, tokens)
+        count.take()
+        assert conn.get_num_new_matched_tokens(req, 0) == (30 * BLOCK, False)
+        blocks = list(range(41))
+        conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)),
+                                      30 * BLOCK)
+        meta = conn.build_connector_meta(step(req, blocks, 30 * BLOCK))
+        assert count.take() == (0, 0)
+        # The workers get keys, not tokens: the load's blocks, and all the prompt's to save.
+        (load,), (save,) = meta.loads, meta.saves
+        assert (load.start, load.end) == (0, 30 * BLOCK)
+        assert list(load.keys.keys) == want[:30]
+        assert list(save.keys.keys) == want and save.keys.num_tokens == 40 * BLOCK
+
+        # Extended in place (a streaming session's next turn): only the new blocks.
+        tokens.extend(rng.randrange(3, 900) for _ in range(2 * BLOCK))
+        assert conn.get_num_new_matched_tokens(req, 0) == (30 * BLOCK, False)
+        assert count.take() == (2 * BLOCK, 2)
+        # Changed (resumed with other tokens): hashed anew, the hit ends at the change.
+        changed = list(tokens)
+        tokens[10 * BLOCK + 3] += 1
+        assert conn.get_num_new_matched_tokens(req, 0) == (10 * BLOCK, False)
+        assert count.take() == (len(tokens), 42)
+
+        # Another request with a prompt seen before: converted, but its keys come from the
+        # client's cache. One that only looked up (aborted while waiting) is dropped as well.
+        other = request("r2", changed[: 40 * BLOCK + 7])
+        assert conn.get_num_new_matched_tokens(other, 0) == (30 * BLOCK, False)
+        assert count.take() == (40 * BLOCK + 7, 0)
+        assert set(conn._chains) == {"r1", "r2"}
+        conn.request_finished(req, blocks)
+        conn.request_finished(other, [])
+        assert not conn._chains and not conn._requests and not conn._matched
+    finally:
+        conn.shutdown()
