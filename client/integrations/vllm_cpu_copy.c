@@ -22,15 +22,24 @@ static void transpose_scalar(const char* src, int64_t ss, char* dst, int64_t ds,
             memcpy(dst + ((int64_t)c * ds + r) * es, src + ((int64_t)r * ss + c) * es, es);
 }
 
-/* dst[c][r] = src[r][c] for a rows x cols matrix of es-byte elements; strides in elements. */
+/* dst[c][r] = src[r][c] for a rows x cols matrix of es-byte elements; strides in elements.
+
+   Tiles go along the rows of src, or with by_dst along the rows of dst. The token-major side
+   has rows heads*dim elements apart (2-4 KiB: rows 4 KiB apart share one L1 set), so it should
+   be the side whose rows are finished one after the other: a scatter reads each token row
+   once, a gather (by_dst) fills each token row with whole cache lines. A gather that went
+   along the page's rows instead wrote 16 bytes into each of a page's token rows at a time: 1.6x
+   the time of the scatter in float32. */
 static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int rows, int cols,
-                      int es) {
+                      int es, int by_dst) {
     int tile = 0;
+    const int outer = by_dst ? cols : rows, inner = by_dst ? rows : cols;
 #if defined(__SSE2__)
     if (es == 2) {
         tile = 8;
-        for (int r = 0; r + 8 <= rows; r += 8) {
-            for (int c = 0; c + 8 <= cols; c += 8) {
+        for (int o = 0; o + 8 <= outer; o += 8) {
+            for (int i = 0; i + 8 <= inner; i += 8) {
+                const int r = by_dst ? i : o, c = by_dst ? o : i;
                 const char* s = src + ((int64_t)r * ss + c) * 2;
                 __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 2));
                 __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 2));
@@ -61,8 +70,9 @@ static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int ro
         }
     } else if (es == 4) {
         tile = 4;
-        for (int r = 0; r + 4 <= rows; r += 4) {
-            for (int c = 0; c + 4 <= cols; c += 4) {
+        for (int o = 0; o + 4 <= outer; o += 4) {
+            for (int i = 0; i + 4 <= inner; i += 4) {
+                const int r = by_dst ? i : o, c = by_dst ? o : i;
                 const char* s = src + ((int64_t)r * ss + c) * 4;
                 __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 4));
                 __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 4));
@@ -116,12 +126,12 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
                 char* sk = k + (int64_t)h * dim * es;
                 char* sv = v + (int64_t)h * dim * es;
                 if (!gather) {
-                    transpose(sk, hd, ck, ps, n, dim, es);
+                    transpose(sk, hd, ck, ps, n, dim, es, 0);
                     for (int t = 0; t < n; t++)
                         memcpy(cv + (int64_t)t * dim * es, sv + (int64_t)t * hd * es,
                                (size_t)dim * es);
                 } else {
-                    transpose(ck, ps, sk, hd, dim, n, es);
+                    transpose(ck, ps, sk, hd, dim, n, es, 1);
                     for (int t = 0; t < n; t++)
                         memcpy(sv + (int64_t)t * hd * es, cv + (int64_t)t * dim * es,
                                (size_t)dim * es);
