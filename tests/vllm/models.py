@@ -1,0 +1,39 @@
+"""Random-weight models of the kinds vLLM serves beyond plain Llama, built here (no model hub),
+each with the tokenizer `vllm_runner.make_model` trains.
+
+- `make_mla_model`: DeepSeek-V2-shaped (multi-head latent attention). vLLM's CPU MLA backend
+  (CPU_MLA) compiles its decode kernel for one latent size only, kv_lora_rank 512 + rope 64 =
+  576, DeepSeek-V2/V3's own, with block size 16; the rest of the model is small (2 layers,
+  hidden 256, a small MoE in neither layer: first_k_dense_replace covers both).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.vllm.vllm_runner import make_model
+
+MLA_BLOCK = 16  # the only block size vLLM's CPU MLA backend takes
+MLA_LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: the latent cache's width
+
+
+def make_mla_model(path: Path, *, layers: int = 2, positions: int = 2048) -> Path:
+    """A random-weight DeepSeek-V2-shaped model in float32 with varied greedy outputs."""
+    import torch
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    llama = make_model(path.with_name(path.name + "-tokenizer"), layers=1)
+    tok = AutoTokenizer.from_pretrained(llama)
+    cfg = DeepseekV2Config(
+        vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=512,
+        moe_intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=layers, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=positions, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.1)  # wider than 0.02: greedy tokens then depend on the context
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
