@@ -51,6 +51,7 @@ import itertools
 import json
 import math
 import random
+import shlex
 import sys
 import time
 from collections import deque
@@ -1194,7 +1195,7 @@ def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequen
     span_s = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1e3, 1e-3)
     remotes = [remote_bytes] if isinstance(remote_bytes, int) else list(remote_bytes)
     n_req = len(requests)
-    marks = sorted({(e.at, str(e)) for c in churns for e in parse_churn(c)})
+    marks = churn_marks(churns)
     rows: list[dict[str, Any]] = []
     for spec in grid(machines, routings, remotes, churns, spill_bounds, kv_lags):
         n = spec.machines
@@ -1256,6 +1257,18 @@ def sweep(requests: Sequence[Request], machines: Sequence[int], routings: Sequen
                                            for lo, hi in spans]}
         rows.append(row)
     return rows
+
+
+def churn_marks(churns: Sequence[str]) -> list[tuple[float, str]]:
+    """Where churn happens in any of `churns`, and what: `fail:0,fail:1@0.5` for two machines
+    failing at once."""
+    at: dict[float, list[str]] = {}
+    for c in churns:
+        for e in parse_churn(c):
+            what = str(e).split("@")[0]
+            if what not in at.setdefault(e.at, []):
+                at[e.at].append(what)
+    return [(f, ",".join(what) + f"@{f:g}") for f, what in sorted(at.items())]
 
 
 def routing_label(spec: RunSpec) -> str:
@@ -1368,7 +1381,7 @@ def plot(rows: list[dict[str, Any]], belady: list[dict[str, Any]], baseline: dic
     paths: list[Path] = []
     routings = list(dict.fromkeys(r["routing"] for r in rows))
     colors = {"host": "#2b8cbe", "disk": "#7bccc4", "remote": "#fdae6b"}
-    if rows:
+    if len({r["machines"] for r in rows}) > 1:  # curves over machine counts
         fig, axes = plt.subplots(1, len(routings), figsize=(5.5 * len(routings), 4),
                                  sharey=True, squeeze=False)
         for ax, routing in zip(axes[0], routings, strict=True):
@@ -1476,11 +1489,16 @@ def plot_routing(rows: list[dict[str, Any]], varied: Sequence[str], out: Path,
     names = [label(r, [*varied, "routing"]) + f", {r['machines']} machines" for r in rows]
     y = np.arange(len(rows))
     for ax, stat in zip(axes, ("p50", "p99"), strict=True):
-        ax.barh(y, [r[f"ttft_q_{stat}_s"] for r in rows], color="#2b8cbe",
-                label="with queueing")
+        queued = np.asarray([r[f"ttft_q_{stat}_s"] for r in rows])
+        ax.barh(y, queued, color="#2b8cbe", label="with queueing")
         ax.barh(y, [r[f"ttft_{stat}_s"] for r in rows], color="#fdae6b", height=0.4,
                 label="idle engine")
-        ax.set_xscale("log")
+        cap = 4 * float(np.median(queued))  # a queue that never drains would flatten the rest
+        if queued.max() > cap:
+            ax.set_xlim(0, cap)
+            for i in np.flatnonzero(queued > cap):
+                ax.annotate(f"{queued[i]:,.0f} s", (cap, float(y[i])), ha="right",
+                            va="center", fontsize=8, color="white")
         ax.set_xlabel(f"{stat} TTFT estimate (s)")
         ax.grid(alpha=0.3, axis="x")
     axes[0].set_yticks(y, names, fontsize=8)
@@ -1494,27 +1512,40 @@ def plot_routing(rows: list[dict[str, Any]], varied: Sequence[str], out: Path,
 
     churned = [r for r in rows if r["churn"] != "none"]
     if churned:
-        routings = list(dict.fromkeys(r["routing"] for r in rows))
+        # The trace's own swings (0.1 to 0.6 from one window to the next) hide what churn
+        # costs: plot each churn run against the same run without churn, where there is one.
+        def key(r: dict[str, Any]) -> tuple[Any, ...]:
+            return tuple(r[k] for k in ("routing", "machines", "remote_gib", "spill_bound_s"))
+
+        calm = {key(r): r for r in rows if r["churn"] == "none"}
+        delta = all(key(r) in calm for r in churned)
+        routings = list(dict.fromkeys(r["routing"] for r in churned))
         fig, axes = plt.subplots(1, len(routings), figsize=(5.5 * len(routings), 4),
                                  sharey=True, squeeze=False)
-        others = [k for k in varied if k != "routing"]
+        others = [k for k in varied if k != "routing"
+                  and (k != "churn" or len({r["churn"] for r in churned}) > 1)]
         for ax, routing in zip(axes[0], routings, strict=True):
-            for r in rows:
+            for r in churned:
                 if r["routing"] != routing:
                     continue
-                ser = r["series"]
-                ax.plot(ser["start"], ser["hit"], drawstyle="steps-post",
-                        label=label(r, others) + f", {r['machines']} m")
-            for ev in parse_churn(churned[0]["churn"]):
-                ax.axvline(ev.at, color="k", ls=":", lw=1)
-                ax.annotate(str(ev).split("@")[0], (ev.at, 0.02), fontsize=8, rotation=90)
+                hit = np.asarray(r["series"]["hit"])
+                if delta:
+                    hit = hit - np.asarray(calm[key(r)]["series"]["hit"])
+                ax.plot(r["series"]["start"], hit, drawstyle="steps-post", marker=".",
+                        label=(label(r, others) or r["churn"]) + f", {r['machines']} machines")
+            for at, what in churn_marks([r["churn"] for r in churned]):
+                ax.axvline(at, color="k", ls=":", lw=1)
+                ax.annotate(what.split("@")[0], (at, 0.98), xycoords=("data", "axes fraction"),
+                            fontsize=8, rotation=90, ha="right", va="top")
+            ax.axhline(0, color="k", lw=0.5)
             ax.set_title(f"{routing} routing")
             ax.set_xlabel("fraction of the trace (requests)")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("prompt blocks served from cache")
-        axes[0][0].set_ylim(bottom=0)
-        axes[0][-1].legend(fontsize=7)
-        fig.suptitle("Hit fraction along the trace, machines failing / leaving / joining")
+            ax.legend(fontsize=7, loc="lower left")
+        axes[0][0].set_ylabel("hit fraction, churn minus no churn" if delta
+                              else "prompt blocks served from cache")
+        fig.suptitle("Machines failing / leaving / joining: "
+                     + "; ".join(dict.fromkeys(r["churn"] for r in churned)))
         fig.tight_layout()
         paths.append(out / f"{name}_churn.png")
         fig.savefig(paths[-1], dpi=110)
@@ -1596,8 +1627,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         belady, compared = belady_compare(requests, args.belady_capacities, block_bytes, bar,
                                           policies)
 
+    varied = [c for c, values in (("remote_gib", remotes), ("churn", churns),
+                                  ("spill_bound_s", args.spill_bound_s))
+              if len(values) > 1 or values[0] not in (remote, "none", math.inf)]
     alt = f"@{alt_label}" if alt_label else None
-    cols = ["routing", "machines", "host", "disk", "remote", "computed", "ttft_mean_s",
+    cols = [*varied, "routing", "machines", "host", "disk", "remote", "computed", "ttft_mean_s",
             "ttft_p50_s", "ttft_p99_s"]
     if alt:
         cols.append(f"ttft_mean_s{alt}")
@@ -1606,9 +1640,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(table(rows, cols))
     print(f"\nno cache: TTFT mean {baseline['mean']:.3f} s, p50 {baseline['p50']:.3f} s, "
           f"p99 {baseline['p99']:.3f} s")
-    varied = [c for c, values in (("remote_gib", remotes), ("churn", churns),
-                                  ("spill_bound_s", args.spill_bound_s))
-              if len(values) > 1 or values[0] not in (remote, "none", math.inf)]
     print("\nWith the queue (FIFO, one request at a time per machine; TTFT = wait + modeled "
           "TTFT):")
     print(table(rows, [*varied, "routing", "machines", "computed", "ttft_q_mean_s",
@@ -1635,7 +1666,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ["capacity_blocks", *names, "belady"]))
     runtime = time.perf_counter() - t0
     payload: dict[str, Any] = {
-        "command": "python -m benchmarks.simulate " + " ".join(
+        "command": "python -m benchmarks.simulate " + shlex.join(
             sys.argv[1:] if argv is None else argv),
         "trace": {"path": str(args.trace), "requests": len(requests), "block_accesses": n_blocks,
                   "unique_full_blocks": unique, "infinite_cache_hit_rate": ceiling},

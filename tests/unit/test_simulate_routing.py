@@ -35,6 +35,7 @@ from benchmarks.simulate import (
     make_request,
     make_router,
     parse_churn,
+    plot_routing,
 )
 
 MODEL = TTFTModel()
@@ -389,6 +390,10 @@ def test_routing_command(tmp_path: Path) -> None:
             assert [e["kind"] for e in r["churn_log"]] == ["fail", "join"]
         if r["remote_gib"] == 0:
             assert r["remote"] == 0.0
+    # the figures: TTFT with queueing, and each churn run against the same run without
+    paths = plot_routing(rows, ["remote_gib", "churn"], tmp_path, "t")
+    assert [p.name for p in paths] == ["t_queue.png", "t_churn.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
     with pytest.raises(SystemExit, match="no machine 7"):
         main(["--trace", str(trace), "--machines", "4", "--churn", "fail:7@0.5",
               "--belady-capacities", "", "--no-plots", "--json", str(out)])
