@@ -93,8 +93,10 @@ class ServerConfig:
                                     lo=1, hi=100_000)
     fetch_window_bytes: int = _opt(64 << 20, "Bytes one fetch reads from disk or the remote "
                                    "tier before it answers; the client asks for the rest at "
-                                   "once and copies meanwhile, so reads overlap copies. 0: no "
-                                   "limit.", unit="bytes", lo=0, hi=1 << 40)
+                                   "once and copies meanwhile, so reads overlap copies. Of a "
+                                   "prompt larger than the host tier, host keeps the tier's "
+                                   "size less two windows; the rest is served without "
+                                   "promotion. 0: no limit.", unit="bytes", lo=0, hi=1 << 40)
     lease_timeout_s: float = _opt(30.0, "A fetch or publish lease not released in this time is "
                                   "reclaimed.", unit="seconds", lo=0.1, hi=3600)
     max_blocks_per_call: int = _opt(4096, "Most keys one Lookup/Fetch/Publish may name.", lo=1,
