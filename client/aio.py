@@ -909,7 +909,8 @@ class AsyncKVClient:
         room by writing other blocks to disk: it has the transfer's deadline."""
         reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:]), until), lambda r: r.lease_id)
+                                         keys=keys[start:], prior_keys=keys[:start]), until),
+            lambda r: r.lease_id)
         if not reply.lease_id:  # nothing to write: every block is stored or being written
             return len(reply.needed), reply.more
         committed = False
@@ -947,7 +948,8 @@ class AsyncKVClient:
         send = keys[have:]
 
         async def messages() -> AsyncIterator[pb.PublishChunk]:
-            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb, keys=send)
+            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb, keys=send,
+                                  prior_keys=keys[:have])
             for j in range(len(send)):
                 block = kv[:, :, self._tokens_slice(have + j)].contiguous()
                 raw = block.view(torch.uint8).numpy().reshape(-1)

@@ -335,7 +335,7 @@ class S3FIFOPolicy(_Queues):
     New blocks enter S (or M when G remembers them). A block reaching S's head moves to M if it
     was accessed again while in S, else it is the victim. M's head is reinserted at M's end with
     its count minus one while it has accesses left, else it is the victim. A request's new blocks
-    are put leaf first, so a chain leaves S from its leaf.
+    are put leaf first, so a chain leaves S (or M) from its leaf.
     """
 
     name = "s3fifo"
@@ -373,10 +373,11 @@ class S3FIFOPolicy(_Queues):
         freq = self._freq
         for key in new:
             freq[key] = min(freq[key] + 1, self.MAX_FREQ)
-        small = self._q[self.S]
-        for key in again:  # this request's own new blocks: leaf first in S
-            if freq[key] == 0 and self._where[key] == self.S and key not in self._parked:
-                small.move_to_end(key)
+        queues = self._q
+        for key in again:  # this request's own new blocks: leaf first (in S, or in M when a
+            # ghost sent them there, as blocks read back from a lower tier are)
+            if freq[key] == 0 and key not in self._parked:
+                queues[self._where[key]].move_to_end(key)
 
     def remove(self, key: bytes) -> None:
         nbytes = self._size[key]

@@ -16,6 +16,7 @@ the trace simulator run the same code.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -161,3 +162,37 @@ class TierPolicy:
         return PolicyStats(blocks=len(self._sizes), used_bytes=self.used_bytes,
                            capacity_bytes=self.capacity_bytes, pinned_blocks=len(self._pins),
                            evictions=self.evictions)
+
+
+class RecentChains:
+    """The prefix chains requests used most recently, as lists of keys, up to `max_keys` keys
+    in all (the oldest chains forgotten first).
+
+    A chain is named by its last key: keys are chained hashes, so the last key fixes every
+    key before it. The shutdown flush writes these chains from their first block: a tier's
+    eviction order ranks blocks, not prompts, and may put a prompt's tail, or a segment of it
+    past blocks held by another tier, ahead of its head.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max(1, max_keys)
+        self._chains: OrderedDict[bytes, Sequence[bytes]] = OrderedDict()
+        self._keys = 0
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        """`keys` (root first) was used now: O(1) amortised, the list is kept, not copied."""
+        if not keys:
+            return
+        old = self._chains.pop(keys[-1], None)
+        if old is not None:
+            self._keys -= len(old)
+        self._chains[keys[-1]] = keys
+        self._keys += len(keys)
+        while self._keys > self.max_keys and len(self._chains) > 1:
+            self._keys -= len(self._chains.popitem(last=False)[1])
+
+    def newest_first(self) -> Iterator[Sequence[bytes]]:
+        return reversed(self._chains.values())
+
+    def __len__(self) -> int:
+        return len(self._chains)

@@ -355,6 +355,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         layout = layout_from_proto(first.layout)
         scope = current_scope()
         keys = scope.keys(self._keys(first.keys))
+        prior = scope.keys(self._keys(first.prior_keys, len(keys), "prior_keys"))
         ns = scope.namespace(self._namespace(first.namespace))
         self.namespaces.note(ns, first.layout, scope, first.namespace)
         digest, length = layout.digest(), layout.block_bytes
@@ -401,8 +402,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 msg = await self._next(messages, f"after {block + 1} blocks")
             if block >= 0 and filled != length:
                 raise InvalidArgumentError(f"block {block} got {filled} of {length} bytes")
-            # Blocks were committed one by one; rank the chain as a whole (parents freshest).
-            self.store.touch_chain(keys[: block + 1])
+            # Blocks were committed one by one; rank the chain as a whole (parents freshest),
+            # the blocks before the stream's (`prior_keys`) included.
+            self.store.touch_chain([*prior, *keys[: block + 1]])
         finally:
             if lease is not None:
                 self.store.release(lease.id)
@@ -414,10 +416,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         layout = layout_from_proto(request.layout)
         scope = current_scope()
         keys = scope.keys(self._keys(request.keys))
+        prior = scope.keys(self._keys(request.prior_keys, len(keys), "prior_keys"))
         ns = scope.namespace(self._namespace(request.namespace))
         self.namespaces.note(ns, request.layout, scope, request.namespace)
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes,
-                                         owner=scope.tenant)
+                                         owner=scope.tenant, prior=prior)
         if not lease.entries:  # nothing to write: no lease to hold (Commit(0) is a no-op)
             self.store.commit(lease.id, scope.tenant)  # ranks the chain, as Commit would
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]

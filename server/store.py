@@ -36,6 +36,7 @@ from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from kvstore.server.remote_writer import RemoteWriter
 from kvstore.server.write_through import WriteThroughQueue
+from kvstore.tiering import RecentChains
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
@@ -48,6 +49,8 @@ T = TypeVar("T")
 # memory until copied into host) stay modest.
 REMOTE_BATCH_BYTES = 16 << 20
 REMOTE_BATCH_BLOCKS = 64
+# Keys of the chains used most recently that the shutdown flush writes head first (~6 MB).
+RECENT_CHAIN_KEYS = 1 << 16
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Lease:
     entries: list[BlockEntry] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
     needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
-    keys: list[bytes] = field(default_factory=list)  # publish: the chain `needed` covers
+    keys: list[bytes] = field(default_factory=list)  # publish: the chain to rank at commit
     scratch: list[BlockEntry] = field(default_factory=list)  # fetch: freed at release (`_Room`)
     more: bool = False  # stopped for lack of host space, not for a miss
 
@@ -204,6 +207,7 @@ class TieredStore:
                        if remote is not None and self.write_queue is not None else None)
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
+        self.recent = RecentChains(RECENT_CHAIN_KEYS)  # the flush writes these heads first
         self.counters = StoreCounters()
         # Measured read bandwidth per tier (bytes/s into host staging, an EWMA over fetches);
         # a tier is absent until measured. See `read_bandwidth`.
@@ -244,8 +248,10 @@ class TieredStore:
         return found
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
+        keys = list(keys)
         for tier in self.tiers:
-            tier.touch_chain(list(keys))
+            tier.touch_chain(keys)
+        self.recent.add(keys)
 
     async def lookup_through(self, keys: Sequence[bytes], namespace: bytes) -> list[str]:
         """`lookup`, continued in the remote tier past the local prefix (one batched EXISTS).
@@ -358,7 +364,9 @@ class TieredStore:
         self.counters.miss_blocks += len(keys) - served
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
-        self.touch_chain(keys[:served])
+        # With the earlier windows' keys: ranking only this window would make a long prompt's
+        # tail fresher than its head (evicted and flushed in the wrong order).
+        self.touch_chain([*prior, *keys[:served]])
         return self.hand_over(lease, hold)
 
     def read_bandwidth(self) -> dict[str, float]:
@@ -531,12 +539,14 @@ class TieredStore:
         return any(key in t.entries for t in self.tiers)  # committed or being written
 
     async def reserve(self, namespace: bytes, layout_digest: bytes, keys: Sequence[bytes],
-                      length: int, owner: str = "", hold: bool = False) -> Lease:
+                      length: int, owner: str = "", hold: bool = False,
+                      prior: Sequence[bytes] = ()) -> Lease:
         """Reserve host space for the keys not yet stored, stopping at the first that fails.
 
         A block after a hole would be unreachable (lookups stop at the hole), so the lease
         covers a prefix: `needed[i]` is False for blocks already there and the list ends where
-        space ran out. `hold` as for `fetch`.
+        space ran out. `hold` as for `fetch`. `prior`: the prompt's keys before `keys` (its
+        earlier rounds), ranked with them at commit so the prompt's head stays the freshest.
         """
         lease = self._new_lease("publish", owner)
         try:
@@ -555,7 +565,7 @@ class TieredStore:
                     continue
                 lease.entries.append(entry)
                 lease.needed.append(True)
-            lease.keys = list(keys[: len(lease.needed)])
+            lease.keys = [*prior, *keys[: len(lease.needed)]]
         except BaseException:
             self.release(lease.id)
             raise
@@ -573,8 +583,9 @@ class TieredStore:
             self.host.complete_store(entry)
             if self.write_queue is not None:
                 self.write_queue.put(entry.key)  # write-through; shed (counted) when full
-        # The whole chain, blocks that were already present included: touching only the new
-        # ones would leave their parents older than them, so LRU would evict parents first.
+        # The whole chain, blocks that were already present and earlier rounds' included:
+        # touching only the new ones would leave their parents older than them, so LRU would
+        # evict parents first and a cut-short SIGTERM flush would write children first.
         self.touch_chain(lease.keys)
         n = len(lease.entries)
         self.counters.stored_blocks += n
@@ -644,14 +655,13 @@ class TieredStore:
         """Write host-only blocks to disk, most recent first, for up to `budget_s` seconds, so
         a planned restart keeps them. Returns how many were written.
 
-        They are written hottest first (the budget may run out) but ranked so that, after a
-        restart, the hottest is the most recently used and parents stay ahead of children.
+        They are written in `_flush_order` (the budget may run out) and ranked so that, after
+        a restart, the first written is the most recently used: parents ahead of children.
         """
         if self.disk is None or budget_s <= 0:
             return 0
         end = self.clock() + budget_s
-        todo = [k for k in reversed(list(self.host.policy.lru_order()))
-                if k not in self.disk.entries and self.host.contains(k)]
+        todo = self._flush_order(self.disk)
         top = self.disk.reserve_seqs(len(todo)) + len(todo) - 1
         written = 0
         for rank, key in enumerate(todo):
@@ -665,6 +675,27 @@ class TieredStore:
             finally:
                 self.host.complete_load(entry)
         return written
+
+    def _flush_order(self, disk: DiskTier) -> list[bytes]:
+        """Host-only blocks, in the order a cut-short flush should write them: the chains used
+        most recently first, each from its first block (blocks already on disk are skipped, a
+        block in no tier ends the chain: nothing past it can be reached); then the rest of the
+        host tier, hottest first. The eviction order alone ranks blocks, not prompts: it may
+        put a prompt's tail, or a segment past blocks held on disk, ahead of its head."""
+        on_disk, host = disk.entries, self.host
+        todo: list[bytes] = []
+        chosen: set[bytes] = set()
+        for chain in self.recent.newest_first():
+            for key in chain:
+                if key in chosen or key in on_disk:
+                    continue
+                if not host.contains(key):
+                    break
+                todo.append(key)
+                chosen.add(key)
+        todo += [k for k in reversed(list(host.policy.eviction_order()))
+                 if k not in chosen and k not in on_disk and host.contains(k)]
+        return todo
 
     # ---- remote write-through (the task and its batches: `server.remote_writer`)
     async def remote_writer(self) -> None:

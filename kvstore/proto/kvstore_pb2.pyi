@@ -132,20 +132,22 @@ class FetchChunk(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
-    __slots__ = ("namespace", "layout", "keys", "block_index", "chunk_offset", "data")
+    __slots__ = ("namespace", "layout", "keys", "block_index", "chunk_offset", "data", "prior_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     block_index: int
     chunk_offset: int
     data: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    prior_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., prior_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ("stored", "present")
@@ -156,14 +158,16 @@ class PublishReply(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., present: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "keys")
+    __slots__ = ("namespace", "layout", "keys", "prior_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prior_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("lease_id", "needed", "blocks", "arena_id", "more")

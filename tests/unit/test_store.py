@@ -431,6 +431,91 @@ def test_flush_writes_host_only_blocks_to_disk(store: TieredStore) -> None:
     asyncio.run(main())
 
 
+def _parents_outlive_children(store: TieredStore, keys: Sequence[bytes]) -> bool:
+    """Every block of the chain `keys` that the host holds comes after its descendants in the
+    eviction order (so it is evicted after them, and a flush writes it before them)."""
+    order = [k for k in store.host.policy.eviction_order() if k in keys]
+    return order == sorted(order, key=keys.index, reverse=True) and len(order) > 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix", "arc", "s3fifo"])
+def test_prompt_in_rounds_keeps_its_head_freshest(tmp_path: Path, policy: str) -> None:
+    # Publish and fetch a 9-block prompt a block per round (windows of one, as a prompt larger
+    # than the client's staging does) after another prompt. Each round names the rounds before
+    # it (`prior`), so the chain is ranked whole: ranking only the round's own blocks made the
+    # tail fresher than the head, so the head was evicted (and flushed) last-first.
+    store = make_store(tmp_path, host_blocks=16, fetch_window_bytes=LENGTH)
+    store.host.use_eviction(policy)
+    keys = [key(i) for i in range(9)]
+    other = [key(i, NS_B) for i in range(3)]
+
+    async def main() -> None:
+        await publish(store, other)
+        done = 0
+        while done < len(keys):  # a round per block: each reserves one and names the rest
+            lease = await store.reserve(NS_A, LAYOUT, keys[done : done + 1], LENGTH,
+                                        prior=keys[:done])
+            store.host.memview(lease.entries[0])[:] = payload(keys[done])
+            store.commit(lease.id)
+            done += 1
+        assert _parents_outlive_children(store, keys)
+        await store.flush(60.0)  # as after a restart: on disk only, so the fetch promotes
+        for k in keys:
+            store.host.remove(k)
+        await publish(store, other)
+        got, tiers = await fetch_whole(store, keys)  # 9 windows of one promotion each
+        assert got == [payload(k) for k in keys] and tiers == ["disk"] * 9
+        assert _parents_outlive_children(store, keys)
+        assert nothing_held(store)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix", "arc", "s3fifo"])
+def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
+    # A prompt larger than the host tier, published in rounds and fetched in windows, leaves
+    # its head and a later segment in host with blocks between them on disk only (under
+    # `prefix`: host 0-11 and 16, disk 12-15 and 17-19). A flush whose budget runs out after 3
+    # blocks must write the head's first 3: the eviction order alone (the old flush order)
+    # ranked the later segment first, and after a restart the prompt had a hole at block 2.
+    now = [0.0]
+    store = make_store(tmp_path, host_blocks=16, disk_blocks=32, fetch_window_bytes=2 * LENGTH)
+    store.host.use_eviction(policy)
+    keys = [key(i) for i in range(20)]
+    written: list[bytes] = []
+    write_disk = store._write_disk
+
+    async def timed_write(disk: DiskTier, src, seq=None):  # type: ignore[no-untyped-def]
+        written.append(src.key)
+        now[0] += 1.0  # each block takes a second of the budget
+        return await write_disk(disk, src, seq)
+
+    async def main() -> None:
+        await publish_whole(store, keys)
+        for _ in range(2):
+            got, _ = await fetch_whole(store, keys)
+            assert got == [payload(k) for k in keys]
+        assert store.disk is not None
+        host_only = [k for k in keys if store.host.contains(k) and k not in store.disk.entries]
+        assert len(host_only) >= 4
+        store.clock = lambda: now[0]
+        store._write_disk = timed_write  # type: ignore[method-assign]
+        assert await store.flush(2.5) == 3
+        assert written == host_only[:3]
+        for k in list(store.host.entries):
+            store.host.remove(k)  # as after a restart
+        on_disk = [k in store.disk.entries for k in keys]
+        assert on_disk[: keys.index(host_only[3])] == [True] * keys.index(host_only[3])
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
 def test_store_without_disk_drops_victims(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=2, disk_blocks=None)
 

@@ -197,3 +197,22 @@ def test_evictions_counted_and_stats() -> None:
     s = p.stats()
     assert (s.blocks, s.used_bytes, s.capacity_bytes, s.pinned_blocks, s.evictions) == (
         3, 30, 100, 1, 3)
+
+
+def test_recent_chains_newest_first_bounded_by_keys() -> None:
+    from kvstore.tiering import RecentChains
+
+    recent = RecentChains(max_keys=6)
+    a, b = [b"a0", b"a1", b"a2"], [b"b0", b"b1"]
+    recent.add(a)
+    recent.add(b)
+    recent.add([])  # nothing used: nothing recorded
+    assert list(recent.newest_first()) == [b, a]
+    recent.add(a)  # the same chain again (same last key): moved, not duplicated
+    assert list(recent.newest_first()) == [a, b] and len(recent) == 2
+    longer = [b"b0", b"b1", b"b2"]  # extends b: a new chain (another last key)
+    recent.add(longer)  # 8 keys held > 6: the oldest chain (b) is forgotten
+    assert list(recent.newest_first()) == [longer, a]
+    huge = [bytes([i]) for i in range(10)]
+    recent.add(huge)  # larger than the bound alone: kept, everything older forgotten
+    assert list(recent.newest_first()) == [huge]
