@@ -209,6 +209,22 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
         list(stub.Fetch(pb.FetchRequest(layout=bad, keys=[b"k" * 32]), timeout=5))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_layers" in e.value.details()
+    good = pb.Layout(model="tiny", num_layers=1, num_kv_heads=2, head_dim=16, dtype="float32",
+                     block_tokens=16)
+    ns = b"n" * 32
+    for name, call in (  # prior_keys are checked like keys, and count against the same limit
+            ("Reserve", lambda **kw: stub.Reserve(pb.ReserveRequest(
+                namespace=ns, layout=good, **kw), timeout=5)),
+            ("Fetch", lambda **kw: list(stub.Fetch(pb.FetchRequest(
+                namespace=ns, layout=good, **kw), timeout=5)))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(keys=[b"k" * 32], prior_keys=[b"k" * 32, b"short"])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "prior_keys[1] is 5 bytes" in e.value.details(), name
+        with pytest.raises(grpc.RpcError) as e:
+            call(keys=[b"k" * 32] * 4000, prior_keys=[b"p" * 32] * 100)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert "4100 keys in one call" in e.value.details(), name
     channel.close()
     with KVClient(daemon.target, layout) as c:  # still serving
         assert c.lookup(tokens) == 32

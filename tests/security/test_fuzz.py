@@ -108,9 +108,10 @@ def unary_messages() -> st.SearchStrategy[tuple[str, bytes]]:
         st.builds(pb.LookupRequest, namespace=namespaces(), keys=key_lists()).map(
             lambda m: ("Lookup", m)),
         st.builds(pb.FetchRequest, namespace=namespaces(), layout=layouts(), keys=key_lists(),
-                  transfer=st.integers(0, 3)).map(lambda m: ("Fetch", m)),
+                  transfer=st.integers(0, 3), prior_keys=key_lists()).map(
+            lambda m: ("Fetch", m)),
         st.builds(pb.ReserveRequest, namespace=namespaces(), layout=layouts(),
-                  keys=key_lists()).map(lambda m: ("Reserve", m)),
+                  keys=key_lists(), prior_keys=key_lists()).map(lambda m: ("Reserve", m)),
         st.builds(pb.CommitRequest, lease_id=leases).map(lambda m: ("Commit", m)),
         st.builds(pb.ReleaseRequest, lease_id=leases).map(lambda m: ("Release", m)),
         st.builds(pb.StatsRequest).map(lambda m: ("Stats", m)),
@@ -122,7 +123,7 @@ def unary_messages() -> st.SearchStrategy[tuple[str, bytes]]:
 
 def publish_streams() -> st.SearchStrategy[list[bytes]]:
     first = st.builds(pb.PublishChunk, namespace=namespaces(), layout=layouts(),
-                      keys=key_lists())
+                      keys=key_lists(), prior_keys=key_lists())
     size = LAYOUT.block_bytes
     chunk = st.builds(
         pb.PublishChunk, block_index=st.one_of(st.integers(0, 3), u32()),
