@@ -172,7 +172,12 @@ class PagedCache:
     layers: tuple[torch.Tensor, ...] = ()
     """vLLM CPU caches: one `[num_pages, heads, page_size, 2 * head_dim]` tensor per layer."""
     engine: EngineKV | None = None
-    """CUDA caches: copied by the kernels."""
+    """CUDA caches and MLA latent caches: copied by the kernels."""
+
+    @property
+    def planes(self) -> int:
+        """Planes per layer: 2 (K and V), or 1 for an MLA latent."""
+        return self.engine.layout.num_kv if self.engine is not None else 2
 
     @classmethod
     def vllm_cpu(cls, layers: Sequence[torch.Tensor], isa: str) -> PagedCache:
@@ -212,7 +217,7 @@ class PagedCache:
         self.scatter_views([(kv, first_token, page_ids)])
 
     def gather(self, page_ids: Sequence[int]) -> torch.Tensor:
-        """Read `page_ids` into new prompt-major KV `[layers, 2, len(page_ids) * page_size,
+        """Read `page_ids` into new prompt-major KV `[layers, planes, len(page_ids) * page_size,
         heads, head_dim]` on the CPU."""
         n, ps = len(page_ids), self.page_size
         if self.engine is not None:
@@ -243,8 +248,14 @@ class PagedCache:
             return
         if self.engine is not None:
             for kv, first, pages, count in checked:
-                if count != len(pages) * self.page_size:
-                    raise ValueError("partial pages are copied on vLLM CPU caches only")
+                whole = len(pages) * self.page_size
+                # The kernels copy whole pages. A load may end inside its last page (a prompt
+                # of whole blocks loads all but its last token); its source is a full stored
+                # block, so the page is written whole: the slots past `count` get that block's
+                # own tokens, which the engine recomputes or masks.
+                if count != whole and (gather or kv.shape[2] < first + whole):
+                    raise ValueError("the kernels copy whole pages: a partial last page is "
+                                     "loaded only from a source that holds all of it")
                 if gather:
                     kv[:, :, first : first + count].copy_(self._engine_gather(self.engine, pages))
                 else:
@@ -259,7 +270,7 @@ class PagedCache:
         included: the C routine trusts them)."""
         out: list[_View] = []
         num_pages = self.layers[0].shape[0] if self.layers else None
-        want = (self.num_layers, 2, self.heads, self.head_dim)
+        want = (self.num_layers, self.planes, self.heads, self.head_dim)
         ps = self.page_size
         for view in views:
             kv, first, pages = view[0], view[1], view[2]
@@ -269,7 +280,8 @@ class PagedCache:
             got = (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) if kv.dim() == 5 else ()
             if got != want or kv.dtype != self.dtype:
                 raise ValueError(f"KV {tuple(kv.shape)} {kv.dtype} does not match the cache: "
-                                 f"[{want[0]}, 2, tokens, {want[2]}, {want[3]}] {self.dtype}")
+                                 f"[{want[0]}, {want[1]}, tokens, {want[2]}, {want[3]}] "
+                                 f"{self.dtype}")
             if not (len(pages) - 1) * ps < count <= len(pages) * ps:
                 raise ValueError(f"{count} tokens do not fill the last of {len(pages)} pages "
                                  f"of {ps}")
@@ -393,5 +405,5 @@ class PagedCache:
             kernels.gather(engine, staging, list(page_ids))
         # reshape copies (the permuted dims cannot merge): that copy is the result.
         out = staging.permute(1, 2, 0, 3, 4, 5).reshape(
-            self.num_layers, 2, n * ps, self.heads, self.head_dim)
+            self.num_layers, engine.layout.num_kv, n * ps, self.heads, self.head_dim)
         return out.cpu()

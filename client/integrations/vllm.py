@@ -47,9 +47,19 @@ the decode steps that run meanwhile. A save that does not happen (queue full, da
 slow or full) is counted and logged: the first at once, then a summary at most once a
 minute.
 
-Limits: one KV-cache group of full attention (no MLA, sliding-window or hybrid models), tensor
-and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings
-bypass the store).
+MLA models (DeepSeek-V2/V3-shaped) store their latent cache, one plane per layer
+(`kv_kind="mla"`: one "head" of kv_lora_rank + rope dims, 576 for DeepSeek), copied by the
+kernels in the layout read from vLLM's source for the running version and backend
+(`kernels.vllm_engine_kv`; on the CPU, by their torch twin). vLLM's CPU build turns its own
+prefix cache off for MLA, so there the connector is the only prefix cache. On the CPU, vLLM's
+`rotary_embedding` op mis-rotates MLA's strided q_pe/k_pe (models with plain RoPE; DeepSeek's
+YaRN runs in torch), which makes such a model's output depend on batching: the connector warns
+at start (`cpu_mla_rope_is_batch_dependent`, docs/ENGINES.md).
+
+Limits: one KV-cache group of full attention or MLA (no sliding-window or hybrid models, no
+DeepSeek-V3.2/V4 sparse or compressed MLA caches, no quantized caches), tensor and pipeline
+parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings bypass
+the store).
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.cli import DEFAULT_TARGET
@@ -85,7 +95,8 @@ from kvstore.client.integrations.paged import (
 )
 from kvstore.client.integrations.settings import read_extra
 from kvstore.client.sync import KVClient
-from kvstore.kernels.layouts import EngineKV, EngineLayout
+from kvstore.kernels.errors import KernelArgumentError
+from kvstore.kernels.layouts import EngineKV, EngineLayout, vllm_engine_kv
 from kvstore.keys import KeyChain, PrefixKeys
 from kvstore.layout import KVLayout
 from kvstore.planner import PrefillModel
@@ -166,15 +177,27 @@ def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
                                    "(hybrid models are not supported)")
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
-    # FullAttentionSpec includes MLA's subclass; that latent cache has one plane, not K and V.
-    if (type(spec) is not FullAttentionSpec or spec.sliding_window is not None
+    mla = type(spec) is MLAAttentionSpec
+    if mla:
+        # One latent row per token (kv_c_normed, then k_pe), the same on every TP rank.
+        # DeepSeek-V4's sparse caches pad, compress and index theirs: not this layout.
+        if (spec.alignment is not None or spec.model_version is not None
+                or getattr(spec, "tokens_per_state", 1) != 1
+                or spec.sliding_window is not None or spec.attention_chunk_size is not None):
+            raise ConnectorConfigError("the kvstore connector stores one MLA latent row per "
+                                       "token only, not DeepSeek-V4's sparse or compressed "
+                                       "MLA caches")
+    elif (type(spec) is not FullAttentionSpec or spec.sliding_window is not None
             or spec.attention_chunk_size is not None or spec.head_size_v != spec.head_size):
-        raise ConnectorConfigError(f"the kvstore connector supports plain full attention only, "
-                                   f"got {type(spec).__name__}")
+        raise ConnectorConfigError(f"the kvstore connector supports full attention and MLA "
+                                   f"only, got {type(spec).__name__}")
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ConnectorConfigError("quantized KV caches are not supported (their scales are not "
                                    "part of a kvstore block): use kv_cache_dtype='auto'")
-    _check_cpu_isa(vllm_config, spec)
+    if mla:
+        _warn_cpu_mla_rope(vllm_config)
+    else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
+        _check_cpu_isa(vllm_config, spec)
     vllm_block = vllm_config.cache_config.block_size
     block_tokens = cfg.block_tokens or vllm_block
     if block_tokens < vllm_block or block_tokens % vllm_block:
@@ -183,8 +206,38 @@ def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     model_config = vllm_config.model_config
     return KVLayout(model=cfg.model or model_config.model,
                     model_revision=model_config.revision or "",
-                    num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads,
-                    head_dim=spec.head_size, dtype=spec.dtype, block_tokens=block_tokens)
+                    num_layers=len(group.layer_names),
+                    num_kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
+                    dtype=spec.dtype, block_tokens=block_tokens,
+                    kv_kind="mla" if mla else "kv")
+
+
+def cpu_mla_rope_is_batch_dependent(vllm_config: VllmConfig) -> bool:
+    """Whether this MLA model's RoPE runs through vLLM's C++ `rotary_embedding` op on the
+    CPU: plain RoPE (`rope_type` "default"; DeepSeek's YaRN runs in torch) with that custom op
+    on. Up to vLLM 0.32 at least, that op takes its query and key as `[tokens, heads *
+    head_size]` rows, `stride(-2)` apart; MLA hands it the strided views q_pe `[tokens, heads,
+    64]` and k_pe `[tokens, 1, 64]`, so it rotates the wrong elements and most tokens' q_pe and
+    k_pe not at all. What such a model computes then depends on where a token sits in its
+    step's batch: a prefix loaded from kvstore (or a request batched with others) changes the
+    output, which a prefix recomputed in one step would not."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    rope = getattr(vllm_config.model_config.hf_text_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return False
+    ops = list(vllm_config.compilation_config.custom_ops or [])
+    return "-rotary_embedding" not in ops and ("+rotary_embedding" in ops or "none" not in ops)
+
+
+def _warn_cpu_mla_rope(vllm_config: VllmConfig) -> None:
+    if cpu_mla_rope_is_batch_dependent(vllm_config):
+        log.warning("kvstore: vLLM's CPU rotary_embedding op mis-rotates MLA's strided q_pe/k_pe, "
+                    "so this model's output depends on batching and a prefix loaded from "
+                    "kvstore will not reproduce a recompute; run vLLM with "
+                    "compilation_config={'custom_ops': ['-rotary_embedding']} (torch RoPE)")
 
 
 def _check_cpu_isa(vllm_config: VllmConfig, spec: FullAttentionSpec) -> None:
@@ -585,8 +638,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=index)
         tensors = [kv_caches[name] for name in names]
         first = tensors[0]
-        if first.device.type == "cpu":
-            layers = self._vllm_config.compilation_config.static_forward_context
+        layers = self._vllm_config.compilation_config.static_forward_context
+        if self._layout.kv_kind == "mla":
+            cache = self._kernels_cache(names, tensors, layers)
+        elif first.device.type == "cpu":
             isas = {getattr(layers.get(name), "isa", None) for name in names}
             if len(isas) != 1:
                 raise ConnectorConfigError(f"attention layers disagree on their ISA: {isas}")
@@ -619,6 +674,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._client("", "").prepare()
         if self._cfg.async_save and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
+
+    def _kernels_cache(self, names: list[str], tensors: list[torch.Tensor],
+                       layers: dict[str, Any]) -> PagedCache:
+        """A cache the copy kernels move, its layout read from vLLM's own for this version
+        and attention backend (`kernels.vllm_engine_kv`): anything else is refused here."""
+        import vllm
+
+        backends = {layers[n].attn_backend.get_name() if n in layers else None for n in names}
+        if len(backends) != 1 or None in backends:
+            raise ConnectorConfigError(f"attention layers disagree on their backend: {backends}")
+        lay = self._layout
+        try:
+            engine = vllm_engine_kv(str(backends.pop()), vllm.__version__, tensors,
+                                    num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim)
+        except KernelArgumentError as e:
+            raise ConnectorConfigError(str(e)) from e
+        return PagedCache.kernels(engine)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before every step's forward: the step's start, to time full prefills."""
