@@ -96,18 +96,12 @@ class Tier(ABC):
         """
         if key in self.entries:
             raise InvalidArgumentError(f"{self.name}: block already present or being written")
-        units = self.units_for(length)
-        if units > self.alloc.total:
-            raise CapacityError(f"{self.name}: a {length}-byte block exceeds the tier's "
-                                f"{self.capacity_bytes}-byte capacity")
-        if not self.policy.fits(units * PAGE):
+        got = self._allocate(length, f"a {length}-byte block exceeds")
+        if got is None:
             return None
-        unit = self.alloc.allocate(units)
-        if unit is None:
-            return None
-        entry = BlockEntry(key, namespace, layout_digest, length, unit, units)
+        entry = BlockEntry(key, namespace, layout_digest, length, *got)
         self.entries[key] = entry
-        self.policy.add(key, units * PAGE)
+        self.policy.add(key, entry.units * PAGE)
         self.policy.pin(key)  # in flight: not evictable
         return entry
 
@@ -136,22 +130,29 @@ class Tier(ABC):
         if self.entries.get(entry.key) is entry:
             self._drop(entry)
 
+    def _allocate(self, length: int, what: str) -> tuple[int, int] | None:
+        """(first unit, units) for `length` bytes; None when the policy or the allocator has
+        no room now (the caller evicts first), `CapacityError` ("{name}: {what} the tier's
+        capacity") when it could never fit."""
+        units = self.units_for(length)
+        if units > self.alloc.total:
+            raise CapacityError(f"{self.name}: {what} the tier's "
+                                f"{self.capacity_bytes}-byte capacity")
+        if not self.policy.fits(units * PAGE):
+            return None
+        unit = self.alloc.allocate(units)
+        return None if unit is None else (unit, units)
+
     # ---- scratch: space for bytes passing through, owned by the caller until it frees it
     def prepare_scratch(self, length: int) -> BlockEntry | None:
         """Space for `length` bytes that hold no block: allocated and counted as used, but
         under no key, so never visible, never a victim. None when the caller must evict first
         (`next_victim`); `CapacityError` when it could never fit. Free with `free_scratch`."""
-        units = self.units_for(length)
-        if units > self.alloc.total:
-            raise CapacityError(f"{self.name}: {length} bytes exceed the tier's "
-                                f"{self.capacity_bytes}-byte capacity")
-        if not self.policy.fits(units * PAGE):
+        got = self._allocate(length, f"{length} bytes exceed")
+        if got is None:
             return None
-        unit = self.alloc.allocate(units)
-        if unit is None:
-            return None
-        self.policy.used_bytes += units * PAGE
-        return BlockEntry(b"", b"", b"", length, unit, units)
+        self.policy.used_bytes += got[1] * PAGE
+        return BlockEntry(b"", b"", b"", length, *got)
 
     def free_scratch(self, entry: BlockEntry) -> None:
         """Give back space from `prepare_scratch` (once)."""
