@@ -38,6 +38,7 @@ import torch
 
 from kvstore.arena import Arena
 from kvstore.client.backoff import BackoffPolicy, Breaker
+from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace, PrefixKeys
 from kvstore.layout import KVLayout
@@ -193,6 +194,7 @@ class AsyncKVClient:
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
         # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
         self._copy_rate = BandwidthModel(bandwidth={}, latency={})
+        self._kv_events: tuple[str, float] | None = None  # (endpoint, when asked): `kv_events`
 
     # ---- public API
     def keys(self, tokens: Tokens) -> list[bytes]:
@@ -386,6 +388,33 @@ class AsyncKVClient:
         """Namespaces the daemon holds and their blocks per tier (a TCP tenant: its own)."""
         return await self._guard(lambda: self._unary("Inspect", pb.InspectRequest()), None,
                                  admin=True)
+
+    async def kv_events(self) -> str:
+        """The daemon's KV events endpoint ("" when it publishes none, or does not answer),
+        asked once a minute: describing blocks is worth a call only when events are on."""
+        now = time.monotonic()
+        cached = self._kv_events
+        if cached is None or now - cached[1] > 60.0:
+            info = await self._guard(lambda: self._info(), None)
+            cached = self._kv_events = (info.kv_events if info is not None else "", now)
+        return cached[0]
+
+    async def describe_blocks(self, tokens: Tokens, spans: Sequence[EngineBlockSpan]) -> int:
+        """Tell a daemon publishing KV events which engine blocks (`spans[i]`) the kvstore
+        block `i` of `tokens` covers, so its events name them by the engine's hashes. Costs
+        nothing (no call) when the daemon publishes no events. Returns blocks described."""
+        keys = self.keys(tokens)[: len(spans)]
+        if not keys or not await self.kv_events():
+            return 0
+        req = pb.DescribeBlocksRequest(namespace=self._ns, blocks=[
+            pb.EngineBlocks(key=k, block_hashes=s.block_hashes,
+                            parent_block_hash=s.parent_block_hash or b"",
+                            token_ids=s.token_ids, block_size=s.block_size,
+                            lora_name=s.lora_name or "")
+            for k, s in zip(keys, spans, strict=False)])
+        reply: pb.DescribeBlocksReply | None = await self._guard(
+            lambda: self._unary("DescribeBlocks", req), None)
+        return 0 if reply is None else int(reply.described)
 
     async def ping(self) -> bool:
         return await self._guard(lambda: self._info(), None) is not None

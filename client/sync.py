@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens
+from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan
@@ -114,6 +115,15 @@ class KVClient:
 
     def inspect(self) -> pb.InspectReply | None:
         return self._run(self._aio.inspect(), None)
+
+    def describe_blocks(self, tokens: Tokens, spans: Sequence[EngineBlockSpan]) -> int:
+        """`AsyncKVClient.describe_blocks`, waited for."""
+        return self._run(self._aio.describe_blocks(tokens, spans), 0)
+
+    def describe_blocks_later(self, tokens: Tokens, spans: Sequence[EngineBlockSpan]) -> None:
+        """`describe_blocks` in the background: the caller (an engine's scheduler) never
+        waits for it; a failure is the client's usual logged miss."""
+        asyncio.run_coroutine_threadsafe(self._aio.describe_blocks(tokens, spans), self._loop)
 
     def ping(self) -> bool:
         return self._run(self._aio.ping(), False)

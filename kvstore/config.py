@@ -120,6 +120,17 @@ class ServerConfig:
     remote_queue_blocks: int = _opt(256, "Blocks waiting for write-through to the remote tier; "
                                     "past it new writes are shed (counted), never waited for.",
                                     lo=1, hi=1 << 20)
+    kv_events: str = _opt("", "Publish what enters and leaves each tier as vLLM KV events "
+                          "(msgpack `KVEventBatch` over ZMQ PUB, vLLM's wire format) on this "
+                          "endpoint, e.g. `tcp://127.0.0.1:5557` (bound by the daemon). Only "
+                          "blocks whose client described their engine blocks appear. Empty: "
+                          "off.")
+    kv_events_replay: str = _opt("", "ZMQ ROUTER endpoint answering replay requests for missed "
+                                 "sequence numbers, as vLLM's `replay_endpoint`. Empty: none.")
+    kv_events_topic: str = _opt("", "Topic frame of every KV event message.")
+    kv_events_queue: int = _opt(10_000, "Event batches waiting for the publisher thread; past "
+                                "it batches are dropped (counted), never waited for.", lo=1,
+                                hi=1 << 24)
     fault_disk_read_delay_s: float = _opt(0.0, "Testing only (fault injection): every disk read "
                                           "first sleeps this long, as a stalled disk would. "
                                           "Never set it in production.", unit="seconds", lo=0,
@@ -151,6 +162,13 @@ class ServerConfig:
                               "way, not both")
         if self.remote:
             parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
+        for name in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(self, name)
+            if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, "
+                                  f"got {endpoint!r}")
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError("kv_events_replay: needs `kv_events` (the PUB endpoint)")
 
     @property
     def socket_path(self) -> Path:

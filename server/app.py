@@ -158,6 +158,8 @@ class Daemon:
                                  fetch_window_bytes=config.fetch_window_bytes)
         self._rates_file = self.data_dir / "read_bandwidth.json"
         self.store.saved_read_bandwidth = load_rates(self._rates_file)
+        if config.kv_events:
+            self._start_events()
         self.metrics = Metrics(self.store)
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect
@@ -165,6 +167,23 @@ class Daemon:
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+
+    def _start_events(self) -> None:
+        # Imported here: pyzmq and msgspec are needed only with `kv_events` set.
+        from kvstore.server.kv_events import EventTracker, ZmqEventPublisher
+
+        cfg = self.config
+        try:
+            publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay,
+                                          cfg.kv_events_topic, max_queue=cfg.kv_events_queue)
+        except Exception as e:  # zmq.ZMQError: address in use, bad endpoint
+            self.store.close()
+            os.close(self._lock_fd)
+            raise ConfigError(f"kv_events: cannot bind {cfg.kv_events}: {e}") from None
+        meta = self.data_dir / "disk" / "kv_events.meta" if self.store.disk is not None else None
+        self.store.events = EventTracker(publisher, self.store.tiers, meta)
+        log.info("KV events on %s%s", publisher.endpoint,
+                 f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
 
     def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
         # The limit that matters is the service's own (`Admission`: work is shed, lease ends
@@ -247,6 +266,9 @@ class Daemon:
             log.exception("shutdown flush failed; closing anyway")
         finally:
             save_rates(self._rates_file, self.store.read_bandwidth())
+            if self.store.events is not None:  # host blocks go with the arena: say so
+                self.store.events.close(host_gone=True)
+                self.store.events.publisher.close()
             self.store.close()  # removes the arena file
             with contextlib.suppress(OSError):  # a read-only directory keeps a dead socket
                 self.config.socket_path.unlink(missing_ok=True)

@@ -245,7 +245,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.InfoReply(version=__version__, arena_path=str(arena.path),
                             arena_bytes=arena.size, arena_id=arena.path.name,
                             max_message_bytes=self.max_message_bytes,
-                            max_blocks_per_call=self.max_blocks)
+                            max_blocks_per_call=self.max_blocks,
+                            kv_events=self.store.events.publisher.endpoint
+                            if self.store.events is not None else "")
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
@@ -470,6 +472,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectReply:
         return inspect_reply(self.store, self.namespaces, current_scope())
 
+    @rpc
+    async def DescribeBlocks(self, request: pb.DescribeBlocksRequest,
+                             context: Any) -> pb.DescribeBlocksReply:
+        events = self.store.events
+        if events is None:  # events off: nothing to keep (clients ask Info first)
+            return pb.DescribeBlocksReply(described=0)
+        from kvstore.server.kv_events import EngineBlocks  # pyzmq/msgspec: only when events on
+
+        keys = current_scope().keys(self._keys([b.key for b in request.blocks]))
+        for key, b in zip(keys, request.blocks, strict=True):
+            if not b.block_hashes or not b.block_size:
+                raise InvalidArgumentError("DescribeBlocks: every block needs block_hashes "
+                                           "and block_size")
+            events.describe(key, EngineBlocks(
+                block_hashes=list(b.block_hashes),
+                parent_block_hash=b.parent_block_hash or None,
+                token_ids=list(b.token_ids), block_size=b.block_size,
+                lora_name=b.lora_name or None))
+        return pb.DescribeBlocksReply(described=len(keys))
+
 
 _STARTED = time.monotonic()
 
@@ -524,4 +546,6 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
         integrity_failures=integrity_failures, active_leases=len(store.leases),
         demotions=c.demotions, promotions=c.promotions, stored_blocks=c.stored_blocks,
         remote=remote, inflight_rpcs=max(0, inflight_rpcs), expired_leases=c.expired_leases,
-        shed_rpcs=shed_rpcs)
+        shed_rpcs=shed_rpcs,
+        kv_events_published=store.events.publisher.published if store.events else 0,
+        kv_events_dropped=store.events.publisher.dropped if store.events else 0)

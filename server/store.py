@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, NotFoundError
 from kvstore.keys import KEY_BYTES
@@ -41,6 +41,9 @@ from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
+
+if TYPE_CHECKING:  # pyzmq and msgspec are imported only when events are on
+    from kvstore.server.kv_events import EventTracker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -216,6 +219,7 @@ class TieredStore:
         # replaced outright (not averaged in: the disk or its throttle may have changed).
         self.saved_read_bandwidth: dict[str, float] = {}
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
+        self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -783,10 +787,12 @@ class TieredStore:
     def clear(self, namespace: bytes | None) -> int:
         """Remove the unpinned blocks of a namespace (all when None) from every tier."""
         removed: set[bytes] = set()
-        for tier in self.tiers:
-            for key in list(tier.keys(namespace)):
-                if tier.remove(key):
-                    removed.add(key)
+        with (self.events.clearing_all() if self.events is not None and namespace is None
+              else contextlib.nullcontext()):
+            for tier in self.tiers:
+                for key in list(tier.keys(namespace)):
+                    if tier.remove(key):
+                        removed.add(key)
         if self.write_queue is not None:
             for key in removed:
                 self.write_queue.discard(key)  # or write-through would share it after all

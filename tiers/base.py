@@ -10,7 +10,7 @@ All bookkeeping runs on the daemon's event-loop thread; only byte movement runs 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgumentError
@@ -65,6 +65,9 @@ class Tier(ABC):
         # Stats, metrics scrapes and Inspect never walk every entry on the daemon's loop.
         self.committed_blocks = 0
         self.by_namespace: dict[bytes, list[int]] = {}  # namespace -> [blocks, bytes]
+        # Told (tier, entry, stored) when a block becomes visible (True) or leaves (False):
+        # the daemon's KV events (`server.kv_events`); None costs one test per change.
+        self.listener: Callable[[Tier, BlockEntry, bool], None] | None = None
 
     # ---- sizes
     def units_for(self, length: int) -> int:
@@ -109,6 +112,8 @@ class Tier(ABC):
         if not entry.committed:
             entry.committed = True
             self._count(entry, 1)
+            if self.listener is not None:
+                self.listener(self, entry, True)
         self.policy.unpin(entry.key)
 
     def _count(self, entry: BlockEntry, sign: int) -> None:
@@ -202,6 +207,8 @@ class Tier(ABC):
         self.policy.remove(entry.key)
         self.alloc.free(entry.unit, entry.units)
         self._on_drop(entry)
+        if entry.committed and self.listener is not None:
+            self.listener(self, entry, False)
 
     def _on_drop(self, entry: BlockEntry) -> None:  # noqa: B027 - optional hook
         """Hook for tiers with persistent state (the disk index)."""

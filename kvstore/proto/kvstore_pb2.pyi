@@ -47,20 +47,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "max_message_bytes", "max_blocks_per_call", "arena_id")
+    __slots__ = ("version", "arena_path", "arena_bytes", "max_message_bytes", "max_blocks_per_call", "arena_id", "kv_events")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
     max_message_bytes: int
     max_blocks_per_call: int
     arena_id: str
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_call: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
+    kv_events: str
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_call: _Optional[int] = ..., arena_id: _Optional[str] = ..., kv_events: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -240,7 +242,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs", "kv_events_published", "kv_events_dropped")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +258,8 @@ class StatsReply(_message.Message):
     INFLIGHT_RPCS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
     SHED_RPCS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -271,7 +275,9 @@ class StatsReply(_message.Message):
     inflight_rpcs: int
     expired_leases: int
     shed_rpcs: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ...) -> None: ...
+    kv_events_published: int
+    kv_events_dropped: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits", "dropped_writes")
@@ -322,6 +328,36 @@ class ClearReply(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class EngineBlocks(_message.Message):
+    __slots__ = ("key", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    def __init__(self, key: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class DescribeBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[EngineBlocks]
+    def __init__(self, namespace: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[EngineBlocks, _Mapping]]] = ...) -> None: ...
+
+class DescribeBlocksReply(_message.Message):
+    __slots__ = ("described",)
+    DESCRIBED_FIELD_NUMBER: _ClassVar[int]
+    described: int
+    def __init__(self, described: _Optional[int] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ()

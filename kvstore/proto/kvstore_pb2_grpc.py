@@ -84,6 +84,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.InspectReply.FromString,
                 _registered_method=True)
+        self.DescribeBlocks = channel.unary_unary(
+                '/kvstore.v1.KVStore/DescribeBlocks',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -158,6 +163,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeBlocks(self, request, context):
+        """What kvstore blocks are to the engine (its block hashes), for KV events (`kv_events`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +222,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.InspectReply.SerializeToString,
+            ),
+            'DescribeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeBlocks,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +499,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Inspect',
             kvstore_dot_proto_dot_kvstore__pb2.InspectRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.InspectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DescribeBlocks',
+            kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,367 @@
+"""KV events: what enters and leaves each tier, in vLLM's wire format (`kv_events`).
+
+Cache-aware routers built for vLLM (llm-d's KV-cache indexer, Dynamo's KV router) subscribe to
+vLLM's `ZmqEventPublisher`: a ZMQ PUB socket sending multipart (topic, 8-byte big-endian
+sequence number, msgpack `KVEventBatch`), and a ROUTER socket answering a request (an 8-byte
+big-endian start sequence) with every buffered batch from there on, then an end marker (seq -1).
+This module sends exactly that, from the daemon, without importing vLLM (the daemon depends on
+neither vLLM nor torch): the structs below encode to the bytes vLLM's own classes encode to
+(same names, tags, field order and options), which the vLLM-marked test checks by decoding them
+with vLLM's classes.
+
+The hashes in the events are the engine's: a kvstore block covers many engine blocks and is
+keyed by kvstore's own chain, so a client that wants events describes each block it publishes
+(`DescribeBlocks`: the engine block hashes, parent hash, token ids and block size it covers).
+`EventTracker` keeps that description beside the block while any tier holds it, persisting it
+for disk blocks (their own RocksDB, beside the disk index), and turns tier changes into
+`BlockStored` / `BlockRemoved` per tier (`medium`: vLLM's names, "CPU" for host, "STORAGE" for
+disk). Blocks nobody described produce no events: a router could not match them anyway.
+
+A slow or absent subscriber never slows the store: events go through a bounded queue to a
+publisher thread (ZMQ sends and msgpack encoding off the event loop), and a full queue drops
+the batch, counted (`dropped`), as a PUB socket past its high-water mark drops messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvstore.tiers.base import BlockEntry, Tier
+
+log = logging.getLogger(__name__)
+
+# vLLM's medium names (`vllm.v1.kv_offload.base.Medium`, `kv_events.MEDIUM_*`): its own
+# offloading connector reports CPU offload as "CPU" and storage tiers as "STORAGE".
+MEDIUMS = {"host": "CPU", "disk": "STORAGE"}
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay end-of-sequence marker
+# Descriptions of blocks no tier holds (described before commit, or after a miss): kept this
+# many, oldest dropped, so a client describing blocks it never publishes costs bounded memory.
+PENDING_LIMIT = 1 << 16
+
+
+# ---- vLLM's event structs, field for field (vllm/distributed/kv_events.py, vLLM 0.32)
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events (tagged by class name, as vLLM's)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class EngineBlocks(msgspec.Struct, array_like=True, frozen=True):
+    """What one kvstore block is to the engine: the engine blocks it covers, in order."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # of the engine block before the first; None: none
+    token_ids: list[int]
+    block_size: int  # engine tokens per engine block
+    lora_name: str | None = None
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(EngineBlocks)
+
+
+class ZmqEventPublisher:
+    """vLLM's `ZmqEventPublisher` wire behaviour (PUB + ROUTER replay, a thread), with a
+    queue that drops instead of blocking the caller."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "",
+                 max_queue: int = 10_000, buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._topic = topic.encode()
+        self.dropped = 0  # batches dropped because the queue was full
+        self.published = 0  # batches sent
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0: the real one
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                                if self._replay is not None else "")
+        self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Queue a batch; False (counted in `dropped`) when the queue is full. Never blocks."""
+        try:
+            self._queue.put_nowait(batch)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def _run(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        seqs = count()
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay(self._replay)
+                except zmq.ZMQError as e:  # a bad request must not stop publishing
+                    log.warning("kv events replay: %s", e)
+            try:
+                batch = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            seq = next(seqs)
+            payload = encode(batch)
+            try:
+                # NOBLOCK: past the high-water mark PUB drops anyway; never wait on a reader.
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
+                                         flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped += 1
+            except zmq.ZMQError as e:
+                log.warning("kv events: send failed: %s", e)
+                time.sleep(0.1)
+            self._buffer.append((seq, payload))
+            self.published += 1
+
+    def _serve_replay(self, replay: zmq.Socket[bytes]) -> None:
+        frame = replay.recv_multipart()
+        if len(frame) != 3:
+            log.warning("kv events: invalid replay request (%d frames)", len(frame))
+            return
+        client, _, start = frame
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Send what is queued (for up to `timeout_s`), then stop the thread and the sockets."""
+        end = time.monotonic() + timeout_s
+        while not self._queue.empty() and time.monotonic() < end:
+            time.sleep(0.01)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=max(0.0, end - time.monotonic()) + 0.1)
+        self._thread.join(timeout_s)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._ctx.term()
+
+
+class _MetaDB:
+    """Descriptions of disk blocks, persistent (RocksDB beside the disk index), so a restarted
+    daemon still names the engine blocks when it removes a disk block."""
+
+    def __init__(self, path: Path) -> None:
+        from rocksdict import Rdict  # the disk tier's dependency already
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = Rdict(str(path))
+
+    def put(self, key: bytes, meta: EngineBlocks) -> None:
+        self.db[key] = _meta_encoder.encode(meta)
+
+    def get(self, key: bytes) -> EngineBlocks | None:
+        raw = self.db.get(key)
+        if raw is None:
+            return None
+        try:
+            return _meta_decoder.decode(raw)
+        except msgspec.DecodeError:
+            return None
+
+    def delete(self, key: bytes) -> None:
+        del self.db[key]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+@dataclass
+class _Batching:
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    scheduled: bool = False
+
+
+class EventTracker:
+    """Turns tier changes of described blocks into events, batched per event-loop turn.
+
+    Runs on the daemon's event-loop thread (the tiers' listener), like all bookkeeping.
+    """
+
+    def __init__(self, publisher: ZmqEventPublisher, tiers: Iterable[Tier],
+                 meta_path: Path | None = None) -> None:
+        self.publisher = publisher
+        self.tiers = list(tiers)
+        self.meta: dict[bytes, EngineBlocks] = {}  # blocks some tier holds, or pending
+        self._pending: OrderedDict[bytes, None] = OrderedDict()  # described, in no tier yet
+        self.db = _MetaDB(meta_path) if meta_path is not None else None
+        self._batch = _Batching([])
+        # During a clear of everything, its removals (one AllBlocksCleared replaces them).
+        self._clearing: list[BlockRemoved] | None = None
+        for tier in self.tiers:
+            tier.listener = self._on_change
+
+    # ---- descriptions from clients
+    def describe(self, key: bytes, meta: EngineBlocks) -> None:
+        """Attach `meta` to block `key`; tiers already holding it announce it now."""
+        if self.meta.get(key) == meta:
+            return
+        self.meta[key] = meta
+        held = [t for t in self.tiers if t.contains(key)]
+        for tier in held:
+            self._stored(tier, key, meta)
+        if not held:
+            self._pending[key] = None
+            self._pending.move_to_end(key)
+            while len(self._pending) > PENDING_LIMIT:
+                old, _ = self._pending.popitem(last=False)
+                if not any(t.contains(old) for t in self.tiers):
+                    self.meta.pop(old, None)
+
+    # ---- tier changes
+    def _on_change(self, tier: Tier, entry: BlockEntry, stored: bool) -> None:
+        key = entry.key
+        meta = self.meta.get(key)
+        if stored:
+            if meta is not None:
+                self._pending.pop(key, None)
+                self._stored(tier, key, meta)
+            return
+        if meta is None and tier.name == "disk" and self.db is not None:
+            meta = self.db.get(key)  # described before a restart
+        if tier.name == "disk" and self.db is not None and meta is not None:
+            self.db.delete(key)
+        if meta is None:
+            return
+        removed = BlockRemoved(block_hashes=list(meta.block_hashes),
+                               medium=MEDIUMS.get(tier.name, tier.name.upper()))
+        if self._clearing is not None:
+            self._clearing.append(removed)
+        else:
+            self._emit(removed)
+        if not any(t.contains(key) for t in self.tiers):
+            self.meta.pop(key, None)
+
+    def _stored(self, tier: Tier, key: bytes, meta: EngineBlocks) -> None:
+        if tier.name == "disk" and self.db is not None:
+            self.db.put(key, meta)
+        self._emit(BlockStored(block_hashes=list(meta.block_hashes),
+                               parent_block_hash=meta.parent_block_hash,
+                               token_ids=list(meta.token_ids), block_size=meta.block_size,
+                               lora_id=None, medium=MEDIUMS.get(tier.name, tier.name.upper()),
+                               lora_name=meta.lora_name))
+
+    def clearing_all(self) -> _ClearAll:
+        """Context for `TieredStore.clear(None)`: its removals become one AllBlocksCleared
+        when every tier ends empty (pinned blocks survive a clear: then one by one)."""
+        return _ClearAll(self)
+
+    # ---- batching: one KVEventBatch per event-loop turn
+    def _emit(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+        self._batch.events.append(event)
+        if not self._batch.scheduled:
+            self._batch.scheduled = True
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a test driving the store directly): send now
+                self.flush()
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, _Batching([])
+        if batch.events:
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=batch.events))
+
+    def close(self, host_gone: bool = False) -> None:
+        """Stop listening; with `host_gone` (the daemon stopping: the arena goes with it),
+        first announce the removal of the described host blocks."""
+        if host_gone:
+            for tier in self.tiers:
+                if tier.name == "host":
+                    for key, meta in self.meta.items():
+                        if tier.contains(key):
+                            self._emit(BlockRemoved(block_hashes=list(meta.block_hashes),
+                                                    medium=MEDIUMS["host"]))
+        self.flush()
+        for tier in self.tiers:
+            tier.listener = None
+        if self.db is not None:
+            self.db.close()
+
+
+class _ClearAll:
+    def __init__(self, tracker: EventTracker) -> None:
+        self.tracker = tracker
+
+    def __enter__(self) -> _ClearAll:
+        self.tracker._clearing = []
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        removed, self.tracker._clearing = self.tracker._clearing or [], None
+        if all(t.committed_blocks == 0 for t in self.tracker.tiers):
+            self.tracker._emit(AllBlocksCleared())
+        else:
+            for event in removed:
+                self.tracker._emit(event)

@@ -1,0 +1,237 @@
+"""KV events end to end: a real daemon process publishing on a real ZMQ PUB socket, a real SUB
+socket decoding the msgpack batches (vLLM's wire format, decoded here without vLLM: the
+vLLM-marked test decodes them with vLLM's own classes)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvstore.client import KVClient
+from kvstore.engine_blocks import spans_for, vllm_block_hashes
+from kvstore.server.kv_events import (
+    END_SEQ,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+from tests.conftest import random_kv, small_layout
+
+pytestmark = pytest.mark.integration
+
+ENGINE_BLOCK = 16
+LAYOUT = small_layout(block_tokens=64)  # 32 KiB blocks, 4 engine blocks each
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Subscriber:
+    """A SUB socket that decodes batches as plain msgpack (maps tagged by `type`)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.seqs: list[int] = []
+        self.events: list[dict[str, Any]] = []
+
+    def drain(self, until: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Receive until `until(events)` holds; returns every event seen so far."""
+        end = time.monotonic() + timeout
+        while not until(self.events) and time.monotonic() < end:
+            if self.sub.poll(100):
+                _topic, seq, payload = self.sub.recv_multipart()
+                self.seqs.append(int.from_bytes(seq, "big"))
+                batch = msgspec.msgpack.decode(payload)
+                assert isinstance(batch[0], float)  # (ts, events[, dp rank]): array-like
+                self.events.extend(batch[1])
+        return self.events
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def hashes_in(events: list[dict[str, Any]], kind: str, medium: str) -> set[bytes]:
+    return {h for e in events if e["type"] == kind and e.get("medium") == medium
+            for h in e["block_hashes"]}
+
+
+def wait_connected(sub: Subscriber, c: KVClient) -> None:
+    """PUB drops what it sends before a subscriber's connection is up (ZMQ's slow joiner):
+    publish a described probe block until its event arrives."""
+    probe = [7] * 64
+    spans = spans_for(probe, vllm_block_hashes(probe, ENGINE_BLOCK), ENGINE_BLOCK, 64)
+    c.publish(probe, random_kv(LAYOUT, 64))
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        c.describe_blocks(probe, spans)  # re-described after a clear: emitted again
+        if sub.drain(lambda ev: ev, timeout=0.3):
+            return
+        c.clear()
+        c.publish(probe, random_kv(LAYOUT, 64))
+    raise AssertionError("no KV events reached the subscriber")
+
+
+@pytest.fixture
+def events_daemon(daemon_factory) -> tuple[Any, str, str]:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    d = daemon_factory("--host-bytes", "128KiB", "--disk-bytes", "4MiB", "--kv-events", pub,
+                       "--kv-events-replay", replay).start()
+    return d, pub, replay
+
+
+def test_events_name_engine_blocks_per_tier(events_daemon):
+    d, pub, replay = events_daemon
+    sub = Subscriber(pub)
+    try:
+        with KVClient(d.target, LAYOUT) as c:
+            wait_connected(sub, c)
+            c.clear(all_namespaces=True)
+            sub.drain(lambda ev: any(e["type"] == "AllBlocksCleared" for e in ev))
+            sub.events.clear()
+
+            prompt = list(range(1000, 1000 + 4 * 64 + 5))  # 4 kvstore blocks and a partial
+            engine = vllm_block_hashes(prompt, ENGINE_BLOCK)
+            assert len(engine) == 16
+            spans = spans_for(prompt, engine, ENGINE_BLOCK, 64)
+            # Described before it is published: kept pending, announced at commit.
+            assert c.describe_blocks(prompt, spans[:2]) == 2
+            assert c.publish(prompt, random_kv(LAYOUT, len(prompt))) == 256
+            # Described after: announced at once for the tier holding it.
+            assert c.describe_blocks(prompt, spans) == 4
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockStored", "CPU") >= set(engine))
+            assert hashes_in(events, "BlockStored", "CPU") == set(engine)
+            first = next(e for e in events if e["type"] == "BlockStored"
+                         and e["block_hashes"][0] == engine[0])
+            assert first["block_hashes"] == engine[:4]
+            assert first["token_ids"] == prompt[:64]
+            assert first["block_size"] == ENGINE_BLOCK
+            assert "parent_block_hash" in first and first["parent_block_hash"] is None
+            second = next(e for e in events if e["type"] == "BlockStored"
+                          and e["block_hashes"][0] == engine[4])
+            assert second["parent_block_hash"] == engine[3]
+
+            # Another prompt's 4 blocks fill the 4-block host tier: the first goes to disk.
+            other = list(range(5000, 5000 + 4 * 64))
+            c.publish(other, random_kv(LAYOUT, len(other)))
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockStored", "STORAGE") >= set(engine))
+            assert hashes_in(events, "BlockRemoved", "CPU") >= set(engine)
+            assert hashes_in(events, "BlockStored", "STORAGE") == set(engine)
+
+            # A fetch promotes them back: stored in CPU again (and still on disk).
+            sub.events.clear()
+            assert c.fetch(prompt)[0] == 256
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockStored", "CPU") >= set(engine))
+            assert hashes_in(events, "BlockStored", "CPU") == set(engine)
+            assert not hashes_in(events, "BlockRemoved", "STORAGE") & set(engine)
+
+            c.clear(all_namespaces=True)
+            events = sub.drain(lambda ev: any(e["type"] == "AllBlocksCleared" for e in ev))
+            assert events[-1] == {"type": "AllBlocksCleared"}
+            assert sub.seqs == sorted(sub.seqs)
+
+            stats = c.stats()
+            assert stats is not None and stats.kv_events_published >= len(sub.seqs)
+            assert stats.kv_events_dropped == 0
+
+        # The replay socket sends every buffered batch from a sequence number, then -1.
+        # vLLM's subscribers ask with a DEALER (or REQ) socket: (empty, start seq).
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart((b"", sub.seqs[0].to_bytes(8, "big")))
+        replayed: list[int] = []
+        while True:
+            assert dealer.poll(5000), "no replay answer"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                assert topic == payload == b""
+                break
+            assert msgspec.msgpack.decode(payload)[1]  # the batch as first sent
+            replayed.append(int.from_bytes(seq, "big"))
+        dealer.close(linger=0)
+        ctx.term()
+        assert replayed[: len(sub.seqs)] == sub.seqs
+    finally:
+        sub.close()
+
+
+def test_disk_block_descriptions_survive_a_restart(events_daemon):
+    """A disk block's description is persisted: removing it after a restart still names the
+    engine blocks it held."""
+    d, pub, _ = events_daemon
+    prompt = list(range(200, 200 + 64))
+    engine = vllm_block_hashes(prompt, ENGINE_BLOCK)
+    with KVClient(d.target, LAYOUT) as c:
+        c.publish(prompt, random_kv(LAYOUT, 64))
+        c.describe_blocks(prompt, spans_for(prompt, engine, ENGINE_BLOCK, 64))
+    assert d.stop() == 0  # SIGTERM: the shutdown flush writes the host block to disk
+    d.start()
+    sub = Subscriber(pub)
+    try:
+        with KVClient(d.target, LAYOUT) as c:
+            assert c.lookup(prompt) == 64
+            end = time.monotonic() + 10
+            # The subscriber's connection may be late (slow joiner): no event is sent before
+            # the clear, so wait for the PUB side to see it, then clear.
+            time.sleep(0.5)
+            c.clear()  # this namespace: removals one by one
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockRemoved", "STORAGE"),
+                               timeout=max(1.0, end - time.monotonic()))
+            assert hashes_in(events, "BlockRemoved", "STORAGE") == set(engine)
+    finally:
+        sub.close()
+
+
+def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
+    """A real SUB socket that never reads: publishing returns at once, drops are counted."""
+    port = free_port()
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", max_queue=64, hwm=16)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 16)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(0.3)
+        hashes = [bytes([i % 256]) * 32 for i in range(64)]
+        event = BlockStored(block_hashes=hashes, parent_block_hash=None,
+                            token_ids=list(range(1024)), block_size=16, lora_id=None,
+                            medium="CPU", lora_name=None)
+        n = 20_000
+        began = time.perf_counter()
+        accepted = sum(publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+                       for _ in range(n))
+        took = time.perf_counter() - began
+        assert accepted + publisher.dropped == n
+        assert publisher.dropped > 0  # the queue (64) filled: dropped, not waited for
+        # Not a timing test (see docs/PERFORMANCE.md): only "returns", well within any bound.
+        assert took < 30
+        removed = BlockRemoved(block_hashes=hashes, medium="CPU")
+        assert publisher.publish(KVEventBatch(ts=time.time(), events=[removed])) in (True, False)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        publisher.close(timeout_s=1.0)
+
+
+def test_events_off_by_default_cost_no_call(daemon):
+    prompt = list(range(64))
+    spans = spans_for(prompt, vllm_block_hashes(prompt, ENGINE_BLOCK), ENGINE_BLOCK, 64)
+    with KVClient(daemon.target, LAYOUT) as c:
+        c.publish(prompt, random_kv(LAYOUT, 64))
+        assert c.describe_blocks(prompt, spans) == 0  # Info says off: nothing sent
+        stats = c.stats()
+        assert stats is not None and stats.kv_events_published == 0
