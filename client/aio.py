@@ -399,6 +399,11 @@ class AsyncKVClient:
             cached = self._kv_events = (info.kv_events if info is not None else "", now)
         return cached[0]
 
+    def kv_events_known(self) -> str | None:
+        """`kv_events` as last asked, or None when not asked within the minute (ask then)."""
+        cached = self._kv_events
+        return cached[0] if cached is not None and time.monotonic() - cached[1] <= 60.0 else None
+
     async def describe_blocks(self, tokens: Tokens, spans: Sequence[EngineBlockSpan]) -> int:
         """Tell a daemon publishing KV events which engine blocks (`spans[i]`) the kvstore
         block `i` of `tokens` covers, so its events name them by the engine's hashes. Costs

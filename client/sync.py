@@ -120,6 +120,14 @@ class KVClient:
         """`AsyncKVClient.describe_blocks`, waited for."""
         return self._run(self._aio.describe_blocks(tokens, spans), 0)
 
+    def kv_events(self) -> str:
+        """`AsyncKVClient.kv_events`: the daemon's KV events endpoint, "" when off."""
+        return self._run(self._aio.kv_events(), "")
+
+    def kv_events_known(self) -> str | None:
+        """`AsyncKVClient.kv_events_known`: never a call."""
+        return self._aio.kv_events_known()
+
     def describe_blocks_later(self, tokens: Tokens, spans: Sequence[EngineBlockSpan]) -> None:
         """`describe_blocks` in the background: the caller (an engine's scheduler) never
         waits for it; a failure is the client's usual logged miss."""

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from kvstore.client.sync import KVClient
+from kvstore.engine_blocks import spans_for, vllm_block_hashes
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan, PrefillModel
 
@@ -115,6 +116,20 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
     return client.publish_with(tokens, produce)
 
 
+def describe_for_events(client: KVClient, tokens: torch.Tensor, engine_block_size: int,
+                        hash_algo: str = "sha256") -> int:
+    """Describe the full kvstore blocks of `tokens` to a daemon publishing KV events by the
+    block hashes vLLM would compute for them at `engine_block_size` (`vllm_block_hashes`), so
+    a router built for vLLM finds this engine's blocks too. Hashes nothing when the daemon
+    publishes no events (asked once a minute). Returns the blocks described."""
+    if not client.kv_events():
+        return 0
+    ids = [int(t) for t in tokens.tolist()]
+    hashes = vllm_block_hashes(ids, engine_block_size, hash_algo)
+    spans = spans_for(ids, hashes, engine_block_size, client.layout.block_tokens)
+    return client.describe_blocks(ids, spans) if spans else 0
+
+
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # last-token logits, [vocab]
@@ -130,11 +145,14 @@ class CachedPrefill:
     """Prefill a batch-1 prompt through kvstore, then decode as usual."""
 
     def __init__(self, model: Any, client: KVClient, *,
-                 prefill_tokens_per_s: float | Literal["online"] | None = None) -> None:
+                 prefill_tokens_per_s: float | Literal["online"] | None = None,
+                 event_block_size: int = 16, event_hash_algo: str = "sha256") -> None:
         """`prefill_tokens_per_s`: None (default) loads the whole cached prefix; a number
         (the engine's prefill speed) or `"online"` (fitted from this engine's own full
         recomputes, `prefill_model`; the whole prefix is loaded until one was seen) loads only
-        what the planner says is worth loading."""
+        what the planner says is worth loading. `event_block_size`, `event_hash_algo`: the
+        block size and `prefix_caching_hash_algo` of the vLLM engines a router indexes, for
+        the daemon's KV events (`describe_for_events`; unused when the daemon has none)."""
         if prefill_tokens_per_s is not None and prefill_tokens_per_s != "online" and not (
                 isinstance(prefill_tokens_per_s, int | float)
                 and math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s > 0):
@@ -143,6 +161,7 @@ class CachedPrefill:
         self.model = model
         self.client = client
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.event_block_size, self.event_hash_algo = event_block_size, event_hash_algo
         # This engine's prefill time by prompt length, from its forward passes over whole
         # prompts of at least one block (always kept; the planner uses it in "online" mode).
         self.prefill_model = PrefillModel()
@@ -179,6 +198,9 @@ class CachedPrefill:
         if publish and full > cached:
             result.published_tokens = publish_cache(self.client, tokens[:full],
                                                     out.past_key_values)
+            if result.published_tokens:
+                describe_for_events(self.client, tokens[:full], self.event_block_size,
+                                    self.event_hash_algo)
         return result
 
     def plan(self, tokens: torch.Tensor) -> Plan | None:

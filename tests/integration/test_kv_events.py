@@ -235,3 +235,29 @@ def test_events_off_by_default_cost_no_call(daemon):
         assert c.describe_blocks(prompt, spans) == 0  # Info says off: nothing sent
         stats = c.stats()
         assert stats is not None and stats.kv_events_published == 0
+
+
+def test_transformers_prefill_is_described_by_vllm_hashes(events_daemon):
+    """A prompt prefilled through transformers (`CachedPrefill`) appears under vLLM's block
+    hashes of its tokens (16-token engine blocks, 64-token kvstore blocks)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    import torch
+
+    from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+    from tests.integration.test_hf import tiny_llama
+
+    d, pub, _ = events_daemon
+    model = tiny_llama(torch.float32)
+    assert isinstance(model, transformers.PreTrainedModel)
+    layout = layout_for_model(model, block_tokens=64)
+    ids = torch.randint(0, 512, (1, 2 * 64 + 9), generator=torch.Generator().manual_seed(5))
+    want = vllm_block_hashes(ids[0].tolist()[: 2 * 64], ENGINE_BLOCK)
+    sub = Subscriber(pub)
+    try:
+        time.sleep(0.5)  # the SUB connection is up before the events are sent
+        with KVClient(d.target, layout) as c:
+            CachedPrefill(model, c, event_block_size=ENGINE_BLOCK).prefill(ids)
+        events = sub.drain(lambda ev: hashes_in(ev, "BlockStored", "CPU") >= set(want))
+        assert hashes_in(events, "BlockStored", "CPU") == set(want)
+    finally:
+        sub.close()
