@@ -284,13 +284,18 @@ class EventTracker:
     def _on_change(self, tier: Tier, entry: BlockEntry, stored: bool) -> None:
         key = entry.key
         meta = self.meta.get(key)
+        if meta is None and self.db is not None and (tier.name == "disk" or any(
+                t.name == "disk" and key in t.entries for t in self.tiers)):
+            # Described before a restart: the description is in the disk tier's own store
+            # (a block only in host was described since, or never).
+            meta = self.db.get(key)
+            if meta is not None:
+                self.meta[key] = meta
         if stored:
             if meta is not None:
                 self._pending.pop(key, None)
                 self._stored(tier, key, meta)
             return
-        if meta is None and tier.name == "disk" and self.db is not None:
-            meta = self.db.get(key)  # described before a restart
         if tier.name == "disk" and self.db is not None and meta is not None:
             self.db.delete(key)
         if meta is None:

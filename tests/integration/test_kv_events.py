@@ -169,8 +169,8 @@ def test_events_name_engine_blocks_per_tier(events_daemon):
 
 
 def test_disk_block_descriptions_survive_a_restart(events_daemon):
-    """A disk block's description is persisted: removing it after a restart still names the
-    engine blocks it held."""
+    """A disk block's description is persisted: after a restart, promoting and removing it
+    still name the engine blocks it holds."""
     d, pub, _ = events_daemon
     prompt = list(range(200, 200 + 64))
     engine = vllm_block_hashes(prompt, ENGINE_BLOCK)
@@ -187,10 +187,16 @@ def test_disk_block_descriptions_survive_a_restart(events_daemon):
             # The subscriber's connection may be late (slow joiner): no event is sent before
             # the clear, so wait for the PUB side to see it, then clear.
             time.sleep(0.5)
+            # Promoted from disk: announced in CPU under the description kept on disk.
+            assert c.fetch(prompt)[0] == 64
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockStored", "CPU"),
+                               timeout=max(1.0, end - time.monotonic()))
+            assert hashes_in(events, "BlockStored", "CPU") == set(engine)
             c.clear()  # this namespace: removals one by one
             events = sub.drain(lambda ev: hashes_in(ev, "BlockRemoved", "STORAGE"),
                                timeout=max(1.0, end - time.monotonic()))
             assert hashes_in(events, "BlockRemoved", "STORAGE") == set(engine)
+            assert hashes_in(events, "BlockRemoved", "CPU") == set(engine)
     finally:
         sub.close()
 
