@@ -9,7 +9,7 @@ Load it with
 Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.block_tokens`
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
-`kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`.
+`kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -46,6 +46,17 @@ threads are not bound to (`VLLM_CPU_NUM_OF_RESERVED_CPU`), so they do not take t
 the decode steps that run meanwhile. A save that does not happen (queue full, daemon down,
 slow or full) is counted and logged: the first at once, then a summary at most once a
 minute.
+
+Disaggregated prefill (`kv_role`; docs/ENGINES.md): `kv_both` loads and saves as above. A
+`kv_producer` (prefill instance) loads too (a prefix cached already is not recomputed) and
+saves synchronously, in the step that completes the prompt's blocks: the proxy gets the
+producer's answer only once those blocks are committed, and its `request_finished` returns
+`{"kvstore_prefilled_tokens": N}` as the request's `kv_transfer_params`. A `kv_consumer`
+(decode instance) loads and saves nothing (the producer stored the prompt; generated tokens
+are never stored). A consumer request carrying those params that a lookup finds short (the
+producer's daemon still writing through to the remote tier) stays waiting, unscheduled, and is
+looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM computes what is
+missing: a slow or dead producer costs time, never a wrong answer.
 
 MLA models (DeepSeek-V2/V3-shaped) store their latent cache, one plane per layer
 (`kv_kind="mla"`: one "head" of kv_lora_rank + rope dims, 576 for DeepSeek), copied by the
@@ -115,6 +126,10 @@ _MAX_CLIENTS = 16  # one client per (salt, LoRA) namespace; salts are few in pra
 _COPY_PIECE_BYTES = 64 << 20  # a load checks its deadline between copies of about this size
 _SHUTDOWN_SAVE_S = 10.0  # at shutdown, pending saves get this long to finish
 _DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary this often
+PREFILLED_TOKENS = "kvstore_prefilled_tokens"
+"""The `kv_transfer_params` key a producer returns and a consumer reads (disaggregated
+prefill): the tokens of the prompt's full blocks the producer published."""
+_WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
 
 
 class ConnectorConfigError(ValueError):
@@ -147,6 +162,11 @@ class ConnectorConfig:
     synchronously, in the step that completes the prompt's blocks."""
     save_queue: int = 64
     """Saves waiting for the background thread at most; a save past it is dropped."""
+    consumer_wait_s: float = 2.0
+    """`kv_role="kv_consumer"`: how long a request whose `kv_transfer_params` say a producer
+    published its prompt (`kvstore_prefilled_tokens`) waits, unscheduled, for blocks a lookup
+    does not find yet (a write-through to the remote tier still on its way); then it loads
+    what is there and vLLM computes the rest."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -161,6 +181,9 @@ class ConnectorConfig:
         if cfg.save_queue < 1:
             raise ConnectorConfigError(f"kvstore.save_queue must be positive, got "
                                        f"{cfg.save_queue}")
+        if cfg.consumer_wait_s < 0:
+            raise ConnectorConfigError(f"kvstore.consumer_wait_s must not be negative, got "
+                                       f"{cfg.consumer_wait_s}")
         return cfg
 
 
@@ -469,6 +492,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         # req_id -> its prompt's keys so far, from its first lookup to request_finished
         self._chains: dict[str, tuple[tuple[str, str], KeyChain]] = {}
+        # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
+        # (its answer must not reach the proxy before its blocks are committed) and tells
+        # the consumer what it published; a consumer loads, waits for those blocks within
+        # `consumer_wait_s`, and saves nothing. kv_both: neither change.
+        kv_role = self._kv_transfer_config.kv_role
+        self._producer, self._consumer = kv_role == "kv_producer", kv_role == "kv_consumer"
+        self._saves = not self._consumer
+        self._async_save = self._cfg.async_save and not self._producer
+        # consumer: req_id -> (its first lookup, its last lookup) while it waits
+        self._waiting: dict[str, tuple[float, float]] = {}
         # worker side
         self._cache: PagedCache | None = None
         self._load_errors: set[int] = set()
@@ -534,14 +567,46 @@ class KVStoreConnector(KVConnectorBase_V1):
         tokens = request.prompt_token_ids
         if ns is None or tokens is None or len(tokens) < 2:
             return 0, False
+        waiting = self._waiting.get(request.request_id)
+        now = time.monotonic()
+        if waiting is not None and now - waiting[1] < _WAIT_LOOKUP_S \
+                and now - waiting[0] < self._cfg.consumer_wait_s:
+            return None, False  # a consumer waiting for its producer, looked up just now
         try:
             hit = self._client(*ns).lookup(self._prompt_keys(request, ns, tokens))
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
+            self._waiting.pop(request.request_id, None)
             return 0, False
+        if self._consumer and self._must_wait(request, max(hit, num_computed_tokens), now):
+            return None, False  # vLLM leaves it waiting and asks again next step
         self._matched[request.request_id] = (num_computed_tokens, hit)
         # Never the last prompt token: vLLM must compute at least one token for its logits.
         return max(0, min(hit, len(tokens) - 1) - num_computed_tokens), False
+
+    def _must_wait(self, request: Request, found: int, now: float) -> bool:
+        """Consumer: whether `request` stays unscheduled for blocks its producer published
+        (`kvstore_prefilled_tokens` in its `kv_transfer_params`) that a lookup, `found`
+        tokens, does not reach yet; for `consumer_wait_s` from its first lookup at most."""
+        rid = request.request_id
+        params = request.kv_transfer_params
+        want = params.get(PREFILLED_TOKENS) if isinstance(params, dict) else None
+        entry = self._waiting.get(rid)
+        began = entry[0] if entry is not None else now
+        if not isinstance(want, int) or found >= want:
+            if entry is not None:
+                log.info("kvstore: request %s waited %.1f ms for its producer's blocks",
+                         rid, (now - began) * 1e3)
+                del self._waiting[rid]
+            return False
+        if now - began < self._cfg.consumer_wait_s:
+            self._waiting[rid] = (began, now)
+            return True
+        self._waiting.pop(rid, None)
+        log.warning("kvstore: request %s found %d of the %d tokens its producer published "
+                    "after waiting %.1f s (kvstore.consumer_wait_s); vLLM computes the rest",
+                    rid, found, want, now - began)
+        return False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -611,7 +676,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             state.load = None
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
-        if state.save_end > state.hit_end and computed < state.save_end \
+        if self._saves and state.save_end > state.hit_end and computed < state.save_end \
                 <= computed + num_scheduled:
             meta.saves.append(SaveSpec(req_id, state.keys, state.salt, state.lora,
                                        list(state.block_ids)))
@@ -620,11 +685,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
         """With background saves, a request a save was issued for keeps its blocks until the
-        worker reports the save done (`get_finished`)."""
+        worker reports the save done (`get_finished`). A producer's requests return the
+        tokens it published (`kvstore_prefilled_tokens`: its saves are synchronous, so they
+        are committed by now) for the proxy to hand to the consumer."""
         state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         self._chains.pop(request.request_id, None)
-        return bool(self._cfg.async_save and state is not None and state.save_issued), None
+        self._waiting.pop(request.request_id, None)
+        params = None
+        if self._producer and state is not None:
+            # The proxy hands these to the consumer's request (vLLM's P/D flow), which then
+            # waits for these tokens' blocks. Not "do_remote_prefill": vLLM would then report
+            # the producer's cache hits as the consumer's.
+            params = {PREFILLED_TOKENS: state.save_end}
+        return bool(self._async_save and state is not None and state.save_issued), params
 
     # ==== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -672,7 +746,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # Map the daemon's arena at engine start: its pages are touched in the background
         # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
         self._client("", "").prepare()
-        if self._cfg.async_save and self._saver is None:
+        if self._async_save and self._saves and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
 
     def _kernels_cache(self, names: list[str], tensors: list[torch.Tensor],
@@ -797,7 +871,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if meta.prefill is not None and self._step_began is not None and not meta.loads:
             self._prefill.observe_span(*meta.prefill, time.perf_counter() - self._step_began)
         for spec in meta.saves:
-            if self._cfg.async_save:
+            if self._async_save:
                 self._save_reqs.add(spec.req_id)  # the scheduler holds its blocks for us
             if self._cache is None or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
@@ -860,7 +934,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str],
                      ) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose saves are done: vLLM may free their blocks now."""
-        if not self._cfg.async_save:
+        if not self._async_save:
             return None, None
         self._finishing |= finished_req_ids & self._save_reqs
         saver = self._saver  # None: never started (no cache) or shut down: nothing pending
