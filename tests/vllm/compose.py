@@ -90,16 +90,18 @@ class Native:
             return f"{flag}=" + value.replace("unix:///run/kvstore/", f"unix://{self.root}/run/")
         return f"{flag}={self.path(value)}"
 
-    def command(self, service: str, *, remote: bool = True) -> list[str]:
+    def command(self, service: str, *, remote: bool = True, connector: bool = True) -> list[str]:
         """The service's command for this machine: console scripts and `python` from this
         interpreter's venv. `remote=False` leaves the remote tier's flag out (the compose file
-        without its redis service)."""
+        without its redis service); `connector=False` leaves vLLM's connector out (vLLM alone,
+        for comparisons)."""
         cmd = [str(c) for c in services()[service]["command"]]
         if cmd[0] == "python":
             cmd[0] = sys.executable
         elif (exe := Path(sys.executable).parent / cmd[0]).exists():
             cmd[0] = str(exe)
-        return [self.arg(a) for a in cmd if remote or not a.startswith("--remote=")]
+        return [self.arg(a) for a in cmd if (remote or not a.startswith("--remote="))
+                and (connector or not a.startswith("--kv-transfer-config="))]
 
     def environment(self, service: str) -> dict[str, str]:
         env = services()[service].get("environment") or {}
@@ -165,9 +167,12 @@ def healthy(url: str) -> bool:
 
 @contextlib.contextmanager
 def stack(native: Native, *, remote: bool, vllm_env: dict[str, str] | None = None,
-          start_timeout: float = 300) -> Iterator[dict[str, Service]]:
+          start_timeout: float = 300, connector: bool = True, vllm_args: tuple[str, ...] = (),
+          vllm_python: str | None = None) -> Iterator[dict[str, Service]]:
     """Start redis (when `remote`), the model (model-init), the daemon and vLLM's OpenAI
-    server as docker-compose.yml writes them; yield them by service name; stop them all."""
+    server as docker-compose.yml writes them; yield them by service name; stop them all.
+    For comparisons: `connector=False` runs vLLM without its kvstore connector, `vllm_args`
+    are added to its command, `vllm_python` runs it with another venv's interpreter."""
     for d in native.volumes.values():
         Path(d).mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -193,7 +198,10 @@ def stack(native: Native, *, remote: bool, vllm_env: dict[str, str] | None = Non
             base)
         wait_for("socket", lambda: os.path.exists(native.socket), daemon, 60)
         env = {**base, **native.environment("vllm"), **(vllm_env or {})}
-        started["vllm"] = engine = Service("vllm", native.command("vllm"),
+        argv = native.command("vllm", connector=connector)
+        if vllm_python is not None:
+            argv[0] = vllm_python
+        started["vllm"] = engine = Service("vllm", [*argv, *vllm_args],
                                            native.root / "vllm.log", env)
         wait_for("health", lambda: healthy(native.url), engine, start_timeout)
         yield started

@@ -1,0 +1,245 @@
+"""Serving under concurrency: several users, several rounds each, over a shared system prompt,
+through vLLM's OpenAI server as docker-compose.yml runs it, with kvstore and without, in one run.
+
+    .venv-vllm/bin/python -m benchmarks.vllm_serving [--users 6] [--rounds 4] [--system 1024]
+
+As LMCache's multi-round QA benchmark: every user's prompt in round r is the system prompt, the
+user's earlier questions and answers, and a new question; each user sends its next question
+when its previous answer is complete, users start `--stagger-s` apart, so their requests
+overlap in the engine (one batch, vLLM's scheduler). Every answer is `--answer` tokens
+(greedy, `ignore_eos`). What joins the history is a fixed reply of that length drawn with the
+questions (as LMCache's benchmark and `benchmarks.multi_round_qa` do), so every configuration
+serves exactly the same prompts; the answers themselves are compared between configurations.
+
+The engine is docker-compose.yml's (`tests/vllm/compose.py` starts its services natively with
+their flags: the 16-layer float32 Llama-3-8B-KV-shaped model, 128-token blocks), with its KV
+cache cut to `--cache-blocks` blocks (vLLM's `--num-gpu-blocks-override`) and a
+`--max-model-len` that fits it: a small engine cache, so the users' histories do not all fit
+in vLLM's own prefix cache, as on a GPU serving more users than its HBM holds.
+Configurations, one engine each, the same workload:
+- `vllm`: vLLM alone (its own prefix cache on, as by default);
+- `kvstore`: the compose stack as shipped: vLLM with kvstore's connector and daemon (host tier
+  4 GiB, disk 32 GiB);
+- `lmcache`: vLLM with LMCache 0.5.6's `LMCacheMPConnector` and its MP server (L1 CPU memory
+  `--lmcache-gib`, 4 GiB as kvstore's host tier; chunks of 256 tokens), as
+  `benchmarks.vllm_ttft` runs it, from `.venv-lmcache` (`bash scripts/setup_lmcache.sh`;
+  skipped with a note when that venv is missing);
+- `vllm-rerun` (not by default): vLLM alone again, to see how far two runs of the same engine
+  agree: with requests batched differently, vLLM's own outputs differ between runs.
+
+TTFT is the time from sending a request to its first streamed token, measured by the client;
+throughput is output tokens over the run's wall time. Per request the kvstore TTFT is compared
+with vLLM alone's TTFT of the same request (the same user and round; their neighbours in the
+batch may differ). Results: benchmarks/results/vllm_serving.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, figure, save, table, write_results
+from benchmarks.vllm_ttft import free_port, lmcache_server
+from tests.vllm.compose import MODEL_NAME, Native, stack
+
+CONFIGS = ("vllm", "kvstore", "lmcache")
+VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
+
+
+def workload(users: int, rounds: int, system: int, question: int, answer: int,
+             seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt, and each user's turns per round: a question, then the reply
+    that joins the history (token ids)."""
+    rng = random.Random(seed)
+    sys_prompt = [rng.randrange(3, 32000) for _ in range(system)]
+    turns = [[[rng.randrange(3, 32000) for _ in range(question + answer)]
+              for _ in range(rounds)] for _ in range(users)]
+    return sys_prompt, turns
+
+
+def stream_completion(url: str, model: str, ids: list[int], max_tokens: int,
+                      timeout: float) -> tuple[float, float, list[int]]:
+    """(TTFT s, total s, output token ids) of one streamed greedy completion."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    req = urllib.request.Request(  # noqa: S310 - `url` is the loopback http:// of Native
+        url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    began = time.perf_counter()
+    first = 0.0
+    tokens: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - as above
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[5:]).get("choices", []):
+                got = choice.get("token_ids") or []
+                if got and not first:
+                    first = time.perf_counter() - began
+                tokens += got
+    return first, time.perf_counter() - began, tokens
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples on vLLM's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:  # noqa: S310
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def run_users(native: Native, sys_prompt: list[int], turns: list[list[list[int]]],
+              question: int, answer: int, stagger_s: float,
+              bar: tqdm) -> tuple[list[dict[str, Any]], float]:
+    """Every user's rounds, users concurrent; the requests' records and the run's wall time."""
+    model = native.path(f"/models/{MODEL_NAME}")
+    records: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def user(u: int) -> None:
+        try:
+            time.sleep(u * stagger_s)
+            history = list(sys_prompt)
+            for r, turn in enumerate(turns[u]):
+                prompt = history + turn[:question]
+                ttft, total, out = stream_completion(native.url, model, prompt, answer, 3600)
+                with lock:
+                    records.append({"user": u, "round": r, "prompt_tokens": len(prompt),
+                                    "ttft_s": ttft, "total_s": total, "output": out})
+                    bar.update()
+                history = prompt + turn[question:]
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(len(turns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sorted(records, key=lambda x: (x["user"], x["round"])), time.perf_counter() - began
+
+
+def summary(config: str, records: list[dict[str, Any]], wall_s: float,
+            counters: dict[str, float]) -> dict[str, Any]:
+    ttft = np.array([r["ttft_s"] for r in records])
+    out_tokens = sum(len(r["output"]) for r in records)
+    queries = counters.get("vllm:prefix_cache_queries_total", 0.0)
+    local = counters.get("vllm:prefix_cache_hits_total", 0.0)
+    external = counters.get("vllm:external_prefix_cache_hits_total", 0.0)
+    return {"config": config, "requests": len(records),
+            "TTFT p50 s": float(np.percentile(ttft, 50)),
+            "TTFT p99 s": float(np.percentile(ttft, 99)), "TTFT mean s": float(ttft.mean()),
+            "output tok/s": out_tokens / wall_s, "wall s": wall_s,
+            "vLLM cache hit": local / queries if queries else 0.0,
+            "connector hit": external / queries if queries else 0.0}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = figure(6.5, 3.0)
+    names = [r["config"] for r in rows]
+    x = np.arange(len(names))
+    for i, (key, color) in enumerate((("TTFT p50 s", "#4c72b0"), ("TTFT p99 s", "#dd8452"))):
+        ax.bar(x + (i - 0.5) * 0.35, [r[key] for r in rows], 0.35, label=key, color=color)
+    ax.set_xticks(x, [f"{n}\n{r['output tok/s']:.1f} out tok/s" for n, r in zip(names, rows,
+                                                                                strict=True)])
+    ax.set_ylabel("seconds")
+    ax.set_title("TTFT under concurrency (multi-round QA, vLLM OpenAI server)")
+    ax.legend()
+    save(fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Defaults: 13,504 distinct prompt tokens, over twice the 6,144 of vLLM's cache.
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--system", type=int, default=1024, help="shared system prompt, tokens")
+    p.add_argument("--question", type=int, default=1024, help="tokens per question")
+    p.add_argument("--answer", type=int, default=16, help="tokens per answer")
+    p.add_argument("--cache-blocks", type=int, default=48,
+                   help="vLLM's own KV cache, in 128-token blocks (--num-gpu-blocks-override)")
+    p.add_argument("--stagger-s", type=float, default=1.0, help="between users' starts")
+    p.add_argument("--kv-cache-gib", type=int, default=1,
+                   help="VLLM_CPU_KVCACHE_SPACE: the memory vLLM sizes its cache within")
+    p.add_argument("--lmcache-gib", type=int, default=4, help="LMCache's L1 (CPU) size")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--name", default="vllm_serving", help="results file name (.json, .png)")
+    args = p.parse_args()
+    configs = args.configs.split(",")
+    if "lmcache" in configs and not VENV_LMCACHE.exists():
+        print(f"no {VENV_LMCACHE}: the lmcache configuration is skipped "
+              "(bash scripts/setup_lmcache.sh)")
+        configs.remove("lmcache")
+    sys_prompt, turns = workload(args.users, args.rounds, args.system, args.question,
+                                 args.answer)
+    longest = args.system + args.rounds * (args.question + args.answer)
+    max_len = min(16384, (args.cache_blocks - 1) * 128)  # a sequence must fit, with a spare
+    if longest + args.answer > max_len:
+        raise SystemExit(f"the longest prompt ({longest} tokens) does not fit vLLM's cache "
+                         f"of {args.cache_blocks} blocks: raise --cache-blocks")
+    models = Path(tempfile.mkdtemp(prefix="kvs-models-", dir="/tmp"))  # built once, shared
+    rows, per_request = [], {}
+    requests = args.users * args.rounds
+    for config in configs:
+        native = Native(Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp")))  # short paths
+        (native.root / "models").symlink_to(models)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "LMCACHE_TRACK_USAGE": "false"}
+        vllm_args = [f"--max-model-len={max_len}",
+                     f"--num-gpu-blocks-override={args.cache_blocks}"]
+        with contextlib.ExitStack() as running:  # vllm-rerun: vLLM alone, a second time
+            if config == "lmcache":
+                port = free_port()
+                running.enter_context(lmcache_server(port, native.root / "lmcache.log",
+                                                     args.lmcache_gib, 256))
+                vllm_args.append("--kv-transfer-config=" + json.dumps({
+                    "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                        "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
+            running.enter_context(stack(
+                native, remote=False, vllm_env=env, connector=config == "kvstore",
+                vllm_args=tuple(vllm_args),
+                vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
+            with tqdm(total=requests, desc=config, unit="req") as bar:
+                records, wall = run_users(native, sys_prompt, turns, args.question,
+                                          args.answer, args.stagger_s, bar)
+            counters = {name: metric(native.url, name) for name in (
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                "vllm:external_prefix_cache_hits_total")}
+        rows.append(summary(config, records, wall, counters))
+        per_request[config] = records
+    for row in rows:  # each request against vLLM alone's run of the same request
+        if row["config"] != "vllm" and "vllm" in per_request:
+            pairs = list(zip(per_request[row["config"]], per_request["vllm"], strict=True))
+            row["worst TTFT / vLLM's"] = max(a["ttft_s"] / b["ttft_s"] for a, b in pairs)
+            row["same output"] = f"{sum(a['output'] == b['output'] for a, b in pairs)}/" \
+                                 f"{len(pairs)}"
+    print(f"\n{args.users} users x {args.rounds} rounds, system {args.system}, question "
+          f"{args.question}, answer {args.answer} tokens; vLLM cache {args.cache_blocks} "
+          f"blocks of 128 tokens\n")
+    print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))
+    path = write_results(args.name, {"args": vars(args), "rows": rows,
+                                     "requests": per_request})
+    plot(rows, RESULTS / f"{args.name}.png")
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
