@@ -105,6 +105,7 @@ from kvstore.client.integrations.paged import (
     token_pages,
 )
 from kvstore.client.integrations.settings import read_extra
+from kvstore.client.integrations.vllm_events import describe_request
 from kvstore.client.sync import KVClient
 from kvstore.kernels.errors import KernelArgumentError
 from kvstore.kernels.layouts import EngineKV, EngineLayout, vllm_engine_kv
@@ -622,6 +623,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
         self._requests[request.request_id] = state
+        if self._saves and state.save_end > state.hit_end:  # KV events: vLLM's hashes
+            describe_request(self._client(*ns), request, keys, self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(

@@ -1,0 +1,42 @@
+"""The vLLM connector's part in the daemon's KV events (`kv_events`, `server.kv_events`).
+
+A router built for vLLM indexes blocks by vLLM's block hashes at the engine's block size; a
+kvstore block covers `block_tokens / block_size` of them and is keyed by kvstore's own chain.
+When a request's prompt is about to be saved, the scheduler side describes each of its kvstore
+blocks to the daemon by the hashes vLLM computed for the request (`request.block_hashes`, the
+ones vLLM's own events carry), in the background: the scheduler never waits on it, and when
+the daemon publishes no events (asked once a minute) nothing is built or sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore.engine_blocks import spans_for
+from kvstore.keys import PrefixKeys
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvstore.client import KVClient
+
+log = logging.getLogger(__name__)
+
+
+def describe_request(client: KVClient, request: Request, keys: PrefixKeys,
+                     block_size: int) -> int:
+    """Describe the kvstore blocks named by `keys` (the request's prompt's full blocks) by the
+    vLLM block hashes they cover; returns the blocks described (0: events off, or vLLM has
+    not hashed the prompt: prefix caching off)."""
+    if client.kv_events_known() == "" or not keys.keys:
+        return 0  # events known to be off: nothing to build
+    hashes = request.block_hashes
+    tokens = request.prompt_token_ids
+    if tokens is None or len(hashes) * block_size < keys.num_tokens:
+        return 0
+    lora = request.lora_request
+    spans = spans_for(tokens[: keys.num_tokens], hashes, block_size, keys.block_tokens,
+                      lora.lora_name if lora is not None else None)
+    client.describe_blocks_later(keys, spans)
+    return len(spans)
