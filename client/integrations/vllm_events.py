@@ -31,11 +31,13 @@ def describe_request(client: KVClient, request: Request, keys: PrefixKeys,
     not hashed the prompt: prefix caching off)."""
     if client.kv_events_known() == "" or not keys.keys:
         return 0  # events known to be off: nothing to build
-    hashes = request.block_hashes
-    tokens = request.prompt_token_ids
+    # getattr: a request object without them (another vLLM version, a test's stand-in) is
+    # simply not described; events are never worth failing a schedule for.
+    hashes = getattr(request, "block_hashes", None) or []
+    tokens = getattr(request, "prompt_token_ids", None)
     if tokens is None or len(hashes) * block_size < keys.num_tokens:
         return 0
-    lora = request.lora_request
+    lora = getattr(request, "lora_request", None)
     spans = spans_for(tokens[: keys.num_tokens], hashes, block_size, keys.block_tokens,
                       lora.lora_name if lora is not None else None)
     client.describe_blocks_later(keys, spans)

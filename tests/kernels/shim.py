@@ -129,7 +129,9 @@ class ShimRunner:
         lines.append("staging {} {}".format(*locate(plan.staging_ptr)))
         job = job_dir / "job.txt"
         job.write_text("\n".join(lines) + "\n")
-        env = {**os.environ, **SANITIZER_ENV}
+        # Not LD_PRELOAD: vLLM sets it (tcmalloc, libgomp) in this process when a test builds
+        # an engine or its config, and the ASan runtime must come first in the shim.
+        env = {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **SANITIZER_ENV}
         proc = subprocess.run(
             [str(self.exe), str(job)], capture_output=True, text=True, env=env, check=False
         )
