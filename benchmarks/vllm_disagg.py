@@ -40,19 +40,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.vllm_ttft import LOGGING  # vLLM's and kvstore's INFO lines to stdout
 from benchmarks.worker import JsonLineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 5  # log-probabilities returned per generated token
 PREFILLED = "kvstore_prefilled_tokens"  # = kvstore.client.integrations.vllm.PREFILLED_TOKENS
-LOGGING = {
-    "version": 1, "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
-    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain",
-                         "stream": "ext://sys.stdout"}},
-    "loggers": {name: {"handlers": ["out"], "level": "INFO", "propagate": False}
-                for name in ("vllm", "kvstore")},
-}
 
 
 # ---- engine subprocess: `python -m benchmarks.vllm_disagg --engine '{json}'`
