@@ -72,11 +72,25 @@ class StoreCollector(Collector):
             yield from self._disk()
         if remote is not None:
             yield from self._remote(remote)
+        yield from self._kv_events()
         yield GaugeMetricFamily("kvstore_active_leases", "Open fetch and publish leases.",
                                 value=len(self.store.leases))
         yield GaugeMetricFamily("kvstore_inflight_rpcs", "RPCs being served.",
                                 value=self.connected.get("inflight", 0))
 
+    def _kv_events(self) -> Iterator[Metric]:
+        """KV events' batches, 0 while events are off (as Stats reports them), so an alert on
+        drops needs no `absent()` and a dashboard shows a flat line rather than no data."""
+        events = self.store.events
+        publisher = events.publisher if events is not None else None
+        for name, value, doc in (
+            ("kvstore_kv_events_published_batches", publisher.published if publisher else 0,
+             "KV event batches sent on the PUB socket (kv_events)."),
+            ("kvstore_kv_events_dropped_batches", publisher.dropped if publisher else 0,
+             "KV event batches dropped because the publisher's queue (kv_events_queue) was "
+             "full; they get no sequence number, so subscribers see no gap."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
     def _disk(self) -> Iterator[Metric]:
         """The disk tier's health: degraded (no writes), failures, index rebuilds."""

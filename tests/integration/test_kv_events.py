@@ -4,8 +4,11 @@ vLLM-marked test decodes them with vLLM's own classes)."""
 
 from __future__ import annotations
 
+import re
 import socket
+import threading
 import time
+import urllib.request
 from typing import Any
 
 import msgspec
@@ -233,14 +236,67 @@ def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
         publisher.close(timeout_s=1.0)
 
 
-def test_events_off_by_default_cost_no_call(daemon):
+def kv_events_metrics(port: int) -> dict[str, float]:
+    """The daemon's KV events counters on /metrics, by name."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(
+        r"^(kvstore_kv_events_(?:published|dropped)_batches_total) (\S+)$", text, re.MULTILINE)}
+
+
+def test_events_off_by_default_cost_no_call(daemon_factory):
+    port = free_port()
+    d = daemon_factory("--host-bytes", "8MiB", "--metrics-port", str(port)).start()
     prompt = list(range(64))
     spans = spans_for(prompt, vllm_block_hashes(prompt, ENGINE_BLOCK), ENGINE_BLOCK, 64)
-    with KVClient(daemon.target, LAYOUT) as c:
+    with KVClient(d.target, LAYOUT) as c:
         c.publish(prompt, random_kv(LAYOUT, 64))
         assert c.describe_blocks(prompt, spans) == 0  # Info says off: nothing sent
         stats = c.stats()
         assert stats is not None and stats.kv_events_published == 0
+    # Exported at 0 while off, as Stats reports them.
+    assert kv_events_metrics(port) == {"kvstore_kv_events_published_batches_total": 0.0,
+                                       "kvstore_kv_events_dropped_batches_total": 0.0}
+
+
+def test_metrics_count_published_and_dropped_batches(daemon_factory):
+    """A one-batch queue (`--kv-events-queue 1`) and four clients publishing described
+    prompts at once: the loop emits batches faster than the publisher thread takes them, so
+    some are dropped; /metrics counts them as Stats does. No subscriber is needed: a PUB
+    socket never waits for one, the queue is what overflows."""
+    port = free_port()
+    d = daemon_factory("--host-bytes", "2MiB", "--disk-bytes", "16MiB", "--kv-events",
+                       f"tcp://127.0.0.1:{free_port()}", "--kv-events-queue", "1",
+                       "--metrics-port", str(port)).start()
+    kv = random_kv(LAYOUT, 4 * 64)
+
+    def client(w: int, round_: int) -> None:
+        with KVClient(d.target, LAYOUT) as c:
+            for i in range(40):
+                base = (round_ * 8 + w) * 100_000 + i * 1000
+                p = list(range(base, base + 4 * 64))
+                c.publish(p, kv)
+                c.describe_blocks(p, spans_for(p, vllm_block_hashes(p, ENGINE_BLOCK),
+                                               ENGINE_BLOCK, 64))
+
+    end = time.monotonic() + 60
+    round_ = 0
+    # Drops depend on thread scheduling: ~15% of ~450 batches per round here; more rounds
+    # on a machine where the publisher thread keeps up better.
+    while kv_events_metrics(port)["kvstore_kv_events_dropped_batches_total"] == 0:
+        assert time.monotonic() < end, "no KV event batch was dropped in 60 s"
+        threads = [threading.Thread(target=client, args=(w, round_)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        round_ += 1
+    time.sleep(0.5)  # the publisher thread sends what is left in its queue
+    with KVClient(d.target, LAYOUT) as c:
+        stats = c.stats()
+    assert stats is not None
+    got = kv_events_metrics(port)
+    assert got["kvstore_kv_events_dropped_batches_total"] == stats.kv_events_dropped > 0
+    assert got["kvstore_kv_events_published_batches_total"] == stats.kv_events_published > 0
 
 
 def test_transformers_prefill_is_described_by_vllm_hashes(events_daemon):
