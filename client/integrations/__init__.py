@@ -1,1 +1,2 @@
-"""Engine integrations: Hugging Face transformers (`hf`) and vLLM (`vllm`)."""
+"""Engine integrations: Hugging Face transformers (`hf`), vLLM (`vllm`, and `disagg_proxy` for
+its disaggregated prefill over HTTP) and SGLang (`sglang`)."""
