@@ -19,7 +19,8 @@ Model, per request (requests are replayed in timestamp order, one at a time):
 2. Longest prefix: each block, in chain order, is looked up in the machine's host tier, then its
    disk tier, then the shared remote tier; the walk stops at the first block found nowhere.
    Disk and remote hits are promoted into host (host victims are demoted to disk, disk victims
-   are dropped), as `server/store.py` does; blocks are pinned while the request holds them.
+   are dropped) by the daemon's own placement engine (`kvstore.tiers.hierarchy`); blocks are
+   pinned while the request holds them.
 3. Publish: every block of the prompt is placed in host (pinned), the chain is touched on every
    local tier with `touch_chain` (parents fresher than children), and every block is written
    through to the remote tier (one shared `TierPolicy`, LRU, victims dropped).
@@ -64,9 +65,10 @@ import numpy as np
 from tqdm import tqdm
 
 from kvstore.config import parse_size
-from kvstore.errors import CapacityError
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
+from kvstore.planner import plan
 from kvstore.tiering import TierPolicy
+from kvstore.tiers.hierarchy import Hierarchy, MetaLevel
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -74,6 +76,7 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
 # Tier codes in a request's served-prefix sequence (one byte per block, chain order).
 HOST, DISK, REMOTE = 0, 1, 2
 TIER_NAMES = ("host", "disk", "remote")
+_NO_LATENCY = dict.fromkeys(TIER_NAMES, 0.0)  # the TTFT model counts bytes, not round trips
 
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128, bf16
 TRACE_BLOCK_TOKENS = 512  # the trace's block size (its README)
@@ -527,14 +530,21 @@ class ClusterConfig:
 
 @dataclass
 class Machine:
-    host: TierPolicy
-    disk: TierPolicy
+    placement: Hierarchy  # host over disk, the daemon's placement engine (`tiers.hierarchy`)
     requests: int = 0
     alive: bool = True
     busy_until: float = 0.0  # when its queued work is done (trace seconds)
     in_flight: deque[float] = field(default_factory=deque)  # finish times, FIFO
     joined_at: int = 0  # request index
     left_at: int | None = None
+
+    @property
+    def host(self) -> TierPolicy:
+        return self.placement.levels[0].policy
+
+    @property
+    def disk(self) -> TierPolicy:
+        return self.placement.levels[1].policy
 
 
 @dataclass
@@ -606,9 +616,10 @@ class ClusterSim:
 
     def _new_machine(self, i: int) -> Machine:
         cfg = self.config
-        return Machine(TierPolicy(f"m{i}.host", cfg.host_bytes, self.eviction, self._clock),
-                       TierPolicy(f"m{i}.disk", cfg.disk_bytes, self.eviction, self._clock),
-                       joined_at=self._seq)
+        host = TierPolicy(f"m{i}.host", cfg.host_bytes, self.eviction, self._clock)
+        disk = TierPolicy(f"m{i}.disk", cfg.disk_bytes, self.eviction, self._clock)
+        placement = Hierarchy([MetaLevel(host, HOST_MEDIUM), MetaLevel(disk, DISK_MEDIUM)])
+        return Machine(placement, joined_at=self._seq)
 
     # -- what routers may see of the load (`LoadView`)
 
@@ -643,36 +654,15 @@ class ClusterSim:
         for deliver in self.subscribers:
             deliver(batches)
 
-    # -- placement helpers: each mirrors what server/store.py does with real bytes
+    # -- placement: the daemon's engine (`tiers.hierarchy`), applied to metadata
+
+    def _changed(self, medium: str, key: bytes, stored: bool) -> None:
+        (self._stored if stored else self._removed)(medium, key)
 
     def _to_host(self, m: Machine, key: bytes) -> bool:
-        """Make room in host (demoting LRU victims to disk) and add `key`; False if no room."""
-        host = m.host
-        if self.block > host.capacity_bytes:
-            return False
-        try:
-            victims = host.victims(self.block)
-        except CapacityError:
-            return False  # the rest is pinned by this request: the daemon stops here too
-        for v in victims:
-            self._demote(m, v)
-        host.add(key, self.block)
-        self._stored(HOST_MEDIUM, key)
-        return True
-
-    def _demote(self, m: Machine, key: bytes) -> None:
-        """Host victim -> disk (unless already there), then drop it from host."""
-        disk = m.disk
-        if key not in disk and self.block <= disk.capacity_bytes:
-            for v in disk.victims(self.block):  # disk holds no pins: never raises here
-                disk.remove(v)
-                disk.count_eviction()
-                self._removed(DISK_MEDIUM, v)
-            disk.add(key, self.block)
-            self._stored(DISK_MEDIUM, key)
-        m.host.remove(key)
-        m.host.count_eviction()
-        self._removed(HOST_MEDIUM, key)
+        """Make room in host (victims demoted to disk, disk victims dropped) and add `key`;
+        False if no room (the rest of host is pinned by this request: the daemon stops)."""
+        return m.placement.place(0, key, self.block, self._changed)
 
     def _write_through(self, keys: Sequence[bytes]) -> None:
         remote = self.remote
@@ -748,8 +738,7 @@ class ClusterSim:
                 pinned.append(key)
         hit = len(served)
         prefix = keys[:hit]
-        host.touch_chain(prefix)
-        disk.touch_chain(prefix)
+        m.placement.touch(prefix)
         remote.touch_chain(prefix)
 
         # Publish: the engine computed the rest; all of it goes to host, pinned while reserved.
@@ -760,8 +749,7 @@ class ClusterSim:
             pinned.append(key)
         # The whole chain, hits included: touching only new blocks would leave their parents
         # older than them, and LRU would evict parents first.
-        host.touch_chain(keys)
-        disk.touch_chain(keys)
+        m.placement.touch(keys)
         self._write_through(keys)
         for key in pinned:
             host.unpin(key)
@@ -818,11 +806,10 @@ class ClusterSim:
         self.result.lost_in_flight += lost
         m.alive, m.left_at = False, self._seq
         # Its tiers are lost: fresh empty ones keep the eviction counts for the totals.
-        for name in ("host", "disk"):
-            old = getattr(m, name)
-            new = TierPolicy(old.name, 0, "lru", self._clock)
-            new.evictions = old.evictions
-            setattr(m, name, new)
+        for level in m.placement.levels:
+            old = level.policy
+            level.policy = TierPolicy(old.name, 0, "lru", self._clock)
+            level.policy.evictions = old.evictions
         self._outbox.append(EventBatch(machine, [AllBlocksCleared()]))
         self.result.churn_log.append({"at_request": self._seq,
                                       "kind": "fail" if failed else "leave",
@@ -908,19 +895,15 @@ class TTFTModel:
         return self.bytes_per_token * self.prefill_tokens_per_s / 1e9
 
     def ttft(self, served: bytes, input_length: int) -> float:
-        compute = 1.0 / self.prefill_tokens_per_s
-        load = self.load_seconds_per_token()
-        # At least the last prompt token is computed: the engine needs its logits.
-        remaining = max(input_length - 1, 0)
-        best = run = 0.0
-        for code in served:
-            tokens = min(self.block_tokens, remaining)
-            if tokens <= 0:
-                break
-            remaining -= tokens
-            run += tokens * (load[code] - compute)  # < 0 where loading beats computing
-            best = min(best, run)
-        return max(input_length, 1) * compute + best
+        """The daemon's clients' own load-or-recompute plan (`kvstore.planner.plan`) over the
+        served prefix's tiers, at this model's rates and no fixed cost per tier."""
+        host, disk, remote = self.load_seconds_per_token()
+        rates = {name: self.bytes_per_token / s
+                 for name, s in zip(TIER_NAMES, (host, disk, remote), strict=True)}
+        best = plan([TIER_NAMES[code] for code in served], max(input_length, 1),
+                    self.block_tokens, self.bytes_per_token, self.prefill_tokens_per_s,
+                    bandwidth=rates, latency=_NO_LATENCY)
+        return best.ttft_s
 
     def ttfts(self, result: SimResult, requests: Sequence[Request]) -> np.ndarray:
         return np.fromiter((self.ttft(s, r.input_length)

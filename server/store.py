@@ -39,6 +39,7 @@ from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.hierarchy import Hierarchy, PromptShare, RoomPlan
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
 
@@ -109,26 +110,20 @@ class _Staged:
 class _Room:
     """How one fetch makes host room for the blocks it reads from disk or the remote tier.
 
-    The prompt is `prior` (served by earlier calls of the same client fetch) and `keys`. If its
-    cached blocks fit the host tier it is promoted whole; room is made by evicting other
-    blocks, never the prompt's own: they are pinned while the call runs (`held`). A larger
-    prompt, promoted whole, would push itself out: each promotion evicting (and, for a block
-    only in host, writing) another block of the same prompt, which this fetch or the next reads
-    back. It keeps its first blocks up to its share instead (`limit`: the capacity less two
-    fetch windows, the one the client copies and the one read meanwhile), and its blocks past
-    that are read into scratch space, served like any hit and freed at release: no promotion,
-    no eviction, no write. A prompt that holds more than its share (published whole) gives way
-    from its deepest block when scratch space is needed, once: it holds its share afterwards.
+    The prompt is `prior` (served by earlier calls of the same client fetch) and `keys`. Its
+    share of the host tier is the placement engine's call (`PromptShare`): promoted whole when
+    it fits, else its first blocks, the rest read into scratch space, served like any hit and
+    freed at release (no promotion, no eviction, no write). Room is made by evicting other
+    blocks, never the prompt's own: they are pinned while the call runs (`held`). A prompt
+    that holds more than its share (published whole) gives way from its deepest block when
+    scratch space is needed, once: it holds its share afterwards.
     """
 
     prior: Sequence[bytes]
     keys: Sequence[bytes]
     layout_digest: bytes
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
-    planned: bool = False  # sized at the call's first disk or remote hit (`_plan_room`)
-    keep: int = 0  # promote while the prompt's bytes in host stay within this (capacity or limit)
-    limit: int = 0  # its share when it does not fit; past it, its deepest blocks give way
-    used: int = 0  # bytes of the prompt in the host tier
+    share: PromptShare | None = None  # sized at the call's first disk or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
 
 
@@ -210,7 +205,9 @@ class TieredStore:
                        if remote is not None and self.write_queue is not None else None)
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
-        self.recent = RecentChains(RECENT_CHAIN_KEYS)  # the flush writes these heads first
+        # Every placement decision (lookup walks, victims and where they go, a prompt's share,
+        # the flush order) is the engine's; this class carries them out with bytes and leases.
+        self.placement = Hierarchy(self.tiers, RecentChains(RECENT_CHAIN_KEYS))
         self.counters = StoreCounters()
         # Measured read bandwidth per tier (bytes/s into host staging, an EWMA over fetches);
         # a tier is absent until measured. See `read_bandwidth`.
@@ -235,27 +232,12 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tier names of the longest prefix of `keys` held anywhere."""
         self.counters.lookups += 1
-        # Key by key, not a binary search: a chain's blocks need not be a contiguous prefix (a
-        # block published while its unpinned parent was evicted, a corrupt block dropped).
-        # Plain loops: a generator per key cost ~1 us, 0.6 ms of a 512-key lookup.
-        found: list[str] = []
-        append = found.append
-        tiers = self.tiers
-        for key in keys:
-            for tier in tiers:
-                if tier.contains(key):
-                    append(tier.name)
-                    break
-            else:
-                break
+        found = self.placement.walk(keys)
         self.touch_chain(keys[: len(found)])
         return found
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
-        keys = list(keys)
-        for tier in self.tiers:
-            tier.touch_chain(keys)
-        self.recent.add(keys)
+        self.placement.touch(keys)
 
     async def lookup_through(self, keys: Sequence[bytes], namespace: bytes) -> list[str]:
         """`lookup`, continued in the remote tier past the local prefix (one batched EXISTS).
@@ -274,11 +256,11 @@ class TieredStore:
             log.debug("remote lookup skipped: %s", e)
             return found
         for key, remote_has in zip(rest, present, strict=True):
-            tier = next((t.name for t in self.tiers if t.contains(key)), None)
-            if tier is None and not remote_has:
+            level = self.placement.level_of(key)
+            if level is None and not remote_has:
                 break
-            found.append(tier or remote.name)
-            self.counters.remote_lookup_hits += tier is None
+            found.append(remote.name if level is None else self.tiers[level].name)
+            self.counters.remote_lookup_hits += level is None
         return found
 
     def _remote_for(self, namespace: bytes) -> RemoteTier | None:
@@ -414,7 +396,7 @@ class TieredStore:
             return None
         return _Staged(self.disk.name, dst, src, "scratch" if scratch else "reservation")
 
-    def _plan_room(self, room: _Room, length: int) -> None:
+    def _plan_room(self, room: _Room, length: int) -> PromptShare:
         """Pin the prompt's host blocks for the rest of the call and size its share of the
         host tier (`_Room`); `length` is the size of the blocks read."""
         host, disk = self.host, self.disk
@@ -432,38 +414,37 @@ class TieredStore:
                 local = False
                 break
             rest += size
-        room.used = sum(e.units * PAGE for e in room.held)
-        cap = host.capacity_bytes
-        room.limit = max(0, cap - 2 * max(self.fetch_window_bytes, size))
-        # Past the local prefix the remote tier may hold more than counted here: then the
-        # prompt fits only if it leaves the scratch room free anyway.
-        fits = room.used + rest <= (room.limit if room.open_ended and not local else cap)
-        room.keep = cap if fits else room.limit
-        room.planned = True
+        room.share = PromptShare.size(
+            host.capacity_bytes, self.fetch_window_bytes, size,
+            used=sum(e.units * PAGE for e in room.held), rest=rest,
+            open_ended=room.open_ended, local=local)
+        return room.share
 
     async def _take_room(self, room: _Room, key: bytes, namespace: bytes, layout_digest: bytes,
                          length: int) -> tuple[BlockEntry | None, bool]:
         """Host space for a block this fetch reads: a reservation to promote it into while the
         prompt is within its share, else scratch space (True). None: another call is promoting
         `key` right now. `CapacityError` when no room can be made."""
-        if not room.planned:
-            self._plan_room(room, length)
+        share = room.share or self._plan_room(room, length)
         size = self.host.units_for(length) * PAGE
-        if room.used + size <= room.keep:
+        if share.promotes(size):
             dst = await self._reserve_host(key, namespace, layout_digest, length)
-            room.used += size if dst is not None else 0
+            share.used += size if dst is not None else 0
             return dst, False
         while (scratch := self.host.prepare_scratch(length)) is None:
-            victim = self.host.next_victim() or self._give_way(room)  # never another of its own
-            if victim is None:
-                raise CapacityError("host tier is full of pinned or in-flight blocks")
-            await self._demote(victim)
+            plan = self.placement.room(0, size, partial=True)
+            if plan.short:  # never another of its own, unless it holds more than its share
+                victim = self._give_way(room, share)
+                if victim is None:
+                    raise CapacityError("host tier is full of pinned or in-flight blocks")
+                plan = RoomPlan(0, size, [self.placement.move(0, victim)])
+            await self._carry_out(plan)
         return scratch, True
 
-    def _give_way(self, room: _Room) -> bytes | None:
+    def _give_way(self, room: _Room, share: PromptShare) -> bytes | None:
         """While the prompt holds more than its share, its deepest host block that only this
         call pins, unpinned for demotion; else None."""
-        if room.used <= room.limit:
+        if not share.over():
             return None
         for i in range(len(room.held) - 1, -1, -1):
             entry = room.held[i]
@@ -471,7 +452,7 @@ class TieredStore:
                     and self.host.policy.pin_count(entry.key) == 1):
                 del room.held[i]
                 self.host.complete_load(entry)
-                room.used -= entry.units * PAGE
+                share.used -= entry.units * PAGE
                 return entry.key
         return None
 
@@ -599,46 +580,56 @@ class TieredStore:
 
     async def _reserve_host(self, key: bytes, namespace: bytes, layout_digest: bytes,
                             length: int) -> BlockEntry | None:
-        """Reserve host space, demoting least recently used blocks until it fits.
+        """Reserve host space, carrying out the placement engine's room plans until it fits.
 
         None when another call reserved `key` meanwhile: demotions await disk writes, and
         other calls run during them.
         """
+        host = self.host
         while True:
-            if key in self.host.entries:
+            if host.holds(key):
                 return None
-            entry = self.host.prepare_store(key, namespace, layout_digest, length)
+            entry = host.prepare_store(key, namespace, layout_digest, length)
             if entry is not None:
                 return entry
-            victim = self.host.next_victim()
-            if victim is None:
+            plan = self.placement.room(0, host.units_for(length) * PAGE, partial=True)
+            if plan.short:
                 raise CapacityError("host tier is full of pinned or in-flight blocks")
-            await self._demote(victim)
+            await self._carry_out(plan)
 
-    async def _demote(self, key: bytes) -> None:
-        """Move a host block to disk (unless it is there already), then drop it from host."""
-        entry = self.host.prepare_load(key)  # pinned while it is written out
+    async def _carry_out(self, plan: RoomPlan) -> None:
+        """Move a host room plan's victims to disk (those it copies down), then drop them from
+        host. Every victim is pinned before the first write, in the same step as the plan was
+        made, so no concurrent call picks one; a victim another call pins meanwhile stays."""
+        host, disk = self.host, self.disk
+        claimed = [host.prepare_load(m.key) for m in plan.moves]  # pinned while written out
         try:
-            if self.disk is not None and key not in self.disk.entries:
-                await self._write_disk(self.disk, entry)
+            for move, entry in zip(plan.moves, claimed, strict=True):
+                if move.dst is not None and disk is not None and not disk.holds(move.key):
+                    await self._write_disk(disk, entry)
         finally:
-            self.host.complete_load(entry)
-        self.host.evict(key)
-        if self.write_queue is not None and self.disk is not None and self.disk.contains(key):
-            # Write-through on demotion too, for blocks whose write at publish was shed or
-            # failed, or that came up from disk: the writer first checks the remote tier lacks
-            # the block, then reads it back from disk. (Without a disk tier it is gone.)
-            self.write_queue.put(key, check_exists=True)
+            for entry in claimed:
+                host.complete_load(entry)
+        for move in plan.moves:
+            host.evict(move.key)
+            if self.write_queue is not None and disk is not None and disk.contains(move.key):
+                # Write-through on demotion too, for blocks whose write at publish was shed or
+                # failed, or that came up from disk: the writer first checks the remote tier
+                # lacks the block, then reads it back from disk. (Without a disk tier it is gone.)
+                self.write_queue.put(move.key, check_exists=True)
 
     async def _write_disk(self, disk: DiskTier, src: BlockEntry, seq: int | None = None) -> bool:
         """Copy a pinned host block to disk, evicting disk blocks as needed; True if written."""
+        level = self.tiers.index(disk)
         try:
             while (dst := disk.prepare_store(src.key, src.namespace, src.layout_digest,
                                              src.length)) is None:
-                victim = disk.next_victim()
-                if victim is None:
+                plan = self.placement.room(level, disk.units_for(src.length) * PAGE,
+                                               partial=True)
+                if plan.short:
                     return False  # disk full of in-flight blocks: drop rather than block
-                disk.evict(victim)
+                for move in plan.moves:  # the last level: its victims are dropped
+                    disk.evict(move.key)
         except CapacityError:
             return False  # larger than the whole disk tier
         try:
@@ -665,7 +656,7 @@ class TieredStore:
         if self.disk is None or budget_s <= 0:
             return 0
         end = self.clock() + budget_s
-        todo = self._flush_order(self.disk)
+        todo = self.placement.flush_order(0, self.disk.entries)
         top = self.disk.reserve_seqs(len(todo)) + len(todo) - 1
         written = 0
         for rank, key in enumerate(todo):
@@ -679,27 +670,6 @@ class TieredStore:
             finally:
                 self.host.complete_load(entry)
         return written
-
-    def _flush_order(self, disk: DiskTier) -> list[bytes]:
-        """Host-only blocks, in the order a cut-short flush should write them: the chains used
-        most recently first, each from its first block (blocks already on disk are skipped, a
-        block in no tier ends the chain: nothing past it can be reached); then the rest of the
-        host tier, hottest first. The eviction order alone ranks blocks, not prompts: it may
-        put a prompt's tail, or a segment past blocks held on disk, ahead of its head."""
-        on_disk, host = disk.entries, self.host
-        todo: list[bytes] = []
-        chosen: set[bytes] = set()
-        for chain in self.recent.newest_first():
-            for key in chain:
-                if key in chosen or key in on_disk:
-                    continue
-                if not host.contains(key):
-                    break
-                todo.append(key)
-                chosen.add(key)
-        todo += [k for k in reversed(list(host.policy.eviction_order()))
-                 if k not in chosen and k not in on_disk and host.contains(k)]
-        return todo
 
     # ---- remote write-through (the task and its batches: `server.remote_writer`)
     async def remote_writer(self) -> None:

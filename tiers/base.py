@@ -79,6 +79,10 @@ class Tier(ABC):
         e = self.entries.get(key)
         return e is not None and e.committed
 
+    def holds(self, key: bytes) -> bool:
+        """Committed or being written."""
+        return key in self.entries
+
     def get(self, key: bytes) -> BlockEntry | None:
         e = self.entries.get(key)
         return e if e is not None and e.committed else None

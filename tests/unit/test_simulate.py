@@ -239,7 +239,7 @@ def test_policies_see_trace_time() -> None:
     another request (a reuse), one at the same instant is not."""
     km = KeyMaker()
     s = sim(host=10)
-    s.machines[0].host = TierPolicy("h", 10, "prefix", lambda: s.now)
+    s.machines[0].placement.levels[0].policy = TierPolicy("h", 10, "prefix", lambda: s.now)
     pol = s.machines[0].host.eviction
     assert isinstance(pol, PrefixPolicy)
     s.process(make_request([1, 2], timestamp_ms=0, keys=km))
