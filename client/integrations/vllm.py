@@ -67,10 +67,25 @@ prefix cache off for MLA, so there the connector is the only prefix cache. On th
 YaRN runs in torch), which makes such a model's output depend on batching: the connector warns
 at start (`cpu_mla_rope_is_batch_dependent`, docs/ENGINES.md).
 
-Limits: one KV-cache group of full attention or MLA (no sliding-window or hybrid models, no
-DeepSeek-V3.2/V4 sparse or compressed MLA caches, no quantized caches), tensor and pipeline
-parallel size 1, text prompts (requests with multimodal inputs or prompt embeddings bypass
-the store).
+Hybrid models (several KV-cache groups: sliding-window and full-attention layers, Gemma-2/3,
+gpt-oss): the connector implements `SupportsHMA`, so vLLM keeps its hybrid KV-cache manager on
+(it turns it off for a connector without it), and each group's blocks are stored under a
+layout of their own (`groups_for_vllm`). Every group stores every full block of the prompt
+(each sliding-window block is the window of some resumable prefix length); a lookup's hit is
+the shortest of the groups' cached prefixes (a block missing in any group is a miss from
+there); a load fetches every full-attention block and, for a sliding-window group, only the
+blocks vLLM allocates at the resumed length (the window's: those behind it are vLLM's null
+block). Loads are asynchronous (`get_num_new_matched_tokens` returns True): a group that comes
+short fails the request's load (`failed_recving`) and vLLM recomputes it, as vLLM takes no
+per-block load error with several groups. Saves are synchronous, in every step that completes
+prompt blocks: vLLM frees a sliding-window group's blocks behind the window while the request
+runs, so a background copy could read reused pages. docs/ENGINES.md, "Hybrid models".
+
+Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
+other state groups, chunked local attention, static sink attention, groups of different block
+sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
+tensor and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt
+embeddings bypass the store); hybrid models publish no KV events.
 """
 
 from __future__ import annotations
@@ -92,8 +107,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.cli import DEFAULT_TARGET
@@ -120,6 +137,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvstore.vllm")
@@ -131,6 +149,7 @@ PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 """The `kv_transfer_params` key a producer returns and a consumer reads (disaggregated
 prefill): the tokens of the prompt's full blocks the producer published."""
 _WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
+_NULL_BLOCK = 0  # vLLM's null block (BlockPool's first, never handed out): a dropped block
 
 
 class ConnectorConfigError(ValueError):
@@ -190,50 +209,107 @@ class ConnectorConfig:
 
 def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                     cfg: ConnectorConfig) -> KVLayout:
-    """The `KVLayout` of this engine's KV cache, or `ConnectorConfigError` naming what is
-    unsupported. Both roles derive it the same way, so their keys agree."""
+    """The `KVLayout` of this engine's KV cache (one KV-cache group), or
+    `ConnectorConfigError` naming what is unsupported. Both roles derive it the same way, so
+    their keys agree. Hybrid models (several groups): `groups_for_vllm`."""
+    groups = groups_for_vllm(vllm_config, kv_cache_config, cfg)
+    if len(groups) != 1:
+        raise ConnectorConfigError("this model has several KV-cache groups: see "
+                                   "groups_for_vllm")
+    return groups[0].layout
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One vLLM KV-cache group as the connector stores it: its own `KVLayout` (so its own
+    keys), its layers, and the sliding window of its layers (None: full attention)."""
+
+    index: int
+    layout: KVLayout
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+
+def _layer_index(name: str) -> int:
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else -1
+
+
+def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                    cfg: ConnectorConfig) -> list[KVGroup]:
+    """The groups of this engine's KV cache, each with the layout its blocks are stored
+    under, or `ConnectorConfigError` naming what is unsupported.
+
+    One group (full attention or MLA): the layout is the model's, as before hybrid support, so
+    blocks stay shared with the transformers integration. Several groups (vLLM's hybrid
+    KV-cache manager: sliding-window and full-attention layers, Gemma-2/3, gpt-oss): each
+    group's layout names the model plus its layers and window in `model`
+    (`MODEL#kv-group:layers=0,2:sliding_window=64`), so two groups of equal shape never share
+    keys, and a group's blocks are found (or missing) on their own."""
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ConnectorConfigError("the kvstore connector supports tensor and pipeline "
                                    "parallel size 1 only")
-    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConnectorConfigError("the kvstore connector needs exactly one KV-cache group "
-                                   "(hybrid models are not supported)")
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    mla = type(spec) is MLAAttentionSpec
-    if mla:
-        # One latent row per token (kv_c_normed, then k_pe), the same on every TP rank.
-        # DeepSeek-V4's sparse caches pad, compress and index theirs: not this layout.
-        if (spec.alignment is not None or spec.model_version is not None
-                or getattr(spec, "tokens_per_state", 1) != 1
-                or spec.sliding_window is not None or spec.attention_chunk_size is not None):
-            raise ConnectorConfigError("the kvstore connector stores one MLA latent row per "
-                                       "token only, not DeepSeek-V4's sparse or compressed "
-                                       "MLA caches")
-    elif (type(spec) is not FullAttentionSpec or spec.sliding_window is not None
-            or spec.attention_chunk_size is not None or spec.head_size_v != spec.head_size):
-        raise ConnectorConfigError(f"the kvstore connector supports full attention and MLA "
-                                   f"only, got {type(spec).__name__}")
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise ConnectorConfigError("the kvstore connector needs a KV cache (attention-free "
+                                   "models have none)")
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ConnectorConfigError("quantized KV caches are not supported (their scales are not "
                                    "part of a kvstore block): use kv_cache_dtype='auto'")
-    if mla:
-        _warn_cpu_mla_rope(vllm_config)
-    else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
-        _check_cpu_isa(vllm_config, spec)
     vllm_block = vllm_config.cache_config.block_size
     block_tokens = cfg.block_tokens or vllm_block
     if block_tokens < vllm_block or block_tokens % vllm_block:
         raise ConnectorConfigError(f"kvstore.block_tokens={block_tokens} must be a multiple of "
                                    f"vLLM's block size {vllm_block}")
     model_config = vllm_config.model_config
-    return KVLayout(model=cfg.model or model_config.model,
-                    model_revision=model_config.revision or "",
-                    num_layers=len(group.layer_names),
-                    num_kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
-                    dtype=spec.dtype, block_tokens=block_tokens,
-                    kv_kind="mla" if mla else "kv")
+    model = cfg.model or model_config.model
+    hybrid = len(kv_cache_config.kv_cache_groups) > 1
+    out: list[KVGroup] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if spec.block_size != vllm_block:
+            raise ConnectorConfigError(f"KV-cache group {index} has block size "
+                                       f"{spec.block_size}, vLLM's is {vllm_block}: groups of "
+                                       f"different block sizes are not supported")
+        mla = type(spec) is MLAAttentionSpec
+        window: int | None = None
+        if mla:
+            # One latent row per token (kv_c_normed, then k_pe), the same on every TP rank.
+            # DeepSeek-V4's sparse caches pad, compress and index theirs: not this layout.
+            if (hybrid or spec.alignment is not None or spec.model_version is not None
+                    or getattr(spec, "tokens_per_state", 1) != 1
+                    or spec.sliding_window is not None or spec.attention_chunk_size is not None):
+                raise ConnectorConfigError("the kvstore connector stores one MLA latent row per "
+                                           "token only, not DeepSeek-V4's sparse or compressed "
+                                           "MLA caches nor hybrid MLA models")
+        elif hybrid and type(spec) is SlidingWindowSpec and spec.head_size_v == spec.head_size \
+                and spec.extra_retained_tokens == 0:
+            window = spec.sliding_window
+        elif (type(spec) is not FullAttentionSpec or spec.sliding_window is not None
+                or spec.attention_chunk_size is not None or spec.head_size_v != spec.head_size):
+            # Mamba / linear-attention state (MambaSpec), chunked local attention, attention
+            # sinks, encoder caches: not token-addressed K/V the store can key by prefix.
+            raise ConnectorConfigError(f"the kvstore connector supports full attention, MLA "
+                                       f"and (with vLLM's hybrid KV-cache manager) sliding "
+                                       f"window attention only, got {type(spec).__name__} in "
+                                       f"KV-cache group {index}")
+        if mla:
+            _warn_cpu_mla_rope(vllm_config)
+        else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
+            _check_cpu_isa(vllm_config, spec)
+        names = tuple(sorted(group.layer_names, key=_layer_index))
+        name = model
+        if hybrid:
+            kind = f"sliding_window={window}" if window is not None else "full"
+            name = (f"{model}#kv-group:layers={','.join(str(_layer_index(n)) for n in names)}"
+                    f":{kind}")
+        layout = KVLayout(model=name, model_revision=model_config.revision or "",
+                          num_layers=len(group.layer_names),
+                          num_kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
+                          dtype=spec.dtype, block_tokens=block_tokens,
+                          kv_kind="mla" if mla else "kv")
+        out.append(KVGroup(index, layout, names, window))
+    return out
 
 
 def cpu_mla_rope_is_batch_dependent(vllm_config: VllmConfig) -> bool:
@@ -264,7 +340,7 @@ def _warn_cpu_mla_rope(vllm_config: VllmConfig) -> None:
                     "compilation_config={'custom_ops': ['-rotary_embedding']} (torch RoPE)")
 
 
-def _check_cpu_isa(vllm_config: VllmConfig, spec: FullAttentionSpec) -> None:
+def _check_cpu_isa(vllm_config: VllmConfig, spec: Any) -> None:
     """Refuse at start, in the scheduler too, a CPU attention ISA whose cache layout
     `PagedCache.vllm_cpu` does not decode (the worker checks the layers' own ISA again)."""
     from vllm.platforms import current_platform
@@ -299,6 +375,8 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     end: int
+    group: int = 0
+    """The KV-cache group (hybrid models: one spec per group; `block_ids` are its own)."""
 
 
 @dataclass
@@ -310,6 +388,7 @@ class SaveSpec:
     salt: str
     lora: str
     block_ids: list[int]
+    group: int = 0
 
 
 @dataclass
@@ -328,15 +407,16 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """Scheduler-side state of one request the connector follows."""
 
-    keys: PrefixKeys  # of the prompt's full kvstore blocks
+    keys: list[PrefixKeys]  # of the prompt's full kvstore blocks, per KV-cache group
     num_tokens: int  # in the prompt
     salt: str
     lora: str
     save_end: int  # tokens in the prompt's full kvstore blocks
     hit_end: int  # tokens kvstore held at lookup
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
     save_issued: bool = False  # a SaveSpec went to the worker: it reports when it is done
+    saved_to: int = 0  # hybrid: the prompt's tokens saves were issued for so far
 
 
 def _namespace_of(request: Request) -> tuple[str, str] | None:
@@ -473,7 +553,7 @@ class _Saver:
             self._cond.notify_all()
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM v1 connector over a kvstore daemon; see the module docstring."""
 
     # Hits come from the daemon's host arena or its disk tier: attribute them to host memory.
@@ -484,15 +564,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._cfg = ConnectorConfig.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        self._layout = layout_for_vllm(vllm_config, kv_cache_config, self._cfg)
+        self._groups = groups_for_vllm(vllm_config, kv_cache_config, self._cfg)
+        self._layout = self._groups[0].layout
+        # Hybrid models (several KV-cache groups, vLLM's hybrid manager): each group's blocks
+        # under its own keys; loads asynchronous (vLLM takes a failed load per request only,
+        # `failed_recving`, when block ids are per group) and saves synchronous (vLLM frees a
+        # sliding-window group's blocks behind the window while the request runs).
+        self._hybrid = len(self._groups) > 1
         self._block_size = vllm_config.cache_config.block_size
-        self._clients: dict[tuple[str, str], KVClient] = {}
+        self._clients: dict[tuple[str, str, int], KVClient] = {}
         self._clients_lock = threading.Lock()  # the saver thread makes clients too
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
         self._requests: dict[str, _Request] = {}
         # req_id -> its prompt's keys so far, from its first lookup to request_finished
-        self._chains: dict[str, tuple[tuple[str, str], KeyChain]] = {}
+        self._chains: dict[tuple[str, int], tuple[tuple[str, str], KeyChain]] = {}
+        self._async_loads: list[str] = []  # hybrid: requests whose load goes out next
+        self._load_failed: set[str] = set()  # hybrid: requests whose load failed: recompute
         # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
         # (its answer must not reach the proxy before its blocks are committed) and tells
         # the consumer what it published; a consumer loads, waits for those blocks within
@@ -500,11 +588,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         kv_role = self._kv_transfer_config.kv_role
         self._producer, self._consumer = kv_role == "kv_producer", kv_role == "kv_consumer"
         self._saves = not self._consumer
-        self._async_save = self._cfg.async_save and not self._producer
+        self._async_save = self._cfg.async_save and not self._producer and not self._hybrid
         # consumer: req_id -> (its first lookup, its last lookup) while it waits
         self._waiting: dict[str, tuple[float, float]] = {}
         # worker side
         self._cache: PagedCache | None = None
+        self._caches: list[PagedCache] = []  # per KV-cache group
+        self._recving: set[str] = set()  # hybrid: loads done since the last report
+        self._recv_failed: set[str] = set()  # of those, the ones that failed
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._saver: _Saver | None = None  # started with the cache, in the worker
@@ -525,24 +616,26 @@ class KVStoreConnector(KVConnectorBase_V1):
             # default policy ("fail") would fail the request instead. The scheduler reads the
             # policy right after building its connector, from this same config object.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        log.info("kvstore connector (%s) on %s, layout %s", role.name, self._cfg.target,
-                 self._layout)
+        log.info("kvstore connector (%s) on %s, layout%s %s", role.name, self._cfg.target,
+                 "s" if self._hybrid else "", [g.layout for g in self._groups] if self._hybrid
+                 else self._layout)
 
     @property
     def requires_kv_delivery(self) -> bool:
         """A dropped save is a future miss, not a lost hand-off: never hold requests for it."""
         return False
 
-    def _client(self, salt: str, lora: str) -> KVClient:
-        """The client of one namespace, created on first use in this process (workers are
-        spawned: a client made before would not survive)."""
-        key = (salt, lora)
+    def _client(self, salt: str, lora: str, group: int = 0) -> KVClient:
+        """The client of one namespace (and KV-cache group), created on first use in this
+        process (workers are spawned: a client made before would not survive)."""
+        key = (salt, lora, group)
         with self._clients_lock:
             client = self._clients.get(key)
             if client is None:
                 if len(self._clients) >= _MAX_CLIENTS:  # close the oldest
                     self._clients.pop(next(iter(self._clients))).close()
-                client = KVClient(self._cfg.target, self._layout, salt=salt, lora=lora,
+                client = KVClient(self._cfg.target, self._groups[group].layout, salt=salt,
+                                  lora=lora,
                                   tenant=self._cfg.tenant, token=self._cfg.token,
                                   deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
                 self._clients[key] = client
@@ -550,23 +643,30 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== scheduler side
     def _prompt_keys(self, request: Request, ns: tuple[str, str], tokens: list[int],
-                     ) -> PrefixKeys:
-        """The keys of the prompt's full blocks, hashing only blocks this request has not
-        had hashed before (vLLM looks a waiting request up at every step it stays waiting)."""
-        held = self._chains.get(request.request_id)
-        if held is None or held[0] != ns:
-            client = self._client(*ns)
-            # A new prompt is keyed by the client, whose cache knows prefixes other requests
-            # shared (a system prompt); the chain then follows this request alone.
-            chain = KeyChain(client.namespace.digest(), self._layout.block_tokens, client.keys)
-            held = self._chains[request.request_id] = (ns, chain)
-        return held[1].keys(tokens)
+                     ) -> list[PrefixKeys]:
+        """The keys of the prompt's full blocks, per KV-cache group, hashing only blocks this
+        request has not had hashed before (vLLM looks a waiting request up at every step it
+        stays waiting)."""
+        out = []
+        for g in self._groups:
+            held = self._chains.get((request.request_id, g.index))
+            if held is None or held[0] != ns:
+                client = self._client(*ns, g.index)
+                # A new prompt is keyed by the client, whose cache knows prefixes other
+                # requests shared (a system prompt); the chain then follows this request.
+                chain = KeyChain(client.namespace.digest(), g.layout.block_tokens, client.keys)
+                held = self._chains[(request.request_id, g.index)] = (ns, chain)
+            out.append(held[1].keys(tokens))
+        return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
         ns = _namespace_of(request)
         tokens = request.prompt_token_ids
-        if ns is None or tokens is None or len(tokens) < 2:
+        if ns is None or tokens is None or len(tokens) < 2 \
+                or request.request_id in self._load_failed:
+            # A hybrid load that failed: vLLM looks the request up again; computing it beats
+            # failing the same way again.
             return 0, False
         waiting = self._waiting.get(request.request_id)
         now = time.monotonic()
@@ -574,7 +674,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 and now - waiting[0] < self._cfg.consumer_wait_s:
             return None, False  # a consumer waiting for its producer, looked up just now
         try:
-            hit = self._client(*ns).lookup(self._prompt_keys(request, ns, tokens))
+            # A block missing in any group is a miss for every prefix reaching it: the hit
+            # is the shortest of the groups' cached prefixes (every group stores every
+            # block, so each group's prefix ends where its first missing block is).
+            keys = self._prompt_keys(request, ns, tokens)
+            hit = min(self._client(*ns, g.index).lookup(keys[g.index]) for g in self._groups)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -583,7 +687,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, False  # vLLM leaves it waiting and asks again next step
         self._matched[request.request_id] = (num_computed_tokens, hit)
         # Never the last prompt token: vLLM must compute at least one token for its logits.
-        return max(0, min(hit, len(tokens) - 1) - num_computed_tokens), False
+        n = max(0, min(hit, len(tokens) - 1) - num_computed_tokens)
+        return n, self._hybrid and n > 0
 
     def _must_wait(self, request: Request, found: int, now: float) -> bool:
         """Consumer: whether `request` stays unscheduled for blocks its producer published
@@ -612,29 +717,43 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         local, hit = self._matched.pop(request.request_id, (0, 0))
+        prev = self._requests.get(request.request_id)
+        if prev is not None and num_external_tokens == 0:
+            # Scheduled after its asynchronous (hybrid) load: vLLM allocates again without a
+            # lookup; what kvstore held then still holds for saving.
+            hit = max(hit, prev.hit_end)
         ns = _namespace_of(request)
         if ns is None or request.prompt_token_ids is None:
             return
         keys = self._prompt_keys(request, ns, request.prompt_token_ids)
         state = _Request(keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
-                         lora=ns[1], save_end=keys.num_tokens, hit_end=hit,
-                         block_ids=list(blocks.get_block_ids()[0]))
+                         lora=ns[1], save_end=keys[0].num_tokens, hit_end=hit,
+                         block_ids=[list(ids) for ids in blocks.get_block_ids()],
+                         saved_to=min(hit, keys[0].num_tokens))
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
+            if self._hybrid:  # an asynchronous load: the request is not scheduled meanwhile
+                self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
-        if self._saves and state.save_end > state.hit_end:  # KV events: vLLM's hashes
-            describe_request(self._client(*ns), request, keys, self._block_size)
+        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models).
+        if self._saves and state.save_end > state.hit_end and not self._hybrid:
+            describe_request(self._client(*ns), request, keys[0], self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(
             preempted=sorted(scheduler_output.preempted_req_ids or ()))
         scheduled = scheduler_output.num_scheduled_tokens
         meta.prefill = self._prefill_span(scheduler_output)
+        for req_id in self._async_loads:
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                self._plan_load(req_id, state, meta)
+        self._async_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan(new.req_id, state, new.num_computed_tokens, scheduled[new.req_id],
                            meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -644,9 +763,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # after preemption: the full list, anew
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
+                state.saved_to = min(state.saved_to, state.hit_end)
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for mine, more in zip(state.block_ids, new_ids, strict=True):
+                    mine.extend(more)
             self._plan(req_id, state, cached.num_computed_tokens[i], scheduled[req_id], meta)
         return meta
 
@@ -672,18 +795,49 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _plan(self, req_id: str, state: _Request, computed: int, num_scheduled: int,
               meta: KVStoreConnectorMetadata) -> None:
         if state.load is not None:
-            start, end = state.load
+            self._plan_load(req_id, state, meta)
+        if not self._saves or state.save_end <= state.hit_end:
+            return
+        if self._hybrid:
+            # Every step that completes prompt blocks saves them, all groups, while vLLM still
+            # holds them: a sliding-window group's blocks behind the window are freed (null)
+            # in later steps, so the end of a chunked prefill could not save them any more.
             bt = self._layout.block_tokens
-            meta.loads.append(LoadSpec(req_id, state.keys.prefix(-(-end // bt)), state.salt,
-                                       state.lora, list(state.block_ids), start, end))
-            state.load = None
+            end = min(state.save_end, (computed + num_scheduled) // bt * bt)
+            if end > state.saved_to:
+                for g in self._groups:
+                    meta.saves.append(SaveSpec(req_id, state.keys[g.index].prefix(end // bt),
+                                               state.salt, state.lora,
+                                               list(state.block_ids[g.index]), g.index))
+                state.saved_to = end
+                state.save_issued = True
+            return
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
-        if self._saves and state.save_end > state.hit_end and computed < state.save_end \
-                <= computed + num_scheduled:
-            meta.saves.append(SaveSpec(req_id, state.keys, state.salt, state.lora,
-                                       list(state.block_ids)))
+        if computed < state.save_end <= computed + num_scheduled:
+            meta.saves.append(SaveSpec(req_id, state.keys[0], state.salt, state.lora,
+                                       list(state.block_ids[0])))
             state.save_issued = True
+
+    def _plan_load(self, req_id: str, state: _Request, meta: KVStoreConnectorMetadata,
+                   ) -> None:
+        """The LoadSpec(s) of `state.load`: one per KV-cache group. A sliding-window group
+        loads only the blocks vLLM gave it: those behind the window of the resumed length
+        are vLLM's null block (never read), so they are not fetched either."""
+        if state.load is None:
+            return
+        start, end = state.load
+        state.load = None
+        bt = self._layout.block_tokens
+        for g in self._groups:
+            ids = state.block_ids[g.index]
+            first = start
+            if g.sliding_window is not None:
+                live = next((i for i, b in enumerate(ids) if b != _NULL_BLOCK), len(ids))
+                first = max(start, live * self._block_size)
+            meta.loads.append(LoadSpec(req_id, state.keys[g.index].prefix(-(-end // bt)),
+                                       state.salt, state.lora, list(ids), first,
+                                       max(first, end), g.index))
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -693,8 +847,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         are committed by now) for the proxy to hand to the consumer."""
         state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
-        self._chains.pop(request.request_id, None)
+        for g in self._groups:
+            self._chains.pop((request.request_id, g.index), None)
         self._waiting.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
         params = None
         if self._producer and state is not None:
             # The proxy hands these to the consumer's request (vLLM's P/D flow), which then
@@ -703,20 +859,48 @@ class KVStoreConnector(KVConnectorBase_V1):
             params = {PREFILLED_TOKENS: state.save_end}
         return bool(self._async_save and state is not None and state.save_issued), params
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: note hybrid loads that failed (see `get_num_new_matched_tokens`)."""
+        self._load_failed |= set(connector_output.failed_recving or ())
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid-manager twin of `request_finished` (`SupportsHMA`): the same, with
+        the block ids of every KV-cache group (saves hold no blocks of their own here: the
+        hybrid path saves synchronously)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ==== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's cache tensors; raises `ConnectorConfigError` (at engine start) when they
         are not what the layout says or not in a layout this connector decodes."""
-        # Order layers by their index in the model, which is kvstore's layer axis.
-        def index(name: str) -> int:
-            found = re.findall(r"\.(\d+)\.", f".{name}.")
-            return int(found[0]) if found else -1
+        caches = []
+        for g in self._groups:
+            # Order layers by their index in the model, which is kvstore's layer axis. One
+            # group: every cache vLLM registered (as before hybrid support); several: each
+            # group's own layers (vLLM may back layers of two groups with one tensor: a
+            # group's block ids index its own layers' views of it).
+            names = sorted(kv_caches if not self._hybrid else g.layer_names, key=_layer_index)
+            caches.append(self._group_cache(g.layout, names, [kv_caches[n] for n in names]))
+        if any(c.engine is None for c in caches):
+            native_copy()  # build (or load) the C copy routine now, not in the first request
+        self._side_cpus = _side_cpus()
+        log.info("kvstore: background saves copy on CPUs %s", sorted(self._side_cpus or ())
+                 or "any (vLLM's compute threads are not bound)")
+        self._caches = caches
+        self._cache = caches[0]
+        # Map the daemon's arena at engine start: its pages are touched in the background
+        # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
+        self._client("", "").prepare()
+        if self._async_save and self._saves and self._saver is None:
+            self._saver = _Saver(self._save, self._cfg.save_queue)
 
-        names = sorted(kv_caches, key=index)
-        tensors = [kv_caches[name] for name in names]
+    def _group_cache(self, lay: KVLayout, names: list[str], tensors: list[torch.Tensor],
+                     ) -> PagedCache:
+        """The paged cache of one KV-cache group's layers, checked against its layout."""
         first = tensors[0]
         layers = self._vllm_config.compilation_config.static_forward_context
-        if self._layout.kv_kind == "mla":
+        if lay.kv_kind == "mla":
             cache = self._kernels_cache(names, tensors, layers)
         elif first.device.type == "cpu":
             isas = {getattr(layers.get(name), "isa", None) for name in names}
@@ -731,7 +915,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             cache = PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, tensors))
         else:
             raise ConnectorConfigError(f"unknown KV-cache layout {tuple(first.shape)}")
-        lay = self._layout
         got = (cache.num_layers, cache.heads, cache.head_dim, cache.dtype)
         want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
         if got != want:
@@ -740,17 +923,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._block_size % cache.page_size:
             raise ConnectorConfigError(f"cache page size {cache.page_size} does not divide "
                                        f"vLLM's block size {self._block_size}")
-        if cache.engine is None:
-            native_copy()  # build (or load) the C copy routine now, not in the first request
-        self._side_cpus = _side_cpus()
-        log.info("kvstore: background saves copy on CPUs %s", sorted(self._side_cpus or ())
-                 or "any (vLLM's compute threads are not bound)")
-        self._cache = cache
-        # Map the daemon's arena at engine start: its pages are touched in the background
-        # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
-        self._client("", "").prepare()
-        if self._async_save and self._saves and self._saver is None:
-            self._saver = _Saver(self._save, self._cfg.save_queue)
+        return cache
 
     def _kernels_cache(self, names: list[str], tensors: list[torch.Tensor],
                        layers: dict[str, Any]) -> PagedCache:
@@ -776,6 +949,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._failed_reqs.clear()
+        if self._hybrid:
+            self._load_groups(self._metadata().loads)
+            return
         for spec in self._metadata().loads:
             began = time.perf_counter()
             try:
@@ -800,6 +976,49 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
                          spec.start, spec.end, ms)
 
+    def _load_groups(self, loads: list[LoadSpec]) -> None:
+        """Hybrid models: each request's loads, one per KV-cache group, reported to vLLM as
+        done (`finished_recving`) or, when any group came short, failed (`failed_recving`):
+        vLLM then recomputes the request from its first token (it cannot take a failed block
+        of one group: block ids are per group), never from a prefix missing a group."""
+        by_req: dict[str, list[LoadSpec]] = {}
+        for spec in loads:
+            by_req.setdefault(spec.req_id, []).append(spec)
+        for req_id, specs in by_req.items():
+            began = time.perf_counter()
+            ok = True
+            for spec in specs:
+                if spec.start >= spec.end:
+                    continue  # this group needs nothing vLLM does not hold already
+                try:
+                    loaded = self._load(spec)
+                except Exception:  # a cache must never take the engine down: recompute
+                    log.exception("kvstore load failed for request %s", req_id)
+                    loaded = spec.start
+                self.loaded_tokens += max(0, loaded - spec.start)
+                if loaded < spec.end:
+                    ok = False
+                    log.warning("kvstore: request %s group %d loaded tokens [%d, %d) of [%d, "
+                                "%d); vLLM recomputes the request", req_id, spec.group,
+                                spec.start, loaded, spec.start, spec.end)
+                    break
+            self._recving.add(req_id)
+            if not ok:
+                self._recv_failed.add(req_id)
+                self._failed_reqs.add(req_id)
+            else:
+                log.info("kvstore: request %s loaded %s in %.1f ms", req_id,
+                         ", ".join(f"group {s.group} tokens [{s.start}, {s.end})"
+                                   for s in specs), (time.perf_counter() - began) * 1e3)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._recving:  # hybrid loads: done (and failed) since the last report
+            results.finished_recving |= self._recving
+            results.failed_recving |= self._recv_failed
+            self._recving, self._recv_failed = set(), set()
+        return results
+
     def _recompute_s(self, start: int, end: int) -> float | None:
         """Seconds this engine would take to compute tokens `[start, end)` of a prompt (the
         attention over the first `start` included), from its own full prefills; None before
@@ -820,11 +1039,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _load(self, spec: LoadSpec) -> int:
         """Copy blocks from the daemon's memory into vLLM's pages; returns the end of the
         tokens now in vLLM's cache."""
-        cache = self._cache
-        if cache is None:
+        if not self._caches:
             return spec.start
-        bt, ps = self._layout.block_tokens, cache.page_size
-        bytes_per_page = self._layout.bytes_per_token * ps
+        cache, lay = self._caches[spec.group], self._groups[spec.group].layout
+        bt, ps = lay.block_tokens, cache.page_size
+        bytes_per_page = lay.bytes_per_token * ps
         guard = _CopyGuard()
 
         def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
@@ -850,7 +1069,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         began = time.perf_counter()
         try:
-            n = self._client(spec.salt, spec.lora).fetch_with(
+            n = self._client(spec.salt, spec.lora, spec.group).fetch_with(
                 spec.keys, consume, skip_blocks=spec.start // bt,
                 budget_s=self._recompute_s(spec.start, spec.end))
         finally:
@@ -876,7 +1095,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         for spec in meta.saves:
             if self._async_save:
                 self._save_reqs.add(spec.req_id)  # the scheduler holds its blocks for us
-            if self._cache is None or spec.req_id in self._failed_reqs:
+            if not self._caches or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
                 continue
             if self._saver is None:
@@ -890,22 +1109,30 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _save(self, spec: SaveSpec, queued: float) -> None:
         """Copy the prompt's full blocks from vLLM's pages into blocks reserved in the
         daemon's memory, and commit them (in the saver thread, or in `wait_for_save`)."""
-        cache = self._cache
-        if cache is None:
+        if not self._caches:
             return
+        cache, lay = self._caches[spec.group], self._groups[spec.group].layout
         began = time.perf_counter()
         copying = [0.0]
+        # A sliding-window group's blocks behind the window are vLLM's null block by now:
+        # those are never copied (a block the daemon lacks there makes the save stop short,
+        # committing nothing of that round: a later miss, never wrong bytes).
+        live = [b != _NULL_BLOCK for b in spec.block_ids]
         pages = token_pages(spec.block_ids, self._block_size, cache.page_size, 0,
                             spec.keys.num_tokens)
-        per_block = self._layout.block_tokens // cache.page_size
-        bytes_per_page = self._layout.bytes_per_token * cache.page_size
+        per_block = lay.block_tokens // cache.page_size
+        vllm_per_block = lay.block_tokens // self._block_size
+        bytes_per_page = lay.bytes_per_token * cache.page_size
         guard = _CopyGuard()
 
         def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
                     ) -> int:
             _run_on(self._side_cpus)  # off vLLM's compute threads, which decode meanwhile
-            items: list[View] = [(view, 0, pages[b * per_block : (b + 1) * per_block])
-                                 for b, view in zip(blocks, views, strict=True)]
+            items: list[View] = []
+            for b, view in zip(blocks, views, strict=True):
+                if not all(live[b * vllm_per_block : (b + 1) * vllm_per_block]):
+                    break  # dropped by vLLM and not in the store: save the blocks before it
+                items.append((view, 0, pages[b * per_block : (b + 1) * per_block]))
             t0 = time.perf_counter()
             copied = 0
             for piece in _pieces(items, bytes_per_page):
@@ -916,12 +1143,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return copied
 
         try:
-            stored = self._client(spec.salt, spec.lora).publish_with(spec.keys, produce)
+            stored = self._client(spec.salt, spec.lora, spec.group).publish_with(spec.keys,
+                                                                               produce)
         finally:
             guard.close()  # no reads of vLLM's pages after this: they may be freed next
         self.saved_tokens += stored
-        log.info("kvstore: request %s saved %d tokens in %.1f ms (copy %.1f ms, queued "
-                 "%.1f ms); %d prompt tokens cached", spec.req_id, spec.keys.num_tokens,
+        log.info("kvstore: request %s saved %d tokens (group %d) in %.1f ms (copy %.1f ms, "
+                 "queued %.1f ms); %d prompt tokens cached", spec.req_id, spec.keys.num_tokens,
+                 spec.group,
                  (time.perf_counter() - began) * 1e3, copying[0] * 1e3, (began - queued) * 1e3,
                  stored)
 
@@ -971,5 +1200,5 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._clients.clear()
 
 
-__all__ = ["ConnectorConfig", "KVStoreConnector", "KVStoreConnectorMetadata",
-           "LoadSpec", "SaveSpec", "layout_for_vllm"]
+__all__ = ["ConnectorConfig", "KVGroup", "KVStoreConnector", "KVStoreConnectorMetadata",
+           "LoadSpec", "SaveSpec", "groups_for_vllm", "layout_for_vllm"]

@@ -19,8 +19,9 @@ from kvstore.client.sync import KVClient
 class _ShortFetch:
     """Wraps a `KVClient`: `fetch` reports one block fewer than it got, the rest NaN."""
 
-    def __init__(self, client: KVClient) -> None:
+    def __init__(self, client: KVClient, poison: float = float("nan")) -> None:
         self._client = client
+        self._poison = poison
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -39,7 +40,7 @@ class _ShortFetch:
         last = len(self._client.keys(tokens)) - 1
 
         def poisoned(blocks: list[int], views: list[torch.Tensor], stop: Any) -> int | None:
-            views = [torch.full_like(v, float("nan")) if b == last else v
+            views = [torch.full_like(v, self._poison) if b == last else v
                      for b, v in zip(blocks, views, strict=True)]
             return consume(blocks, views, stop)  # type: ignore[no-any-return]
 
@@ -50,5 +51,16 @@ class _ShortFetch:
 class FlakyKVStoreConnector(KVStoreConnector):
     """Worker-side fetches lose their last block (see the module docstring)."""
 
-    def _client(self, salt: str, lora: str) -> Any:
-        return _ShortFetch(super()._client(salt, lora))
+    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group))
+
+
+class FiniteFlakyKVStoreConnector(KVStoreConnector):
+    """The same, its poisoned block large finite values (1e4) instead of NaN: a hybrid model's
+    failed load is recomputed from the first token in freshly allocated blocks, whose slots
+    past the prompt may keep what the failed load wrote; vLLM's CPU attention reads such
+    masked slots with weight 0, which a NaN turns into NaN (docs/ENGINES.md, "Hybrid
+    models"). Values used by attention would still change the output."""
+
+    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group), poison=1e4)

@@ -10,6 +10,10 @@ each with the tokenizer `vllm_runner.make_model` trains.
   `rotary_embedding` op; that op reads MLA's strided q_pe/k_pe views as contiguous rows and
   rotates the wrong elements, so outputs then depend on a token's place in the step's batch
   (docs/ENGINES.md, "MLA"): kept to show it, not to test the connector with.
+- `make_hybrid_model`: Gemma-3-shaped (sliding-window layers between full-attention ones).
+  With vLLM's hybrid KV-cache manager (on for the CPU build; the kvstore connector implements
+  `SupportsHMA`, so a connector no longer turns it off) its layers form two KV-cache groups,
+  sliding window and full attention, with one block table each.
 """
 
 from __future__ import annotations
@@ -51,5 +55,32 @@ def make_mla_model(path: Path, *, layers: int = 2, positions: int = 2048,
         initializer_range=0.1)  # wider than 0.02: greedy tokens then depend on the context
     torch.manual_seed(0)
     DeepseekV2ForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+HYBRID_WINDOW = 64  # tokens a sliding-window layer attends to (its own included)
+
+
+def make_hybrid_model(path: Path, *, window: int = HYBRID_WINDOW,
+                      positions: int = 2048) -> Path:
+    """A random-weight Gemma-3-shaped text model in float32 with varied greedy outputs: 4
+    layers, sliding window (0, 2) then full attention (1, 3), 2 KV heads of 64."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    llama = make_model(path.with_name(path.name + "-tokenizer"), layers=1)
+    tok = AutoTokenizer.from_pretrained(llama)
+    cfg = Gemma3TextConfig(
+        vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=positions, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 2, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2,
+        # Untied and wider than 0.02: greedy tokens then depend on the context (tied, or at
+        # 0.02, this model repeats one token whatever the prompt).
+        tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
