@@ -28,7 +28,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.inspect import NamespaceBook, inspect_reply
 from kvstore.server.metrics import Metrics
-from kvstore.server.store import Lease, TieredStore
+from kvstore.server.store import PublishLease, TieredStore
 from kvstore.server.tenancy import Scope, current_scope
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         digest, length = layout.digest(), layout.block_bytes
         stored = present = 0
         block, filled = -1, 0
-        lease: Lease | None = None
+        lease: PublishLease | None = None
         target: np.ndarray | None = None
         msg = first
         try:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, NotFoundError
 from kvstore.keys import KEY_BYTES
@@ -59,7 +59,7 @@ RECENT_CHAIN_KEYS = 1 << 16
 
 @dataclass
 class Lease:
-    """Host entries a client holds: pinned for a fetch, reserved for a publish.
+    """Host entries a client holds: pinned (`FetchLease`) or reserved (`PublishLease`).
 
     A lease is `held` while a daemon call is working on it (the store building it, a stream
     moving its bytes): the reaper never reclaims a held lease, so a slot cannot change owner
@@ -67,17 +67,34 @@ class Lease:
     handed to a client (zero-copy) are not held: the reaper reclaims them at `expires`.
     """
 
+    kind: ClassVar[Literal["fetch", "publish"]]
     id: int
-    kind: Literal["fetch", "publish"]
     expires: float
     owner: str = ""  # the tenant that made it ("" unscoped); only it may end the lease
     held: bool = True
     entries: list[BlockEntry] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)  # fetch: where each block was found
-    needed: list[bool] = field(default_factory=list)  # publish: per key, reserved or present
-    keys: list[bytes] = field(default_factory=list)  # publish: the chain to rank at commit
-    scratch: list[BlockEntry] = field(default_factory=list)  # fetch: freed at release (`_Room`)
     more: bool = False  # stopped for lack of host space, not for a miss
+
+
+@dataclass
+class FetchLease(Lease):
+    """Pinned host blocks of a fetch (and scratch space holding those not promoted)."""
+
+    kind: ClassVar[Literal["fetch", "publish"]] = "fetch"
+    tiers: list[str] = field(default_factory=list)  # where each block was found
+    scratch: list[BlockEntry] = field(default_factory=list)  # freed at release (`_Room`)
+
+
+@dataclass
+class PublishLease(Lease):
+    """Host reservations of a publish, made visible by `commit`."""
+
+    kind: ClassVar[Literal["fetch", "publish"]] = "publish"
+    needed: list[bool] = field(default_factory=list)  # per key: reserved, or present already
+    keys: list[bytes] = field(default_factory=list)  # the chain to rank at commit
+
+
+L = TypeVar("L", bound=Lease)
 
 
 @dataclass
@@ -271,7 +288,7 @@ class TieredStore:
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
                     block_bytes: int = 0, owner: str = "", hold: bool = False,
-                    prior: Sequence[bytes] = ()) -> Lease:
+                    prior: Sequence[bytes] = ()) -> FetchLease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
         reading them into scratch space, see `_Room`) under a lease.
 
@@ -289,7 +306,7 @@ class TieredStore:
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
         """
-        lease = self._new_lease("fetch", owner)
+        lease = self._new_lease(FetchLease, owner)
         staged: list[_Staged] = []
         remote = None
         if (tier := self._remote_for(namespace)) is not None:
@@ -368,7 +385,7 @@ class TieredStore:
         """
         return {**self.saved_read_bandwidth, **self.read_rates.bandwidth}
 
-    async def _stage(self, key: bytes, layout_digest: bytes, lease: Lease,
+    async def _stage(self, key: bytes, layout_digest: bytes, lease: FetchLease,
                      staged: list[_Staged], room: _Room) -> _Staged | None:
         """Pin a host hit, or take host room for a disk hit; None ends the prefix."""
         entry = self.host.get(key)
@@ -482,7 +499,7 @@ class TieredStore:
         self.counters.promotions += 1
         return None
 
-    async def _stage_remote(self, remote: _RemoteReads, i: int, key: bytes, lease: Lease,
+    async def _stage_remote(self, remote: _RemoteReads, i: int, key: bytes, lease: FetchLease,
                             staged: list[_Staged], room: _Room) -> _Staged | None:
         """Read `key` from the remote tier into host (a promotion, pinned like a host hit, or
         scratch space). None ends the prefix."""
@@ -525,7 +542,7 @@ class TieredStore:
 
     async def reserve(self, namespace: bytes, layout_digest: bytes, keys: Sequence[bytes],
                       length: int, owner: str = "", hold: bool = False,
-                      prior: Sequence[bytes] = ()) -> Lease:
+                      prior: Sequence[bytes] = ()) -> PublishLease:
         """Reserve host space for the keys not yet stored, stopping at the first that fails.
 
         A block after a hole would be unreachable (lookups stop at the hole), so the lease
@@ -533,7 +550,7 @@ class TieredStore:
         space ran out. `hold` as for `fetch`. `prior`: the prompt's keys before `keys` (its
         earlier rounds), ranked with them at commit so the prompt's head stays the freshest.
         """
-        lease = self._new_lease("publish", owner)
+        lease = self._new_lease(PublishLease, owner)
         try:
             for key in keys:
                 if self.present(key):
@@ -560,7 +577,7 @@ class TieredStore:
         """Make a publish lease's blocks visible and end it. The lease is checked before it is
         touched: a wrong id, kind or owner changes nothing (the lease keeps its pins)."""
         lease = self._lease(lease_id, owner)
-        if lease.kind != "publish":
+        if not isinstance(lease, PublishLease):
             raise InvalidArgumentError(f"lease {lease_id} is a fetch lease: Commit ends publish "
                                        "leases (end a fetch lease with Release)")
         del self.leases[lease_id]
@@ -703,20 +720,20 @@ class TieredStore:
             raise NotFoundError(f"no lease {lease_id} (expired or already ended)")
         return lease
 
-    def hand_over(self, lease: Lease, hold: bool = False) -> Lease:
+    def hand_over(self, lease: L, hold: bool = False) -> L:
         """A lease its builder is done with: still held by the caller (`hold`), or the
         client's, with `lease_timeout_s` from now."""
         lease.held = hold
         lease.expires = self.clock() + self.lease_timeout_s
         return lease
 
-    def _new_lease(self, kind: Literal["fetch", "publish"], owner: str = "") -> Lease:
+    def _new_lease(self, cls: type[L], owner: str = "") -> L:
         # Unguessable ids: a lease is a capability (whoever names it may commit or release
         # it), so another client must not end one, or commit a half-written block, by
         # counting. Never 0: that means "no lease" on the wire.
         while (lease_id := secrets.randbits(63)) in self.leases or lease_id == 0:
             pass
-        lease = Lease(lease_id, kind, self.clock() + self.lease_timeout_s, owner)
+        lease = cls(lease_id, self.clock() + self.lease_timeout_s, owner)
         self.leases[lease.id] = lease
         return lease
 
@@ -727,13 +744,14 @@ class TieredStore:
         if lease is None or (owner is not None and lease.owner != owner):
             return False
         del self.leases[lease_id]
-        for entry in lease.entries:
-            if lease.kind == "fetch":
+        if isinstance(lease, FetchLease):
+            for entry in lease.entries:
                 self.host.complete_load(entry)  # a no-op for scratch space (under no key)
-            else:
+            for entry in lease.scratch:
+                self.host.free_scratch(entry)
+        else:
+            for entry in lease.entries:
                 self.host.abort_store(entry)
-        for entry in lease.scratch:
-            self.host.free_scratch(entry)
         return True
 
     def reap_expired(self) -> int:
