@@ -105,7 +105,7 @@ def test_prompt_is_hashed_once_and_dropped_when_finished(model_dir: Path, daemon
         other = request("r2", changed[: 40 * BLOCK + 7])
         assert conn.get_num_new_matched_tokens(other, 0) == (30 * BLOCK, False)
         assert count.take() == (40 * BLOCK + 7, 0)
-        assert set(conn._chains) == {"r1", "r2"}
+        assert set(conn._chains) == {("r1", 0), ("r2", 0)}  # (request, KV-cache group)
         conn.request_finished(req, blocks)
         conn.request_finished(other, [])
         assert not conn._chains and not conn._requests and not conn._matched
