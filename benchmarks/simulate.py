@@ -19,8 +19,9 @@ Model, per request (requests are replayed in timestamp order, one at a time):
 2. Longest prefix: each block, in chain order, is looked up in the machine's host tier, then its
    disk tier, then the shared remote tier; the walk stops at the first block found nowhere.
    Disk and remote hits are promoted into host (host victims are demoted to disk, disk victims
-   are dropped) by the daemon's own placement engine (`kvstore.tiers.hierarchy`); blocks are
-   pinned while the request holds them.
+   are dropped) by the daemon's own placement engine (`kvstore.tiers.hierarchy`), up to the
+   prompt's share of host (`PromptShare`) as the daemon's fetch; blocks are pinned while the
+   request holds them.
 3. Publish: every block of the prompt is placed in host (pinned), the chain is touched on every
    local tier with `touch_chain` (parents fresher than children), and every block is written
    through to the remote tier (one shared `TierPolicy`, LRU, victims dropped).
@@ -64,11 +65,11 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 from tqdm import tqdm
 
-from kvstore.config import parse_size
+from kvstore.config import ServerConfig, parse_size
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.planner import plan
 from kvstore.tiering import TierPolicy
-from kvstore.tiers.hierarchy import Hierarchy, MetaLevel
+from kvstore.tiers.hierarchy import Hierarchy, MetaLevel, PromptShare
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -77,6 +78,7 @@ DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
 HOST, DISK, REMOTE = 0, 1, 2
 TIER_NAMES = ("host", "disk", "remote")
 _NO_LATENCY = dict.fromkeys(TIER_NAMES, 0.0)  # the TTFT model counts bytes, not round trips
+FETCH_WINDOW_BYTES = ServerConfig.fetch_window_bytes  # the daemon's default: a prompt's share
 
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads x 128, bf16
 TRACE_BLOCK_TOKENS = 512  # the trace's block size (its README)
@@ -664,6 +666,23 @@ class ClusterSim:
         False if no room (the rest of host is pinned by this request: the daemon stops)."""
         return m.placement.place(0, key, self.block, self._changed)
 
+    def _share(self, m: Machine, keys: Sequence[bytes]) -> PromptShare:
+        """The prompt's share of host (`PromptShare`), sized as the daemon's fetch sizes it at
+        its first disk or remote hit: its host blocks, then its disk blocks up to the first
+        block held by neither."""
+        used = rest = 0
+        local = True
+        for key in keys:
+            if key in m.host:
+                used += self.block
+            elif key in m.disk:
+                rest += self.block
+            else:
+                local = False
+                break
+        return PromptShare.size(m.host.capacity_bytes, FETCH_WINDOW_BYTES, self.block, used,
+                                rest, open_ended=self.remote.capacity_bytes > 0, local=local)
+
     def _write_through(self, keys: Sequence[bytes]) -> None:
         remote = self.remote
         if self.block > remote.capacity_bytes:
@@ -720,19 +739,24 @@ class ClusterSim:
         served = bytearray()
         pinned: list[bytes] = []
         res = self.result
+        share: PromptShare | None = None
         for key in keys:
             if key in host:
                 served.append(HOST)
-            elif key in disk:
+                continue
+            if key in disk:
                 served.append(DISK)
-                if not self._to_host(m, key):
-                    res.unpromoted += 1
             elif key in remote:
                 served.append(REMOTE)
-                if not self._to_host(m, key):
-                    res.unpromoted += 1
             else:
                 break  # a prefix with a hole is useless past the hole
+            # Promoted while the prompt is within its share of host, as the daemon's fetch
+            # does; past it (a prompt larger than host) served from scratch space.
+            share = share or self._share(m, keys)
+            if share.promotes(self.block) and self._to_host(m, key):
+                share.used += self.block
+            else:
+                res.unpromoted += 1
             if key in host:
                 host.pin(key)  # the daemon pins fetched blocks under a lease
                 pinned.append(key)

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.simulate import (
     DISK,
+    FETCH_WINDOW_BYTES,
     HOST,
     REMOTE,
     AffinityRouter,
@@ -309,3 +310,22 @@ def test_workloads_are_seeded_and_have_their_shape() -> None:
         extended += any(full[:n] in seen for n in range(len(full) - 1, 8, -1))
         seen.update(full[:n] for n in range(1, len(full) + 1))
     assert extended > len(ag) // 2
+
+
+def test_prompt_larger_than_host_is_promoted_up_to_its_share_as_the_daemon_does() -> None:
+    # The daemon's fetch (`PromptShare`): a prompt whose cached blocks do not fit host keeps
+    # its first blocks up to the capacity less two fetch windows and serves the rest from
+    # scratch space; promoting it whole would evict its own blocks.
+    blocks = 20
+    s = ClusterSim(ClusterConfig(1, 8 * FETCH_WINDOW_BYTES, 64 * FETCH_WINDOW_BYTES, 0,
+                                 FETCH_WINDOW_BYTES), RandomRouter(1))
+    req = make_request(list(range(1, blocks + 1)))
+    disk = s.machines[0].placement
+    for key in req.keys[:blocks]:  # on disk only, as after a restart
+        assert disk.place(1, key, FETCH_WINDOW_BYTES)
+    before = s.result.unpromoted
+    assert s.process(req) == bytes([DISK] * blocks)
+    host = s.machines[0].host
+    assert [k in host for k in req.keys[:blocks]] == [True] * 6 + [False] * 14  # 8 - 2 windows
+    assert s.result.unpromoted - before == 14
+    assert s.process(req) == bytes([HOST] * 6 + [DISK] * 14)  # the same share, no thrashing
