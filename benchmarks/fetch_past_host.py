@@ -42,7 +42,8 @@ def timed(c: KVClient, tokens: list[int], kv: torch.Tensor, out: torch.Tensor,
     n, got = c.fetch(tokens, into=out)
     seconds = time.perf_counter() - began
     require(n == len(tokens) and got is not None and torch.equal(got, kv),
-            f"{run}: the whole prompt, byte-identical")
+            f"{run}: the whole prompt, byte-identical (got {n} of {len(tokens)} tokens; "
+            "after a restart, fewer means the SIGTERM flush ran out of shutdown_flush_s)")
     after = counters(c)
     return {"blocks": len(tokens) // LAYOUT.block_tokens, "run": run, "fetch s": seconds,
             **{k: after[k] - before[k] for k in after}}
