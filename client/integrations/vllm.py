@@ -81,11 +81,21 @@ per-block load error with several groups. Saves are synchronous, in every step t
 prompt blocks: vLLM frees a sliding-window group's blocks behind the window while the request
 runs, so a background copy could read reused pages. docs/ENGINES.md, "Hybrid models".
 
+Tensor parallel (docs/ENGINES.md, "Tensor parallel"): each worker loads and saves its own
+rank's shard of the heads, under layouts naming the degree and rank (`MODEL#tp=2:rank=1`; at
+TP=1 the layouts are those of before). The scheduler keys each prompt for every rank and
+counts a block cached only when every rank's shard (of every group) is: the minimum of their
+lookups. The workers agree on each load (an all-reduce of the tokens each rank loaded), so a
+load short on one rank is reported as the same failed blocks by all, and no rank publishes
+what that step computed; vLLM recomputes from the first failed block on every rank.
+
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
 other state groups, chunked local attention, static sink attention, groups of different block
 sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
-tensor and pipeline parallel size 1, text prompts (requests with multimodal inputs or prompt
-embeddings bypass the store); hybrid models publish no KV events.
+MLA at tensor parallel size 1 only, pipeline parallel size 1 (vLLM's CPU build fails PP=2's
+first step), text prompts (requests with multimodal inputs or prompt embeddings bypass the
+store); hybrid models and TP > 1 publish no KV events; blocks of different parallel degrees
+are never shared.
 """
 
 from __future__ import annotations
@@ -228,6 +238,8 @@ class KVGroup:
     layout: KVLayout
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
+    rank: int = 0
+    """The tensor-parallel rank whose shard of the heads `layout` holds (0 at TP=1)."""
 
 
 def _layer_index(name: str) -> int:
@@ -236,7 +248,7 @@ def _layer_index(name: str) -> int:
 
 
 def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                    cfg: ConnectorConfig) -> list[KVGroup]:
+                    cfg: ConnectorConfig, rank: int = 0) -> list[KVGroup]:
     """The groups of this engine's KV cache, each with the layout its blocks are stored
     under, or `ConnectorConfigError` naming what is unsupported.
 
@@ -245,11 +257,22 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     KV-cache manager: sliding-window and full-attention layers, Gemma-2/3, gpt-oss): each
     group's layout names the model plus its layers and window in `model`
     (`MODEL#kv-group:layers=0,2:sliding_window=64`), so two groups of equal shape never share
-    keys, and a group's blocks are found (or missing) on their own."""
+    keys, and a group's blocks are found (or missing) on their own.
+
+    Tensor parallel > 1: the layouts of tensor-parallel rank `rank`, whose cache holds its
+    shard of the KV heads (vLLM's spec counts the heads per rank): `model` names the parallel
+    degree and the rank (`MODEL#tp=2:rank=1`, after the group's tag), so shards of different
+    ranks, and blocks of other parallel degrees, never share keys; at TP=1 the layouts are
+    exactly those of before."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConnectorConfigError("the kvstore connector supports tensor and pipeline "
-                                   "parallel size 1 only")
+    tp = parallel.tensor_parallel_size
+    if parallel.pipeline_parallel_size != 1:
+        raise ConnectorConfigError(f"the kvstore connector supports pipeline parallel size 1 "
+                                   f"only, got {parallel.pipeline_parallel_size} (vLLM's CPU "
+                                   f"build, where the connector is tested, does not run "
+                                   f"pipeline parallel: docs/ENGINES.md)")
+    if not 0 <= rank < tp:
+        raise ConnectorConfigError(f"tensor-parallel rank {rank} outside [0, {tp})")
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise ConnectorConfigError("the kvstore connector needs a KV cache (attention-free "
                                    "models have none)")
@@ -293,6 +316,11 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
                                        f"and (with vLLM's hybrid KV-cache manager) sliding "
                                        f"window attention only, got {type(spec).__name__} in "
                                        f"KV-cache group {index}")
+        if mla and tp > 1:
+            # The latent is the same on every rank: it should be stored once and read by all
+            # (issue 14, item 2), not once per rank; not built yet.
+            raise ConnectorConfigError(f"the kvstore connector does not serve MLA models at "
+                                       f"tensor parallel size {tp} yet (only 1)")
         if mla:
             _warn_cpu_mla_rope(vllm_config)
         else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
@@ -303,12 +331,14 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
             kind = f"sliding_window={window}" if window is not None else "full"
             name = (f"{model}#kv-group:layers={','.join(str(_layer_index(n)) for n in names)}"
                     f":{kind}")
+        if tp > 1:
+            name = f"{name}#tp={tp}:rank={rank}"
         layout = KVLayout(model=name, model_revision=model_config.revision or "",
                           num_layers=len(group.layer_names),
                           num_kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
                           dtype=spec.dtype, block_tokens=block_tokens,
                           kv_kind="mla" if mla else "kv")
-        out.append(KVGroup(index, layout, names, window))
+        out.append(KVGroup(index, layout, names, window, rank))
     return out
 
 
@@ -377,6 +407,8 @@ class LoadSpec:
     end: int
     group: int = 0
     """The KV-cache group (hybrid models: one spec per group; `block_ids` are its own)."""
+    rank: int = 0
+    """The tensor-parallel rank that loads it (one spec per rank, `keys` its shard's)."""
 
 
 @dataclass
@@ -389,6 +421,8 @@ class SaveSpec:
     lora: str
     block_ids: list[int]
     group: int = 0
+    rank: int = 0
+    """The tensor-parallel rank that saves it (one spec per rank, `keys` its shard's)."""
 
 
 @dataclass
@@ -407,7 +441,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """Scheduler-side state of one request the connector follows."""
 
-    keys: list[PrefixKeys]  # of the prompt's full kvstore blocks, per KV-cache group
+    rank_keys: list[list[PrefixKeys]]  # of the prompt's full blocks, [TP rank][KV-cache group]
     num_tokens: int  # in the prompt
     salt: str
     lora: str
@@ -417,6 +451,11 @@ class _Request:
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
     save_issued: bool = False  # a SaveSpec went to the worker: it reports when it is done
     saved_to: int = 0  # hybrid: the prompt's tokens saves were issued for so far
+
+    @property
+    def keys(self) -> list[PrefixKeys]:
+        """Rank 0's keys, per KV-cache group."""
+        return self.rank_keys[0]
 
 
 def _namespace_of(request: Request) -> tuple[str, str] | None:
@@ -564,7 +603,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._cfg = ConnectorConfig.from_extra(
             dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        self._groups = groups_for_vllm(vllm_config, kv_cache_config, self._cfg)
+        # Tensor parallel: each worker moves its own rank's shard, under its own layouts; the
+        # scheduler (one process) keys a prompt for every rank and counts a block cached only
+        # when every rank's shard of it is (docs/ENGINES.md, "Tensor parallel").
+        self._tp = vllm_config.parallel_config.tensor_parallel_size
+        self._rank = 0
+        if role == KVConnectorRole.WORKER and self._tp > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._rank = get_tensor_model_parallel_rank()
+        ranks = range(self._tp) if role == KVConnectorRole.SCHEDULER else [self._rank]
+        self._rank_groups = {r: groups_for_vllm(vllm_config, kv_cache_config, self._cfg, r)
+                             for r in ranks}
+        self._groups = self._rank_groups[self._rank]
         self._layout = self._groups[0].layout
         # Hybrid models (several KV-cache groups, vLLM's hybrid manager): each group's blocks
         # under its own keys; loads asynchronous (vLLM takes a failed load per request only,
@@ -572,13 +623,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # sliding-window group's blocks behind the window while the request runs).
         self._hybrid = len(self._groups) > 1
         self._block_size = vllm_config.cache_config.block_size
-        self._clients: dict[tuple[str, str, int], KVClient] = {}
+        self._clients: dict[tuple[str, str, int, int], KVClient] = {}
+        # one client per (salt, LoRA) namespace, KV-cache group and rank; salts are few
+        self._max_clients = _MAX_CLIENTS * len(self._groups) * len(self._rank_groups)
         self._clients_lock = threading.Lock()  # the saver thread makes clients too
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
         self._requests: dict[str, _Request] = {}
-        # req_id -> its prompt's keys so far, from its first lookup to request_finished
-        self._chains: dict[tuple[str, int], tuple[tuple[str, str], KeyChain]] = {}
+        # (req_id, group) -> its prompt's keys so far, one chain per TP rank, from its first
+        # lookup to request_finished
+        self._chains: dict[tuple[str, int], tuple[tuple[str, str], list[KeyChain]]] = {}
         self._async_loads: list[str] = []  # hybrid: requests whose load goes out next
         self._load_failed: set[str] = set()  # hybrid: requests whose load failed: recompute
         # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
@@ -616,9 +670,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # default policy ("fail") would fail the request instead. The scheduler reads the
             # policy right after building its connector, from this same config object.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        log.info("kvstore connector (%s) on %s, layout%s %s", role.name, self._cfg.target,
-                 "s" if self._hybrid else "", [g.layout for g in self._groups] if self._hybrid
-                 else self._layout)
+        layouts = [g.layout for r in self._rank_groups.values() for g in r]
+        log.info("kvstore connector (%s%s) on %s, layout%s %s", role.name,
+                 f", TP rank {self._rank} of {self._tp}" if role == KVConnectorRole.WORKER
+                 and self._tp > 1 else "", self._cfg.target, "s" if len(layouts) > 1 else "",
+                 layouts if len(layouts) > 1 else self._layout)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -626,15 +682,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     def _client(self, salt: str, lora: str, group: int = 0) -> KVClient:
-        """The client of one namespace (and KV-cache group), created on first use in this
-        process (workers are spawned: a client made before would not survive)."""
-        key = (salt, lora, group)
+        """The client of one namespace (and KV-cache group) for this process's rank's shard,
+        created on first use in this process (workers are spawned: a client made before would
+        not survive)."""
+        return self._rank_client(salt, lora, group, self._rank)
+
+    def _shard_client(self, salt: str, lora: str, group: int, rank: int) -> KVClient:
+        """`_client` of any rank (the scheduler looks up every rank's shard)."""
+        if rank == self._rank:
+            return self._client(salt, lora, group)
+        return self._rank_client(salt, lora, group, rank)
+
+    def _rank_client(self, salt: str, lora: str, group: int, rank: int) -> KVClient:
+        key = (salt, lora, group, rank)
         with self._clients_lock:
             client = self._clients.get(key)
             if client is None:
-                if len(self._clients) >= _MAX_CLIENTS:  # close the oldest
+                if len(self._clients) >= self._max_clients:  # close the oldest
                     self._clients.pop(next(iter(self._clients))).close()
-                client = KVClient(self._cfg.target, self._groups[group].layout, salt=salt,
+                client = KVClient(self._cfg.target, self._rank_groups[rank][group].layout,
+                                  salt=salt,
                                   lora=lora,
                                   tenant=self._cfg.tenant, token=self._cfg.token,
                                   deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
@@ -643,20 +710,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==== scheduler side
     def _prompt_keys(self, request: Request, ns: tuple[str, str], tokens: list[int],
-                     ) -> list[PrefixKeys]:
-        """The keys of the prompt's full blocks, per KV-cache group, hashing only blocks this
-        request has not had hashed before (vLLM looks a waiting request up at every step it
-        stays waiting)."""
-        out = []
+                     ) -> list[list[PrefixKeys]]:
+        """The keys of the prompt's full blocks, `[TP rank][KV-cache group]`, hashing only
+        blocks this request has not had hashed before (vLLM looks a waiting request up at
+        every step it stays waiting)."""
+        out: list[list[PrefixKeys]] = [[] for _ in self._rank_groups]
         for g in self._groups:
             held = self._chains.get((request.request_id, g.index))
             if held is None or held[0] != ns:
-                client = self._client(*ns, g.index)
-                # A new prompt is keyed by the client, whose cache knows prefixes other
-                # requests shared (a system prompt); the chain then follows this request.
-                chain = KeyChain(client.namespace.digest(), g.layout.block_tokens, client.keys)
-                held = self._chains[(request.request_id, g.index)] = (ns, chain)
-            out.append(held[1].keys(tokens))
+                chains = []
+                for rank, groups in sorted(self._rank_groups.items()):
+                    client = self._shard_client(*ns, g.index, rank)
+                    # A new prompt is keyed by the client, whose cache knows prefixes other
+                    # requests shared (a system prompt); the chain then follows this request.
+                    chains.append(KeyChain(client.namespace.digest(),
+                                           groups[g.index].layout.block_tokens, client.keys))
+                held = self._chains[(request.request_id, g.index)] = (ns, chains)
+            for rank, chain in enumerate(held[1]):
+                out[rank].append(chain.keys(tokens))
         return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
@@ -674,11 +745,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 and now - waiting[0] < self._cfg.consumer_wait_s:
             return None, False  # a consumer waiting for its producer, looked up just now
         try:
-            # A block missing in any group is a miss for every prefix reaching it: the hit
-            # is the shortest of the groups' cached prefixes (every group stores every
-            # block, so each group's prefix ends where its first missing block is).
+            # A block missing in any group, or any TP rank's shard of it, is a miss for every
+            # prefix reaching it: the hit is the shortest of the (rank, group) cached prefixes
+            # (every group of every rank stores every block, so each one's prefix ends where
+            # its first missing block is).
             keys = self._prompt_keys(request, ns, tokens)
-            hit = min(self._client(*ns, g.index).lookup(keys[g.index]) for g in self._groups)
+            hit = min(self._shard_client(*ns, g.index, rank).lookup(keys[rank][g.index])
+                      for rank in range(len(keys)) for g in self._groups)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -726,19 +799,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if ns is None or request.prompt_token_ids is None:
             return
         keys = self._prompt_keys(request, ns, request.prompt_token_ids)
-        state = _Request(keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
-                         lora=ns[1], save_end=keys[0].num_tokens, hit_end=hit,
+        save_end = keys[0][0].num_tokens
+        state = _Request(rank_keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
+                         lora=ns[1], save_end=save_end, hit_end=hit,
                          block_ids=[list(ids) for ids in blocks.get_block_ids()],
-                         saved_to=min(hit, keys[0].num_tokens))
+                         saved_to=min(hit, save_end))
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
             if self._hybrid:  # an asynchronous load: the request is not scheduled meanwhile
                 self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
-        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models).
-        if self._saves and state.save_end > state.hit_end and not self._hybrid:
-            describe_request(self._client(*ns), request, keys[0], self._block_size)
+        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models, nor for
+        # TP > 1, where a block is cached only once every rank's shard is).
+        if self._saves and state.save_end > state.hit_end and not self._hybrid \
+                and self._tp == 1:
+            describe_request(self._client(*ns), request, state.keys[0], self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(
@@ -805,18 +881,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             bt = self._layout.block_tokens
             end = min(state.save_end, (computed + num_scheduled) // bt * bt)
             if end > state.saved_to:
-                for g in self._groups:
-                    meta.saves.append(SaveSpec(req_id, state.keys[g.index].prefix(end // bt),
-                                               state.salt, state.lora,
-                                               list(state.block_ids[g.index]), g.index))
+                for rank, keys in enumerate(state.rank_keys):
+                    for g in self._groups:
+                        meta.saves.append(SaveSpec(req_id, keys[g.index].prefix(end // bt),
+                                                   state.salt, state.lora,
+                                                   list(state.block_ids[g.index]), g.index,
+                                                   rank))
                 state.saved_to = end
                 state.save_issued = True
             return
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
         if computed < state.save_end <= computed + num_scheduled:
-            meta.saves.append(SaveSpec(req_id, state.keys[0], state.salt, state.lora,
-                                       list(state.block_ids[0])))
+            for rank, keys in enumerate(state.rank_keys):  # each TP rank saves its shard
+                meta.saves.append(SaveSpec(req_id, keys[0], state.salt, state.lora,
+                                           list(state.block_ids[0]), rank=rank))
             state.save_issued = True
 
     def _plan_load(self, req_id: str, state: _Request, meta: KVStoreConnectorMetadata,
@@ -835,9 +914,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if g.sliding_window is not None:
                 live = next((i for i, b in enumerate(ids) if b != _NULL_BLOCK), len(ids))
                 first = max(start, live * self._block_size)
-            meta.loads.append(LoadSpec(req_id, state.keys[g.index].prefix(-(-end // bt)),
-                                       state.salt, state.lora, list(ids), first,
-                                       max(first, end), g.index))
+            for rank, keys in enumerate(state.rank_keys):  # each TP rank loads its shard
+                meta.loads.append(LoadSpec(req_id, keys[g.index].prefix(-(-end // bt)),
+                                           state.salt, state.lora, list(ids), first,
+                                           max(first, end), g.index, rank))
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -949,18 +1029,32 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._failed_reqs.clear()
+        # Each TP rank loads its own shard (the scheduler sends one spec per rank).
+        loads = [spec for spec in self._metadata().loads if spec.rank == self._rank]
         if self._hybrid:
-            self._load_groups(self._metadata().loads)
+            # A group short on any rank fails the request's load on that rank; vLLM takes a
+            # request as loaded only when every rank reports it (KVOutputAggregator) and
+            # fails it when any rank does: all ranks then recompute it from its first token.
+            self._load_groups(loads)
             return
-        for spec in self._metadata().loads:
+        results = []
+        for spec in loads:
             began = time.perf_counter()
             try:
                 loaded = self._load(spec)
             except Exception:  # a cache must never take the engine down: recompute instead
                 log.exception("kvstore load failed for request %s", spec.req_id)
                 loaded = spec.start
-            ms = (time.perf_counter() - began) * 1e3
             self.loaded_tokens += max(0, loaded - spec.start)
+            results.append((spec, loaded, (time.perf_counter() - began) * 1e3))
+        agreed = self._agree([loaded for _, loaded, _ in results])
+        for (spec, mine, ms), agreed_end in zip(results, agreed, strict=True):
+            loaded = max(spec.start, agreed_end)
+            if loaded < mine:
+                log.warning("kvstore: request %s loaded tokens [%d, %d) on TP rank %d, "
+                            "another rank only [%d, %d): all ranks recompute from %d",
+                            spec.req_id, spec.start, mine, self._rank, spec.start, loaded,
+                            loaded)
             if loaded < spec.end:
                 self._failed_reqs.add(spec.req_id)
                 # Only the blocks from the first token not loaded: vLLM keeps the prefix that
@@ -975,6 +1069,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
                          spec.start, spec.end, ms)
+
+    def _agree(self, loaded: list[int]) -> list[int]:
+        """TP > 1: the tokens every rank loaded, per spec (each rank has one spec per request,
+        in the same order): the minimum over ranks, so that every rank reports the same
+        blocks failed to vLLM (which recomputes from the first one) and none publishes a
+        block this step computed over a prefix another rank failed to load."""
+        if self._tp == 1 or not loaded:
+            return loaded
+        try:
+            import torch.distributed as dist
+            from vllm.distributed.parallel_state import get_tp_group
+
+            mins = torch.tensor(loaded, dtype=torch.int64)
+            dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+            return [int(n) for n in mins.tolist()]
+        except Exception:  # ranks that cannot agree: nothing loaded counts (recompute all)
+            log.exception("kvstore: TP ranks could not agree on their loads; recomputing")
+            return [-1] * len(loaded)
 
     def _load_groups(self, loads: list[LoadSpec]) -> None:
         """Hybrid models: each request's loads, one per KV-cache group, reported to vLLM as
@@ -1094,7 +1206,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._prefill.observe_span(*meta.prefill, time.perf_counter() - self._step_began)
         for spec in meta.saves:
             if self._async_save:
-                self._save_reqs.add(spec.req_id)  # the scheduler holds its blocks for us
+                # The scheduler holds its blocks until every rank reports the request done
+                # (`get_finished`), the ranks whose spec this is not included.
+                self._save_reqs.add(spec.req_id)
+            if spec.rank != self._rank:
+                continue  # another TP rank's shard
             if not self._caches or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
                 continue

@@ -64,3 +64,12 @@ class FiniteFlakyKVStoreConnector(KVStoreConnector):
 
     def _client(self, salt: str, lora: str, group: int = 0) -> Any:
         return _ShortFetch(super()._client(salt, lora, group), poison=1e4)
+
+
+class RankFlakyKVStoreConnector(KVStoreConnector):
+    """Tensor parallel: rank 1's worker-side fetches lose their last block (NaN), rank 0's
+    are whole; a fault in one worker's load."""
+
+    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
+        client = super()._client(salt, lora, group)
+        return _ShortFetch(client) if self._rank == 1 else client
