@@ -36,7 +36,7 @@ from tests.vllm.test_vllm_connector import (
     hit_blocks,
     require_varied_output,
 )
-from tests.vllm.vllm_runner import corpus
+from tests.vllm.vllm_runner import corpus_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 PARTIAL = 9 * BLOCK + 12  # past its last full block: loads 9 blocks, computes 12 tokens
@@ -47,15 +47,6 @@ MISSING = {"sliding-missing": (0, 53), "full-missing": (1, 54)}
 # vLLM's sliding-window manager keeps cdiv(window - 1, block) blocks before a resumed length
 # (vllm/v1/core/single_type_kv_cache_manager.py): the only ones a load fetches for that group.
 WINDOW_BLOCKS = -(-(HYBRID_WINDOW - 1) // BLOCK)
-
-
-def prompt_ids(model: Path, seed: int, n: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    ids: list[int] = AutoTokenizer.from_pretrained(model)(" ".join(corpus(40, seed=seed)))[
-        "input_ids"]
-    assert len(ids) >= n
-    return ids[:n]
 
 
 def group_layouts(model: Path) -> list[Any]:
@@ -92,10 +83,10 @@ def cold(model_dir: Path, daemon: DaemonProcess,
     log = tmp_path_factory.mktemp("vllm-hybrid-log") / "cold.log"
     engine = Engine(model_dir, daemon.target, log=log)
     try:
-        runs = {name: engine.generate([prompt_ids(model_dir, seed, n)])
+        runs = {name: engine.generate([corpus_ids(model_dir, seed, n)])
                 for name, (seed, n) in PROMPTS.items()}
         for salt, (_, seed) in MISSING.items():
-            runs[salt] = engine.generate([{"prompt_token_ids": prompt_ids(model_dir, seed,
+            runs[salt] = engine.generate([{"prompt_token_ids": corpus_ids(model_dir, seed,
                                                                           PARTIAL),
                                            "cache_salt": salt}])
     finally:
@@ -127,7 +118,7 @@ def test_groups_stored_apart(cold: dict[str, dict[str, Any]], daemon: DaemonProc
     every full block of the prompt, in both (any prefix length can be resumed)."""
     from kvstore.client import KVClient
 
-    ids = prompt_ids(model_dir, *PROMPTS["partial"])
+    ids = corpus_ids(model_dir, *PROMPTS["partial"])
     for layout in group_layouts(model_dir):
         with KVClient(daemon.target, layout) as client:
             assert client.lookup(ids) == PARTIAL // BLOCK * BLOCK, layout
@@ -147,7 +138,7 @@ def test_fresh_engine_loads_hybrid_prefix_with_cold_logprobs(
     cached = min(n // BLOCK * BLOCK, n - 1)
     assert cached > HYBRID_WINDOW
     served = hit_blocks(daemon)
-    warm = warm_engine.generate([prompt_ids(model_dir, seed, n)])
+    warm = warm_engine.generate([corpus_ids(model_dir, seed, n)])
     assert warm["cached"] == [cached], warm_engine.tail()
     full_blocks = -(-cached // BLOCK)
     assert hit_blocks(daemon) - served == full_blocks + WINDOW_BLOCKS
@@ -156,7 +147,7 @@ def test_fresh_engine_loads_hybrid_prefix_with_cold_logprobs(
     first_sw = cached - HYBRID_WINDOW + 1
     assert (f"group 0 tokens [{first_sw // BLOCK * BLOCK}, {cached}), group 1 tokens [0, "
             f"{cached})") in warm_engine.tail(200), warm_engine.tail()
-    again = warm_engine.generate([prompt_ids(model_dir, seed, n)])  # vLLM's prefix cache
+    again = warm_engine.generate([corpus_ids(model_dir, seed, n)])  # vLLM's prefix cache
     assert again["cached"][0] >= n // BLOCK * BLOCK - BLOCK, warm_engine.tail()
     assert_same_generation(again, cold[name])
 
@@ -172,7 +163,7 @@ def test_prefix_missing_one_group_is_a_miss(salt: str, cold: dict[str, dict[str,
     from kvstore.client import KVClient
 
     group, seed = MISSING[salt]
-    ids = prompt_ids(model_dir, seed, PARTIAL)
+    ids = corpus_ids(model_dir, seed, PARTIAL)
     layouts = group_layouts(model_dir)
     with KVClient(daemon.target, layouts[group], salt=salt) as client:
         assert client.lookup(ids) == PARTIAL // BLOCK * BLOCK
@@ -200,7 +191,7 @@ def test_failed_group_load_is_recomputed(cold: dict[str, dict[str, Any]], model_
                     module="tests.vllm.flaky_connector")
     try:
         served = hit_blocks(daemon)
-        out = engine.generate([prompt_ids(model_dir, *PROMPTS["partial"])])
+        out = engine.generate([corpus_ids(model_dir, *PROMPTS["partial"])])
         assert hit_blocks(daemon) > served, "the run did not fetch from kvstore"
         assert "vLLM recomputes the request" in engine.tail(400)
         assert_same_generation(out, cold["partial"])

@@ -32,7 +32,7 @@ from tests.vllm.test_vllm_connector import (
     hit_blocks,
     require_varied_output,
 )
-from tests.vllm.vllm_runner import corpus
+from tests.vllm.vllm_runner import corpus_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 PARTIAL = 6 * MLA_BLOCK + 4  # a prompt past its last full block: loads 6 blocks, computes 4
@@ -41,12 +41,7 @@ PROMPTS = {"partial": (41, PARTIAL), "whole": (42, WHOLE)}  # name: (corpus seed
 
 
 def prompt_ids(model: Path, seed: int, n: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    ids: list[int] = AutoTokenizer.from_pretrained(model)(" ".join(corpus(30, seed=seed)))[
-        "input_ids"]
-    assert len(ids) >= n
-    return ids[:n]
+    return corpus_ids(model, seed, n, sentences=30)
 
 
 def engine_layout(model: Path) -> Any:

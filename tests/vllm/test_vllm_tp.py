@@ -36,7 +36,7 @@ from tests.vllm.test_vllm_connector import (
     fetched_blocks,
     hit_blocks,
 )
-from tests.vllm.vllm_runner import corpus, make_model
+from tests.vllm.vllm_runner import corpus_ids, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 TP = 2
@@ -61,15 +61,6 @@ def one_core_per_rank() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:TP]))
         yield
-
-
-def prompt_ids(model: Path, seed: int, n: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    ids: list[int] = AutoTokenizer.from_pretrained(model)(" ".join(corpus(40, seed=seed)))[
-        "input_ids"]
-    assert len(ids) >= n
-    return ids[:n]
 
 
 def rank_layout(model: Path, rank: int | None) -> Any:
@@ -150,13 +141,13 @@ def cold(model_dir: Path, daemon: DaemonProcess,
     log = tmp_path_factory.mktemp("vllm-tp-log") / "cold.log"
     engine = Engine(model_dir, daemon.target, log=log, **tp_opts())
     try:
-        runs = {name: engine.generate([prompt_ids(model_dir, seed, n)])
+        runs = {name: engine.generate([corpus_ids(model_dir, seed, n)])
                 for name, (seed, n) in PROMPTS.items()}
         for salt, (_, seed) in MISSING.items():
-            runs[salt] = engine.generate([{"prompt_token_ids": prompt_ids(model_dir, seed,
+            runs[salt] = engine.generate([{"prompt_token_ids": corpus_ids(model_dir, seed,
                                                                           PARTIAL),
                                            "cache_salt": salt}])
-        runs["flaky"] = engine.generate([prompt_ids(model_dir, *FLAKY)])
+        runs["flaky"] = engine.generate([corpus_ids(model_dir, *FLAKY)])
     finally:
         engine.close()
     text = log.read_text()
@@ -185,7 +176,7 @@ def test_each_rank_stores_its_shard(cold: dict[str, dict[str, Any]], daemon: Dae
     default keeps parallel degrees apart)."""
     from kvstore.client import KVClient
 
-    ids = prompt_ids(model_dir, *PROMPTS["partial"])
+    ids = corpus_ids(model_dir, *PROMPTS["partial"])
     for rank in range(TP):
         with KVClient(daemon.target, rank_layout(model_dir, rank)) as client:
             assert client.lookup(ids) == PARTIAL // BLOCK * BLOCK, rank
@@ -203,7 +194,7 @@ def test_fresh_engine_loads_both_shards_with_cold_logprobs(
     and top-5 log-probabilities match the cold run's within LOGPROB_TOL. A second run is
     vLLM's own prefix cache: the same again."""
     seed, n = PROMPTS[name]
-    ids = prompt_ids(model_dir, seed, n)
+    ids = corpus_ids(model_dir, seed, n)
     cached = expected_cached(n)
     served = hit_blocks(daemon)
     warm = warm_engine.generate([ids])
@@ -227,7 +218,7 @@ def test_shard_missing_on_one_rank_is_a_miss(salt: str, cold: dict[str, dict[str
     from kvstore.client import KVClient
 
     rank, seed = MISSING[salt]
-    ids = prompt_ids(model_dir, seed, PARTIAL)
+    ids = corpus_ids(model_dir, seed, PARTIAL)
     with KVClient(daemon.target, rank_layout(model_dir, rank), salt=salt) as client:
         assert client.lookup(ids) == PARTIAL // BLOCK * BLOCK
         assert client.clear() > 0
@@ -254,7 +245,7 @@ def test_failed_load_on_one_rank_is_recomputed_on_all(cold: dict[str, dict[str, 
                     module="tests.vllm.flaky_connector", **tp_opts())
     try:
         served = hit_blocks(daemon)
-        out = engine.generate([prompt_ids(model_dir, *FLAKY)])
+        out = engine.generate([corpus_ids(model_dir, *FLAKY)])
         tail = engine.tail(400)
         assert hit_blocks(daemon) - served >= TP * (PARTIAL // BLOCK - 1)
         assert "on TP rank 0, another rank only" in tail, tail
@@ -294,7 +285,7 @@ def hybrid_cold(hybrid_dir: Path, daemon: DaemonProcess,
     log = tmp_path_factory.mktemp("vllm-tp-log") / "hybrid-cold.log"
     engine = Engine(hybrid_dir, daemon.target, log=log, **tp_opts())
     try:
-        runs = {name: engine.generate([{"prompt_token_ids": prompt_ids(hybrid_dir, seed, n),
+        runs = {name: engine.generate([{"prompt_token_ids": corpus_ids(hybrid_dir, seed, n),
                                         "cache_salt": name}])
                 for name, (seed, n) in HYBRID_PROMPTS.items()}
     finally:
@@ -324,7 +315,7 @@ def test_hybrid_groups_times_ranks(hybrid_cold: dict[str, dict[str, Any]], hybri
             for rank in range(TP):
                 with KVClient(daemon.target, hybrid_layout(hybrid_dir, group, rank),
                               salt=name) as client:
-                    assert client.lookup(prompt_ids(hybrid_dir, seed, n)) == full
+                    assert client.lookup(corpus_ids(hybrid_dir, seed, n)) == full
     with KVClient(daemon.target, hybrid_layout(hybrid_dir, groups[0], 1),
                   salt=missing) as client:
         assert client.clear() > 0
@@ -333,7 +324,7 @@ def test_hybrid_groups_times_ranks(hybrid_cold: dict[str, dict[str, Any]], hybri
                     **tp_opts())
     try:
         served = hit_blocks(daemon)
-        warm = engine.generate([{"prompt_token_ids": prompt_ids(hybrid_dir,
+        warm = engine.generate([{"prompt_token_ids": corpus_ids(hybrid_dir,
                                                                 *HYBRID_PROMPTS["partial"]),
                                  "cache_salt": "partial"}])
         assert warm["cached"] == [full], engine.tail()
@@ -341,7 +332,7 @@ def test_hybrid_groups_times_ranks(hybrid_cold: dict[str, dict[str, Any]], hybri
         assert hit_blocks(daemon) - served == TP * (full // BLOCK + window_blocks)
         assert_same_generation(warm, hybrid_cold["partial"])
         served = hit_blocks(daemon)
-        out = engine.generate([{"prompt_token_ids": prompt_ids(hybrid_dir,
+        out = engine.generate([{"prompt_token_ids": corpus_ids(hybrid_dir,
                                                                *HYBRID_PROMPTS[missing]),
                                 "cache_salt": missing}])
         assert out["cached"] == [0], engine.tail()

@@ -36,6 +36,16 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+def corpus_ids(model: Path, seed: int, n: int, sentences: int = 40) -> list[int]:
+    """The first `n` token ids of `corpus(sentences, seed)` under `model`'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    text = " ".join(corpus(sentences, seed=seed))
+    ids: list[int] = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
+    assert len(ids) >= n, f"the corpus gives {len(ids)} tokens, {n} wanted"
+    return ids[:n]
+
+
 def make_model(path: Path, *, layers: int = 2, dtype: str = "float32",
                positions: int = 2048) -> Path:
     """A random-weight Llama (2 layers, 4 heads, 2 KV heads, head_dim 64) with a byte-level
