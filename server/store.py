@@ -667,8 +667,9 @@ class TieredStore:
         """Write host-only blocks to disk, most recent first, for up to `budget_s` seconds, so
         a planned restart keeps them. Returns how many were written.
 
-        They are written in `_flush_order` (the budget may run out) and ranked so that, after
-        a restart, the first written is the most recently used: parents ahead of children.
+        They are written in the placement engine's order (`Hierarchy.flush_order`: the budget
+        may run out) and ranked so that, after a restart, the first written is the most
+        recently used: parents ahead of children.
         """
         if self.disk is None or budget_s <= 0:
             return 0

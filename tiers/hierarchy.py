@@ -19,7 +19,7 @@ Levels are the local tiers, fastest first (host, then disk). The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -245,6 +245,3 @@ class MetaLevel:
         return key in self.policy
 
     holds = contains
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self.policy.eviction_order())

@@ -791,9 +791,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         local, hit = self._matched.pop(request.request_id, (0, 0))
         prev = self._requests.get(request.request_id)
-        if prev is not None and num_external_tokens == 0:
+        if self._hybrid and prev is not None and num_external_tokens == 0:
             # Scheduled after its asynchronous (hybrid) load: vLLM allocates again without a
-            # lookup; what kvstore held then still holds for saving.
+            # lookup; what kvstore held then still holds for saving. (Not after a preemption
+            # of a synchronous load: its new lookup is the fresher figure.)
             hit = max(hit, prev.hit_end)
         ns = _namespace_of(request)
         if ns is None or request.prompt_token_ids is None:
