@@ -51,6 +51,9 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 CHUNK = 1 << 16
+# A request body larger than this is refused (413) before it is read: a 128k-token prompt is
+# about 1 MB of JSON, and a thread reading a body a client claims but never sends is held.
+MAX_BODY_BYTES = 64 << 20
 
 
 class UnreachableError(Exception):
@@ -264,8 +267,14 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # its body, if any, is still on the socket
             self.fail(411, "a request body with Content-Length is needed")
             return
+        n = int(length) if length.strip().isdigit() else -1
+        if not 0 <= n <= MAX_BODY_BYTES:
+            self.close_connection = True  # its body, if any, is still on the socket
+            self.fail(400 if n < 0 else 413, f"Content-Length {length!r}: the proxy takes "
+                      f"request bodies of 0 to {MAX_BODY_BYTES} bytes")
+            return
         try:
-            body = json.loads(self.rfile.read(int(length)))
+            body = json.loads(self.rfile.read(n))
         except ValueError as e:
             self.fail(400, f"the request body is not JSON: {e}")
             return

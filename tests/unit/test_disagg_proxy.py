@@ -5,6 +5,7 @@ flow through real `vllm serve` processes: tests/vllm/test_vllm_disagg_http.py.""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.client.integrations.disagg_proxy import (
+    MAX_BODY_BYTES,
     PREFILL_TRANSFER_PARAMS,
     RoundRobin,
     Upstream,
@@ -126,5 +128,16 @@ def test_no_reachable_server_is_a_502_naming_each(dead_proxy):
         urllib.request.urlopen(url + "/v1/models", timeout=5)
     assert e.value.code == 502 and dead[2] in json.loads(e.value.read())["error"]["message"]
     assert post(url + "/v1/completions", b"not json")[0] == 400
+    # A length that is not a byte count, or far past any prompt, is refused before any read
+    # (read to the end, -1 would hold a thread until the client hangs up).
+    for length, status in (("-1", 400), ("x", 400), (str(MAX_BODY_BYTES + 1), 413)):
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", length)
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == status, (length, resp.status)
+        assert "Content-Length" in json.loads(resp.read())["error"]["message"]
+        conn.close()
     assert post(url + "/v1/completions", b"[1]")[0] == 400
     assert post(url + "/v1/embeddings", b"{}")[0] == 404
