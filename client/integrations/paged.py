@@ -36,7 +36,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -118,7 +118,8 @@ def _build_native() -> object | None:
         return None
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn.restype = None
-    fn.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32, i32, i32]
+    fn.argtypes = [i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i32, i32, i32, i32,
+                   i32]
     return fn
 
 
@@ -173,6 +174,30 @@ class PagedCache:
     """vLLM CPU caches: one `[num_pages, heads, page_size, 2 * head_dim]` tensor per layer."""
     engine: EngineKV | None = None
     """CUDA caches and MLA latent caches: copied by the kernels."""
+    head0: int = 0
+    """A head slice (`head_slice`): the first of the `heads` heads copied, of the cache's
+    `cache_heads`."""
+    cache_heads: int = 0
+    """Heads in each of the cache's pages (0: `heads`, no slice)."""
+
+    @property
+    def page_heads(self) -> int:
+        """Heads in each of the cache's pages (`heads` unless this is a slice)."""
+        return self.cache_heads or self.heads
+
+    def head_slice(self, first: int, count: int) -> PagedCache:
+        """The same cache, copying only heads `[first, first + count)` of this one's: views
+        are then `[layers, kv, tokens, count, head_dim]`. Blocks stored one KV head each (shared
+        across tensor-parallel degrees) are copied through slices. The kernels copy whole
+        pages, so a slice of a kernels cache gathers every head and scatters by reading the
+        pages first (twice the bytes)."""
+        if first < 0 or count < 1 or first + count > self.heads:
+            raise ValueError(f"heads [{first}, {first + count}) outside the cache's "
+                             f"{self.heads}")
+        if (first, count) == (0, self.heads):
+            return self
+        return replace(self, heads=count, head0=self.head0 + first,
+                       cache_heads=self.page_heads)
 
     @property
     def planes(self) -> int:
@@ -258,6 +283,11 @@ class PagedCache:
                                      "loaded only from a source that holds all of it")
                 if gather:
                     kv[:, :, first : first + count].copy_(self._engine_gather(self.engine, pages))
+                elif self.cache_heads:  # a slice: the other heads' bytes are written back
+                    whole_kv = self._engine_gather(self.engine, pages, all_heads=True)
+                    whole_kv[..., self.head0 : self.head0 + self.heads, :] = \
+                        kv[:, :, first : first + len(pages) * self.page_size]
+                    self._engine_scatter(self.engine, whole_kv, pages, 0)
                 else:
                     self._engine_scatter(self.engine, kv, pages, first)
         elif not self._native(checked, gather=gather):
@@ -322,7 +352,8 @@ class PagedCache:
                 src_t, ids_t, counts_t = args
                 fn(int(gather), self.dtype.itemsize, len(ids_t),  # type: ignore[operator]
                    src_t.data_ptr(), ids_t.data_ptr(), counts_t.data_ptr(), layers.data_ptr(),
-                   l0, l1, strides[0], strides[1], self.heads, self.head_dim, ps)
+                   l0, l1, strides[0], strides[1], self.heads, self.head_dim, ps,
+                   self.page_heads, self.head0)
 
             if threads == 1:
                 run(0, self.num_layers)
@@ -348,7 +379,7 @@ class PagedCache:
         page, at = int(page_ids[full]), first + full * ps
         heads, dim = self.heads, self.head_dim
         for layer, t in enumerate(self.layers):
-            halves = t[page].view(heads, 2, ps * dim)
+            halves = self._halves(t[page])
             k = halves[:, 0].view(heads, dim, ps)[:, :, :rest].permute(2, 0, 1)
             v = halves[:, 1].view(heads, ps, dim)[:, :rest].permute(1, 0, 2)
             src_k, src_v = kv[layer, 0, at : at + rest], kv[layer, 1, at : at + rest]
@@ -359,13 +390,19 @@ class PagedCache:
                 k.copy_(src_k)
                 v.copy_(src_v)
 
+    def _halves(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a layer's pages, or one page) as `[..., heads, 2, page_size * head_dim]`, only
+        this cache's heads (a view: writes land in the cache)."""
+        whole = t.view(*t.shape[:-3], self.page_heads, 2, -1)
+        return whole[..., self.head0 : self.head0 + self.heads, :, :]
+
     def _torch_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         heads, dim = self.heads, self.head_dim
         for layer, t in enumerate(self.layers):
-            halves = t.view(t.shape[0], heads, 2, ps * dim)
+            halves = self._halves(t)
             k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
             v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # index_put_ through the strided views writes the engine's storage in place; on a
@@ -380,7 +417,7 @@ class PagedCache:
         heads, dim = self.heads, self.head_dim
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         for layer, t in enumerate(self.layers):
-            halves = t.view(t.shape[0], heads, 2, ps * dim)
+            halves = self._halves(t)
             k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
             v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # One pass, from the pages' strided views straight into the destination (any
@@ -397,7 +434,10 @@ class PagedCache:
         staging = torch.unflatten(part, 2, (n, ps)).permute(2, 0, 1, 3, 4, 5).contiguous()
         kernels.scatter(staging.to(engine.device), engine, list(page_ids))
 
-    def _engine_gather(self, engine: EngineKV, page_ids: Sequence[int]) -> torch.Tensor:
+    def _engine_gather(self, engine: EngineKV, page_ids: Sequence[int], *,
+                       all_heads: bool = False) -> torch.Tensor:
+        """Pages `page_ids` as prompt-major KV on the CPU: this cache's heads, or with
+        `all_heads` every head of the pages (a slice's whole pages)."""
         n, ps = len(page_ids), self.page_size
         shape = kernels.staging_shape(engine, n, ps)
         staging = torch.empty(shape, dtype=self.dtype, device=engine.device)
@@ -405,5 +445,7 @@ class PagedCache:
             kernels.gather(engine, staging, list(page_ids))
         # reshape copies (the permuted dims cannot merge): that copy is the result.
         out = staging.permute(1, 2, 0, 3, 4, 5).reshape(
-            self.num_layers, engine.layout.num_kv, n * ps, self.heads, self.head_dim)
+            self.num_layers, engine.layout.num_kv, n * ps, self.page_heads, self.head_dim)
+        if self.cache_heads and not all_heads:
+            out = out[..., self.head0 : self.head0 + self.heads, :]
         return out.cpu()

@@ -108,12 +108,15 @@ static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int ro
    rows are at src[i] + l*layer_stride elements, its V rows kv_stride elements further; within
    a plane, tokens are heads*dim elements apart and heads dim apart. pages[i] is the page's
    index in each cache layer, ntok[i] how many of its first tokens to copy (all ps when ntok
-   is NULL); layers[l] the address of layer l's cache tensor. Layers [l0, l1) are copied; es
-   is the element size in bytes. The caller checks every bound. */
+   is NULL); layers[l] the address of layer l's cache tensor, whose pages hold cache_heads
+   heads, of which heads [head0, head0 + heads) are copied (a slice: blocks stored per KV
+   head, shared across tensor-parallel degrees). Layers [l0, l1) are copied; es is the
+   element size in bytes. The caller checks every bound. */
 void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const int64_t* pages,
                        const int32_t* ntok, const int64_t* layers, int l0, int l1,
-                       int64_t layer_stride, int64_t kv_stride, int heads, int dim, int ps) {
-    const int64_t hd = (int64_t)heads * dim, page_elems = hd * 2 * ps;
+                       int64_t layer_stride, int64_t kv_stride, int heads, int dim, int ps,
+                       int cache_heads, int head0) {
+    const int64_t hd = (int64_t)heads * dim, page_elems = (int64_t)cache_heads * dim * 2 * ps;
     for (int l = l0; l < l1; l++) {
         for (int i = 0; i < npages; i++) {
             const int n = ntok ? ntok[i] : ps;
@@ -121,7 +124,7 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
             char* v = k + kv_stride * es;
             char* page = (char*)layers[l] + pages[i] * page_elems * es;
             for (int h = 0; h < heads; h++) {
-                char* ck = page + (int64_t)h * 2 * ps * dim * es;
+                char* ck = page + (int64_t)(head0 + h) * 2 * ps * dim * es;
                 char* cv = ck + (int64_t)ps * dim * es;
                 char* sk = k + (int64_t)h * dim * es;
                 char* sv = v + (int64_t)h * dim * es;

@@ -121,3 +121,52 @@ def test_views_are_checked_before_any_copy() -> None:
         cache.scatter_views([(kv, 0, [0, 1], 4)])
     with pytest.raises(ValueError, match="does not match"):
         cache.scatter_views([(kv.to(torch.float16), 0, [0])])
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize(("dtype", "layers", "heads", "dim", "ps"), CASES[:3])
+def test_head_slices_copy_only_their_heads(dtype, layers, heads, dim, ps, native,
+                                           monkeypatch) -> None:
+    """Blocks stored one KV head each (shared across tensor-parallel degrees) are copied
+    through `head_slice`: each slice writes its head's bytes exactly where the whole cache's
+    copy puts them and no other head's, partial last page included, and reads them back."""
+    if native == "1" and paged.native_copy() is None:
+        pytest.skip("no C compiler: the torch copy is used instead")
+    monkeypatch.setenv(paged.NATIVE_ENV, native)
+    pages, count = [3, 0], ps + ps // 2 + 1
+    kv = random((layers, 2, 2 * ps, heads, dim), dtype, seed=4)
+    want = reference_pages(kv, pages, 5, ps, count=count)
+    got = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(got, "vec")
+    for h in reversed(range(heads)):  # any order: each slice leaves the others alone
+        one = cache.head_slice(h, 1)
+        assert (one.heads, one.page_heads) == (1, heads)
+        one.scatter_views([(kv[:, :, :, h : h + 1].contiguous(), 0, pages, count)])
+        for g, w in zip(got, want, strict=True):  # heads past h: still the fill
+            assert torch.equal(g[:, h:], w[:, h:])
+            assert (g[:, :h] == 7.0).all()
+    for h in range(heads):
+        back = torch.zeros(layers, 2, 2 * ps, 1, dim, dtype=dtype)
+        cache.head_slice(h, 1).gather_views([(back, 0, pages, count)])
+        assert torch.equal(back[:, :, :count], kv[:, :, :count, h : h + 1])
+    rest = cache.head_slice(1, heads - 1) if heads > 1 else cache
+    assert rest.head_slice(0, 1).head0 == (1 if heads > 1 else 0)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cache.head_slice(heads - 1, 2)
+
+
+def test_head_slices_of_a_kernels_cache_keep_the_other_heads() -> None:
+    """The kernels copy whole pages: a slice gathers every head and keeps the heads it does
+    not own when it scatters (read, then written back)."""
+    from kvstore.kernels.layouts import EngineKV, EngineLayout
+
+    layers, pages_n, ps, heads, dim = 2, 4, 8, 2, 16
+    planes = [torch.zeros(2, pages_n, ps, heads, dim) for _ in range(layers)]
+    cache = PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, planes))
+    kv = random((layers, 2, 2 * ps, heads, dim), torch.float32, seed=5)
+    cache.head_slice(1, 1).scatter_views([(kv[:, :, :, 1:2].contiguous(), 0, [3, 1])])
+    cache.head_slice(0, 1).scatter_views([(kv[:, :, :, 0:1].contiguous(), 0, [3, 1])])
+    assert torch.equal(cache.gather([3, 1]), kv)
+    one = torch.zeros(layers, 2, 2 * ps, 1, dim)
+    cache.head_slice(1, 1).gather_views([(one, 0, [3, 1])])
+    assert torch.equal(one, kv[:, :, :, 1:2])
