@@ -197,6 +197,12 @@ class ConnectorConfig:
     published its prompt (`kvstore_prefilled_tokens`) waits, unscheduled, for blocks a lookup
     does not find yet (a write-through to the remote tier still on its way); then it loads
     what is there and vLLM computes the rest."""
+    shared_model: str | None = None
+    """Share blocks across tensor-parallel degrees: store each block one KV head at a time
+    (an MLA latent once) under this model id instead of the degree's own layouts, so that an
+    engine of this model at any tensor-parallel size reads what one at another size stored.
+    Configurations compute K/V that differ in the last bits, so this is the operator's
+    choice, never the default (docs/ENGINES.md, "Sharing across parallel degrees")."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -211,6 +217,9 @@ class ConnectorConfig:
         if cfg.save_queue < 1:
             raise ConnectorConfigError(f"kvstore.save_queue must be positive, got "
                                        f"{cfg.save_queue}")
+        if cfg.shared_model is not None and not cfg.shared_model.strip():
+            raise ConnectorConfigError("kvstore.shared_model must name the model, got an empty "
+                                       "string (leave it out to keep parallel degrees apart)")
         if cfg.consumer_wait_s < 0:
             raise ConnectorConfigError(f"kvstore.consumer_wait_s must not be negative, got "
                                        f"{cfg.consumer_wait_s}")
@@ -230,16 +239,46 @@ def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
 
 
 @dataclass(frozen=True)
-class KVGroup:
-    """One vLLM KV-cache group as the connector stores it: its own `KVLayout` (so its own
-    keys), its layers, and the sliding window of its layers (None: full attention)."""
+class KVShard:
+    """What one KV-cache group's blocks are stored as: one slice of the model's KV heads (all
+    of them at TP=1; a rank's at TP > 1; one head with `kvstore.shared_model`), under its own
+    layout (so its own keys). A block is cached only when every shard of it is."""
 
     index: int
     layout: KVLayout
+    ranks: tuple[int, ...]
+    """The tensor-parallel ranks whose caches hold these heads: each loads them, the first
+    saves them (an MLA latent and replicated KV heads are the same on several ranks)."""
+    first_head: int = 0
+    """The first of its heads among the model's KV heads."""
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One vLLM KV-cache group as the connector stores it: its layers, the sliding window of
+    its layers (None: full attention), the layout of one rank's cache of them, and the
+    shards its blocks are stored as."""
+
+    index: int
+    layout: KVLayout
+    """This rank's cache of the group (its share of the heads); also the layout its blocks
+    are stored under unless `shards` slice them otherwise."""
     layer_names: tuple[str, ...]
     sliding_window: int | None = None
     rank: int = 0
     """The tensor-parallel rank whose shard of the heads `layout` holds (0 at TP=1)."""
+    first_head: int = 0
+    """The first of this rank's heads among the model's KV heads."""
+    shards: tuple[KVShard, ...] = ()
+    """Every rank's shards of the group's blocks (one, `layout`'s, when empty)."""
+
+    def shards_of(self, rank: int) -> list[KVShard]:
+        """The shards `rank` holds (loads)."""
+        return [s for s in self.all_shards if rank in s.ranks]
+
+    @property
+    def all_shards(self) -> tuple[KVShard, ...]:
+        return self.shards or (KVShard(0, self.layout, (self.rank,), self.first_head),)
 
 
 def _layer_index(name: str) -> int:
@@ -263,7 +302,13 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     shard of the KV heads (vLLM's spec counts the heads per rank): `model` names the parallel
     degree and the rank (`MODEL#tp=2:rank=1`, after the group's tag), so shards of different
     ranks, and blocks of other parallel degrees, never share keys; at TP=1 the layouts are
-    exactly those of before."""
+    exactly those of before. An MLA latent is the same on every rank: stored once
+    (`MODEL#tp=2`), by rank 0, loaded by all.
+
+    `kvstore.shared_model`: every group's blocks are stored as one shard per KV head of the
+    model (`SHARED#kv-head=3:of=8`; an MLA latent as one shard, `SHARED`), whatever the
+    parallel degree, so engines of any tensor-parallel size share them; each rank moves the
+    heads its cache holds (`KVGroup.shards`)."""
     parallel = vllm_config.parallel_config
     tp = parallel.tensor_parallel_size
     if parallel.pipeline_parallel_size != 1:
@@ -316,30 +361,56 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
                                        f"and (with vLLM's hybrid KV-cache manager) sliding "
                                        f"window attention only, got {type(spec).__name__} in "
                                        f"KV-cache group {index}")
-        if mla and tp > 1:
-            # The latent is the same on every rank: it should be stored once and read by all
-            # (issue 14, item 2), not once per rank; not built yet.
-            raise ConnectorConfigError(f"the kvstore connector does not serve MLA models at "
-                                       f"tensor parallel size {tp} yet (only 1)")
         if mla:
             _warn_cpu_mla_rope(vllm_config)
         else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
             _check_cpu_isa(vllm_config, spec)
         names = tuple(sorted(group.layer_names, key=_layer_index))
-        name = model
+        tag = ""
         if hybrid:
             kind = f"sliding_window={window}" if window is not None else "full"
-            name = (f"{model}#kv-group:layers={','.join(str(_layer_index(n)) for n in names)}"
-                    f":{kind}")
+            tag = f"#kv-group:layers={','.join(str(_layer_index(n)) for n in names)}:{kind}"
+        local = 1 if mla else spec.num_kv_heads
+        layout = functools.partial(
+            KVLayout, model_revision=model_config.revision or "", num_layers=len(names),
+            num_kv_heads=local, head_dim=spec.head_size, dtype=spec.dtype,
+            block_tokens=block_tokens, kv_kind="mla" if mla else "kv")
         if tp > 1:
-            name = f"{name}#tp={tp}:rank={rank}"
-        layout = KVLayout(model=name, model_revision=model_config.revision or "",
-                          num_layers=len(group.layer_names),
-                          num_kv_heads=1 if mla else spec.num_kv_heads, head_dim=spec.head_size,
-                          dtype=spec.dtype, block_tokens=block_tokens,
-                          kv_kind="mla" if mla else "kv")
-        out.append(KVGroup(index, layout, names, window, rank))
+            own = layout(f"{model}{tag}#tp={tp}" + ("" if mla else f":rank={rank}"))
+        else:
+            own = layout(f"{model}{tag}")
+        every = tuple(range(tp))
+        first = 0 if mla else rank * local
+        shards: tuple[KVShard, ...] = ()
+        if cfg.shared_model is not None and mla:
+            shards = (KVShard(0, layout(f"{cfg.shared_model}{tag}"), every),)
+        elif cfg.shared_model is not None:
+            total = vllm_config.model_config.get_total_num_kv_heads()
+            firsts = [_first_head(total, local, tp, r) for r in every]
+            first = firsts[rank]
+            shards = tuple(
+                KVShard(h, layout(f"{cfg.shared_model}{tag}#kv-head={h}:of={total}",
+                                  num_kv_heads=1),
+                        tuple(r for r in every if firsts[r] <= h < firsts[r] + local), h)
+                for h in range(total))
+        elif mla and tp > 1:
+            shards = (KVShard(0, own, every),)
+        elif tp > 1:
+            shards = tuple(KVShard(r, layout(f"{model}{tag}#tp={tp}:rank={r}"), (r,), r * local)
+                           for r in every)
+        out.append(KVGroup(index, own, names, window, rank, first, shards))
     return out
+
+
+def _first_head(total: int, local: int, tp: int, rank: int) -> int:
+    """The first of the model's `total` KV heads in `rank`'s cache, as vLLM's
+    `QKVParallelLinear` splits them: `local` heads per rank, ranks in order; a tensor-parallel
+    size above the head count replicates each head on consecutive ranks."""
+    replicas = max(1, tp // total)
+    if local * tp != total * replicas:
+        raise ConnectorConfigError(f"{local} KV heads per rank at tensor parallel size {tp} do "
+                                   f"not split the model's {total}")
+    return rank // replicas * local
 
 
 def cpu_mla_rope_is_batch_dependent(vllm_config: VllmConfig) -> bool:
@@ -407,8 +478,9 @@ class LoadSpec:
     end: int
     group: int = 0
     """The KV-cache group (hybrid models: one spec per group; `block_ids` are its own)."""
-    rank: int = 0
-    """The tensor-parallel rank that loads it (one spec per rank, `keys` its shard's)."""
+    shard: int = 0
+    """The group's shard (`KVShard.index`; one spec per shard, `keys` its own): the ranks
+    holding it load it."""
 
 
 @dataclass
@@ -421,8 +493,9 @@ class SaveSpec:
     lora: str
     block_ids: list[int]
     group: int = 0
-    rank: int = 0
-    """The tensor-parallel rank that saves it (one spec per rank, `keys` its shard's)."""
+    shard: int = 0
+    """The group's shard (`KVShard.index`; one spec per shard, `keys` its own): the first
+    rank holding it saves it."""
 
 
 @dataclass
@@ -441,7 +514,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """Scheduler-side state of one request the connector follows."""
 
-    rank_keys: list[list[PrefixKeys]]  # of the prompt's full blocks, [TP rank][KV-cache group]
+    shard_keys: list[list[PrefixKeys]]  # of the prompt's full blocks, [KV-cache group][shard]
     num_tokens: int  # in the prompt
     salt: str
     lora: str
@@ -454,8 +527,8 @@ class _Request:
 
     @property
     def keys(self) -> list[PrefixKeys]:
-        """Rank 0's keys, per KV-cache group."""
-        return self.rank_keys[0]
+        """The first shard's keys, per KV-cache group."""
+        return [shards[0] for shards in self.shard_keys]
 
 
 def _namespace_of(request: Request) -> tuple[str, str] | None:
@@ -612,10 +685,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._rank = get_tensor_model_parallel_rank()
-        ranks = range(self._tp) if role == KVConnectorRole.SCHEDULER else [self._rank]
-        self._rank_groups = {r: groups_for_vllm(vllm_config, kv_cache_config, self._cfg, r)
-                             for r in ranks}
-        self._groups = self._rank_groups[self._rank]
+        # Each group's `shards` name every rank's (the scheduler keys and looks up them all).
+        self._groups = groups_for_vllm(vllm_config, kv_cache_config, self._cfg, self._rank)
         self._layout = self._groups[0].layout
         # Hybrid models (several KV-cache groups, vLLM's hybrid manager): each group's blocks
         # under its own keys; loads asynchronous (vLLM takes a failed load per request only,
@@ -624,13 +695,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._hybrid = len(self._groups) > 1
         self._block_size = vllm_config.cache_config.block_size
         self._clients: dict[tuple[str, str, int, int], KVClient] = {}
-        # one client per (salt, LoRA) namespace, KV-cache group and rank; salts are few
-        self._max_clients = _MAX_CLIENTS * len(self._groups) * len(self._rank_groups)
+        # one client per (salt, LoRA) namespace, KV-cache group and shard; salts are few
+        self._max_clients = _MAX_CLIENTS * sum(len(g.all_shards) for g in self._groups)
         self._clients_lock = threading.Lock()  # the saver thread makes clients too
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit end)
         self._requests: dict[str, _Request] = {}
-        # (req_id, group) -> its prompt's keys so far, one chain per TP rank, from its first
+        # (req_id, group) -> its prompt's keys so far, one chain per shard, from its first
         # lookup to request_finished
         self._chains: dict[tuple[str, int], tuple[tuple[str, str], list[KeyChain]]] = {}
         self._async_loads: list[str] = []  # hybrid: requests whose load goes out next
@@ -648,6 +719,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._cache: PagedCache | None = None
         self._caches: list[PagedCache] = []  # per KV-cache group
+        self._shard_caches: dict[tuple[int, int], PagedCache] = {}  # (group, shard): its heads
         self._recving: set[str] = set()  # hybrid: loads done since the last report
         self._recv_failed: set[str] = set()  # of those, the ones that failed
         self._load_errors: set[int] = set()
@@ -670,7 +742,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # default policy ("fail") would fail the request instead. The scheduler reads the
             # policy right after building its connector, from this same config object.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        layouts = [g.layout for r in self._rank_groups.values() for g in r]
+        layouts = [s.layout for g in self._groups for s in g.all_shards
+                   if role == KVConnectorRole.SCHEDULER or self._rank in s.ranks]
         log.info("kvstore connector (%s%s) on %s, layout%s %s", role.name,
                  f", TP rank {self._rank} of {self._tp}" if role == KVConnectorRole.WORKER
                  and self._tp > 1 else "", self._cfg.target, "s" if len(layouts) > 1 else "",
@@ -681,26 +754,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """A dropped save is a future miss, not a lost hand-off: never hold requests for it."""
         return False
 
-    def _client(self, salt: str, lora: str, group: int = 0) -> KVClient:
-        """The client of one namespace (and KV-cache group) for this process's rank's shard,
-        created on first use in this process (workers are spawned: a client made before would
-        not survive)."""
-        return self._rank_client(salt, lora, group, self._rank)
-
-    def _shard_client(self, salt: str, lora: str, group: int, rank: int) -> KVClient:
-        """`_client` of any rank (the scheduler looks up every rank's shard)."""
-        if rank == self._rank:
-            return self._client(salt, lora, group)
-        return self._rank_client(salt, lora, group, rank)
-
-    def _rank_client(self, salt: str, lora: str, group: int, rank: int) -> KVClient:
-        key = (salt, lora, group, rank)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                ) -> KVClient:
+        """The client of one namespace, KV-cache group and shard (default: the group's first
+        this rank holds), created on first use in this process (workers are spawned: a client
+        made before would not survive)."""
+        g = self._groups[group]
+        index = g.shards_of(self._rank)[0].index if shard is None else shard
+        key = (salt, lora, group, index)
         with self._clients_lock:
             client = self._clients.get(key)
             if client is None:
                 if len(self._clients) >= self._max_clients:  # close the oldest
                     self._clients.pop(next(iter(self._clients))).close()
-                client = KVClient(self._cfg.target, self._rank_groups[rank][group].layout,
+                client = KVClient(self._cfg.target, g.all_shards[index].layout,
                                   salt=salt,
                                   lora=lora,
                                   tenant=self._cfg.tenant, token=self._cfg.token,
@@ -711,23 +778,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # ==== scheduler side
     def _prompt_keys(self, request: Request, ns: tuple[str, str], tokens: list[int],
                      ) -> list[list[PrefixKeys]]:
-        """The keys of the prompt's full blocks, `[TP rank][KV-cache group]`, hashing only
+        """The keys of the prompt's full blocks, `[KV-cache group][shard]`, hashing only
         blocks this request has not had hashed before (vLLM looks a waiting request up at
         every step it stays waiting)."""
-        out: list[list[PrefixKeys]] = [[] for _ in self._rank_groups]
+        out: list[list[PrefixKeys]] = []
         for g in self._groups:
             held = self._chains.get((request.request_id, g.index))
             if held is None or held[0] != ns:
                 chains = []
-                for rank, groups in sorted(self._rank_groups.items()):
-                    client = self._shard_client(*ns, g.index, rank)
+                for shard in g.all_shards:
+                    client = self._client(*ns, g.index, shard.index)
                     # A new prompt is keyed by the client, whose cache knows prefixes other
                     # requests shared (a system prompt); the chain then follows this request.
                     chains.append(KeyChain(client.namespace.digest(),
-                                           groups[g.index].layout.block_tokens, client.keys))
+                                           shard.layout.block_tokens, client.keys))
                 held = self._chains[(request.request_id, g.index)] = (ns, chains)
-            for rank, chain in enumerate(held[1]):
-                out[rank].append(chain.keys(tokens))
+            out.append([chain.keys(tokens) for chain in held[1]])
         return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
@@ -745,13 +811,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 and now - waiting[0] < self._cfg.consumer_wait_s:
             return None, False  # a consumer waiting for its producer, looked up just now
         try:
-            # A block missing in any group, or any TP rank's shard of it, is a miss for every
-            # prefix reaching it: the hit is the shortest of the (rank, group) cached prefixes
-            # (every group of every rank stores every block, so each one's prefix ends where
-            # its first missing block is).
+            # A block missing in any group, or any shard of it (a TP rank's, a KV head's),
+            # is a miss for every prefix reaching it: the hit is the shortest of the (group,
+            # shard) cached prefixes (every shard of every group stores every block, so each
+            # one's prefix ends where its first missing block is).
             keys = self._prompt_keys(request, ns, tokens)
-            hit = min(self._shard_client(*ns, g.index, rank).lookup(keys[rank][g.index])
-                      for rank in range(len(keys)) for g in self._groups)
+            hit = min(self._client(*ns, g.index, s.index).lookup(keys[g.index][s.index])
+                      for g in self._groups for s in g.all_shards)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -801,7 +867,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         keys = self._prompt_keys(request, ns, request.prompt_token_ids)
         save_end = keys[0][0].num_tokens
-        state = _Request(rank_keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
+        state = _Request(shard_keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
                          lora=ns[1], save_end=save_end, hit_end=hit,
                          block_ids=[list(ids) for ids in blocks.get_block_ids()],
                          saved_to=min(hit, save_end))
@@ -812,9 +878,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
         # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models, nor for
-        # TP > 1, where a block is cached only once every rank's shard is).
+        # blocks stored in several shards, cached only once every shard is).
         if self._saves and state.save_end > state.hit_end and not self._hybrid \
-                and self._tp == 1:
+                and len(self._groups[0].all_shards) == 1:
             describe_request(self._client(*ns), request, state.keys[0], self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -882,21 +948,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             bt = self._layout.block_tokens
             end = min(state.save_end, (computed + num_scheduled) // bt * bt)
             if end > state.saved_to:
-                for rank, keys in enumerate(state.rank_keys):
-                    for g in self._groups:
-                        meta.saves.append(SaveSpec(req_id, keys[g.index].prefix(end // bt),
+                for g in self._groups:
+                    for shard, keys in enumerate(state.shard_keys[g.index]):
+                        meta.saves.append(SaveSpec(req_id, keys.prefix(end // bt),
                                                    state.salt, state.lora,
                                                    list(state.block_ids[g.index]), g.index,
-                                                   rank))
+                                                   shard))
                 state.saved_to = end
                 state.save_issued = True
             return
         # Save in the step that completes the prompt's full blocks (chunked prefill spreads a
         # prompt over steps; a request recomputed after a failed load completes them again).
         if computed < state.save_end <= computed + num_scheduled:
-            for rank, keys in enumerate(state.rank_keys):  # each TP rank saves its shard
-                meta.saves.append(SaveSpec(req_id, keys[0], state.salt, state.lora,
-                                           list(state.block_ids[0]), rank=rank))
+            for shard, keys in enumerate(state.shard_keys[0]):  # its first rank saves each
+                meta.saves.append(SaveSpec(req_id, keys, state.salt, state.lora,
+                                           list(state.block_ids[0]), shard=shard))
             state.save_issued = True
 
     def _plan_load(self, req_id: str, state: _Request, meta: KVStoreConnectorMetadata,
@@ -915,10 +981,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if g.sliding_window is not None:
                 live = next((i for i, b in enumerate(ids) if b != _NULL_BLOCK), len(ids))
                 first = max(start, live * self._block_size)
-            for rank, keys in enumerate(state.rank_keys):  # each TP rank loads its shard
-                meta.loads.append(LoadSpec(req_id, keys[g.index].prefix(-(-end // bt)),
+            for shard, keys in enumerate(state.shard_keys[g.index]):  # its ranks load each
+                meta.loads.append(LoadSpec(req_id, keys.prefix(-(-end // bt)),
                                            state.salt, state.lora, list(ids), first,
-                                           max(first, end), g.index, rank))
+                                           max(first, end), g.index, shard))
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -970,6 +1036,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                  or "any (vLLM's compute threads are not bound)")
         self._caches = caches
         self._cache = caches[0]
+        # The heads of each shard this rank holds: a slice of the group's cache where shards
+        # are one KV head each (`kvstore.shared_model`), else the whole cache.
+        self._shard_caches = {
+            (g.index, s.index): caches[g.index].head_slice(s.first_head - g.first_head,
+                                                           s.layout.num_kv_heads)
+            for g in self._groups for s in g.shards_of(self._rank)}
         # Map the daemon's arena at engine start: its pages are touched in the background
         # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
         self._client("", "").prepare()
@@ -1030,15 +1102,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._failed_reqs.clear()
-        # Each TP rank loads its own shard (the scheduler sends one spec per rank).
-        loads = [spec for spec in self._metadata().loads if spec.rank == self._rank]
+        # Each rank loads the shards its cache holds (the scheduler sends one spec per shard).
+        loads = [spec for spec in self._metadata().loads if self._holds(spec)]
         if self._hybrid:
             # A group short on any rank fails the request's load on that rank; vLLM takes a
             # request as loaded only when every rank reports it (KVOutputAggregator) and
             # fails it when any rank does: all ranks then recompute it from its first token.
             self._load_groups(loads)
             return
-        results = []
+        # Per request, in the scheduler's order (the same on every rank): the tokens all of
+        # this rank's shards loaded.
+        results: dict[str, tuple[LoadSpec, int, float]] = {}
         for spec in loads:
             began = time.perf_counter()
             try:
@@ -1047,9 +1121,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.exception("kvstore load failed for request %s", spec.req_id)
                 loaded = spec.start
             self.loaded_tokens += max(0, loaded - spec.start)
-            results.append((spec, loaded, (time.perf_counter() - began) * 1e3))
-        agreed = self._agree([loaded for _, loaded, _ in results])
-        for (spec, mine, ms), agreed_end in zip(results, agreed, strict=True):
+            ms = (time.perf_counter() - began) * 1e3
+            if spec.req_id in results:
+                _, before, before_ms = results[spec.req_id]
+                loaded, ms = min(loaded, before), ms + before_ms
+            results[spec.req_id] = (spec, loaded, ms)
+        agreed = self._agree([loaded for _, loaded, _ in results.values()])
+        for (spec, mine, ms), agreed_end in zip(results.values(), agreed, strict=True):
             loaded = max(spec.start, agreed_end)
             if loaded < mine:
                 log.warning("kvstore: request %s loaded tokens [%d, %d) on TP rank %d, "
@@ -1071,11 +1149,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
                          spec.start, spec.end, ms)
 
+    def _holds(self, spec: LoadSpec | SaveSpec) -> bool:
+        """Whether this rank's cache holds the spec's shard."""
+        return self._rank in self._groups[spec.group].all_shards[spec.shard].ranks
+
     def _agree(self, loaded: list[int]) -> list[int]:
-        """TP > 1: the tokens every rank loaded, per spec (each rank has one spec per request,
-        in the same order): the minimum over ranks, so that every rank reports the same
-        blocks failed to vLLM (which recomputes from the first one) and none publishes a
-        block this step computed over a prefix another rank failed to load."""
+        """TP > 1: the tokens every rank loaded, per request (every rank holds a shard of
+        each, and has them in the scheduler's order): the minimum over ranks, so that every
+        rank reports the same blocks failed to vLLM (which recomputes from the first one) and
+        none publishes a block this step computed over a prefix another rank failed to load."""
         if self._tp == 1 or not loaded:
             return loaded
         try:
@@ -1154,7 +1236,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         tokens now in vLLM's cache."""
         if not self._caches:
             return spec.start
-        cache, lay = self._caches[spec.group], self._groups[spec.group].layout
+        cache = self._shard_caches[spec.group, spec.shard]
+        lay = self._groups[spec.group].all_shards[spec.shard].layout
         bt, ps = lay.block_tokens, cache.page_size
         bytes_per_page = lay.bytes_per_token * ps
         guard = _CopyGuard()
@@ -1182,7 +1265,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         began = time.perf_counter()
         try:
-            n = self._client(spec.salt, spec.lora, spec.group).fetch_with(
+            n = self._client(spec.salt, spec.lora, spec.group, spec.shard).fetch_with(
                 spec.keys, consume, skip_blocks=spec.start // bt,
                 budget_s=self._recompute_s(spec.start, spec.end))
         finally:
@@ -1210,8 +1293,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # The scheduler holds its blocks until every rank reports the request done
                 # (`get_finished`), the ranks whose spec this is not included.
                 self._save_reqs.add(spec.req_id)
-            if spec.rank != self._rank:
-                continue  # another TP rank's shard
+            if self._groups[spec.group].all_shards[spec.shard].ranks[0] != self._rank:
+                continue  # a shard another rank holds, or saves
             if not self._caches or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
                 continue
@@ -1228,7 +1311,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         daemon's memory, and commit them (in the saver thread, or in `wait_for_save`)."""
         if not self._caches:
             return
-        cache, lay = self._caches[spec.group], self._groups[spec.group].layout
+        cache = self._shard_caches[spec.group, spec.shard]
+        lay = self._groups[spec.group].all_shards[spec.shard].layout
         began = time.perf_counter()
         copying = [0.0]
         # A sliding-window group's blocks behind the window are vLLM's null block by now:
@@ -1260,8 +1344,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return copied
 
         try:
-            stored = self._client(spec.salt, spec.lora, spec.group).publish_with(spec.keys,
-                                                                               produce)
+            stored = self._client(spec.salt, spec.lora, spec.group,
+                                  spec.shard).publish_with(spec.keys, produce)
         finally:
             guard.close()  # no reads of vLLM's pages after this: they may be freed next
         self.saved_tokens += stored

@@ -51,8 +51,8 @@ class _ShortFetch:
 class FlakyKVStoreConnector(KVStoreConnector):
     """Worker-side fetches lose their last block (see the module docstring)."""
 
-    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
-        return _ShortFetch(super()._client(salt, lora, group))
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group, shard))
 
 
 class FiniteFlakyKVStoreConnector(KVStoreConnector):
@@ -62,14 +62,14 @@ class FiniteFlakyKVStoreConnector(KVStoreConnector):
     masked slots with weight 0, which a NaN turns into NaN (docs/ENGINES.md, "Hybrid
     models"). Values used by attention would still change the output."""
 
-    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
-        return _ShortFetch(super()._client(salt, lora, group), poison=1e4)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group, shard), poison=1e4)
 
 
 class RankFlakyKVStoreConnector(KVStoreConnector):
     """Tensor parallel: rank 1's worker-side fetches lose their last block (NaN), rank 0's
     are whole; a fault in one worker's load."""
 
-    def _client(self, salt: str, lora: str, group: int = 0) -> Any:
-        client = super()._client(salt, lora, group)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
+        client = super()._client(salt, lora, group, shard)
         return _ShortFetch(client) if self._rank == 1 else client

@@ -75,14 +75,41 @@ def rank_layout(model: Path, rank: int | None) -> Any:
                     head_dim=64, dtype=torch.float32, block_tokens=BLOCK)
 
 
-def test_layouts_per_rank_and_refusals() -> None:
-    """No engine: `groups_for_vllm` names the degree and rank at TP > 1 (a rank's share of the
-    heads, as vLLM's spec counts them), leaves TP=1 layouts as they were, and refuses MLA at
-    TP > 1 and any pipeline parallel size but 1 at start."""
+def fake_config(tp: int, pp: int = 1, kv_heads: int = 2) -> Any:
+    """The parts of a `VllmConfig` `groups_for_vllm` reads: model "m" with `kv_heads` KV
+    heads."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+        model_config=SimpleNamespace(model="m", revision=None, hf_text_config=SimpleNamespace(
+            rope_parameters={"rope_type": "yarn"}), get_total_num_kv_heads=lambda: kv_heads),
+        compilation_config=SimpleNamespace(custom_ops=[]))
+
+
+def fake_groups(spec: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+        kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])])
+
+
+def full_spec(heads: int) -> Any:
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return fake_groups(FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64,
+                                         dtype=torch.float32))
+
+
+def test_layouts_per_rank_and_refusals() -> None:
+    """No engine: `groups_for_vllm` names the degree and rank at TP > 1 (a rank's share of the
+    heads, as vLLM's spec counts them), leaves TP=1 layouts as they were, stores an MLA latent
+    once at TP > 1 (one shard, every rank holds it, rank 0 saves it), and refuses any
+    pipeline parallel size but 1 at start."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     from kvstore.client.integrations.vllm import (
         ConnectorConfig,
@@ -90,35 +117,69 @@ def test_layouts_per_rank_and_refusals() -> None:
         groups_for_vllm,
     )
 
-    def config(tp: int, pp: int = 1) -> Any:
-        return SimpleNamespace(
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-            cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
-            model_config=SimpleNamespace(model="m", revision=None, hf_text_config=SimpleNamespace(
-                rope_parameters={"rope_type": "yarn"})),
-            compilation_config=SimpleNamespace(custom_ops=[]))
-
-    def groups(spec: Any) -> Any:
-        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-            kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])])
-
-    full = groups(FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64,
-                                    dtype=torch.float32))
     cfg = ConnectorConfig()
-    (one,) = groups_for_vllm(config(1), full, cfg)
+    (one,) = groups_for_vllm(fake_config(1), full_spec(2), cfg)
     assert (one.layout.model, one.rank) == ("m", 0)
+    assert [(s.layout, s.ranks) for s in one.all_shards] == [(one.layout, (0,))]
     for rank in range(TP):
-        (g,) = groups_for_vllm(config(TP), full, cfg, rank)
+        (g,) = groups_for_vllm(fake_config(TP), full_spec(1), cfg, rank)
         assert (g.layout.model, g.layout.num_kv_heads, g.rank) == (f"m#tp={TP}:rank={rank}", 1,
                                                                    rank)
         assert g.layout.digest() != one.layout.digest()
+        assert [(s.layout.model, s.ranks) for s in g.all_shards] == [
+            (f"m#tp={TP}:rank={r}", (r,)) for r in range(TP)]
+        assert g.shards_of(rank) == [g.all_shards[rank]]
     with pytest.raises(ConnectorConfigError, match="pipeline parallel size 1 only, got 2"):
-        groups_for_vllm(config(1, pp=2), full, cfg)
-    mla = groups(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
-                                  dtype=torch.float32))
-    assert groups_for_vllm(config(1), mla, cfg)[0].layout.kv_kind == "mla"
-    with pytest.raises(ConnectorConfigError, match="MLA models at tensor parallel size 2"):
-        groups_for_vllm(config(TP), mla, cfg)
+        groups_for_vllm(fake_config(1, pp=2), full_spec(2), cfg)
+    mla = fake_groups(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                       dtype=torch.float32))
+    assert groups_for_vllm(fake_config(1), mla, cfg)[0].layout.kv_kind == "mla"
+    for rank in range(TP):
+        (g,) = groups_for_vllm(fake_config(TP), mla, cfg, rank)
+        (shard,) = g.all_shards
+        assert (shard.layout.model, shard.ranks, g.shards_of(rank)) == (f"m#tp={TP}",
+                                                                        (0, 1), [shard])
+
+
+def test_shared_model_stores_one_head_per_shard_at_any_degree() -> None:
+    """`kvstore.shared_model`: the same shard layouts (one KV head each, named by the shared
+    id, not the degree) at TP 1, 2 and 4 (4 > the 2 heads: each head replicated on two
+    ranks, saved by the first); each rank holds the heads vLLM's QKVParallelLinear gives it.
+    An MLA latent is one shard, held by every rank. Sharing is never the default."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from kvstore.client.integrations.vllm import (
+        ConnectorConfig,
+        ConnectorConfigError,
+        groups_for_vllm,
+    )
+
+    cfg = ConnectorConfig.from_extra({"kvstore.shared_model": "llama"})
+    want = [f"llama#kv-head={h}:of=2" for h in range(2)]
+    layouts = set()
+    for tp, local, holders in ((1, 2, [(0,), (0,)]), (2, 1, [(0,), (1,)]),
+                               (4, 1, [(0, 1), (2, 3)])):
+        for rank in range(tp):
+            (g,) = groups_for_vllm(fake_config(tp), full_spec(local), cfg, rank)
+            assert [s.layout.model for s in g.all_shards] == want
+            assert [s.ranks for s in g.all_shards] == holders
+            assert all(s.layout.num_kv_heads == 1 for s in g.all_shards)
+            mine = g.shards_of(rank)
+            assert [s.first_head for s in mine] == [g.first_head + i for i in range(local)]
+            assert g.layout.num_kv_heads == local  # the rank's cache, as vLLM allocates it
+            layouts |= {s.layout.digest() for s in g.all_shards}
+    assert len(layouts) == 2  # the same two shard layouts at every degree
+    (plain,) = groups_for_vllm(fake_config(1), full_spec(2), ConnectorConfig())
+    assert not {s.layout.digest() for s in plain.all_shards} & layouts
+    with pytest.raises(ConnectorConfigError, match="do not split the model's 2"):
+        groups_for_vllm(fake_config(2), full_spec(2), cfg)  # 2 heads per rank of 2: wrong
+    mla = fake_groups(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                       dtype=torch.float32))
+    for tp in (1, TP):
+        (g,) = groups_for_vllm(fake_config(tp, kv_heads=1), mla, cfg)
+        (shard,) = g.all_shards
+        assert (shard.layout.model, shard.ranks) == ("llama", tuple(range(tp)))
 
 
 @pytest.fixture(scope="module")
