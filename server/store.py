@@ -3,7 +3,12 @@
 The host tier is where clients meet the store: same-node clients copy straight from and into
 its shared arena under a lease, remote clients stream from and into it. The disk tier sits
 below: host victims are demoted to it (written, then dropped from host), disk hits are promoted
-(read into host, verified, kept on disk as well).
+(read into host, verified, kept on disk as well). The gpu tier (optional, `gpu_bytes`) sits
+above host: blocks a fetch served are copied up into it (kept in host as well), its victims
+are demoted to host (copied down unless host holds them), and a block only it holds is copied
+into host scratch space for the fetch that reads it (clients read host memory only).
+Which block goes where is the placement engine's decision (`tiers.hierarchy`); this module
+carries the decisions out with bytes, pins and leases.
 
 The remote tier (optional; one Redis/Valkey Cluster shared by every daemon) sits beside them:
 - write-through: committed blocks, and demoted ones the remote tier lacks, are queued (keys
@@ -39,6 +44,7 @@ from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.hierarchy import Hierarchy, PromptShare, RoomPlan
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
@@ -140,8 +146,10 @@ class _Room:
     keys: Sequence[bytes]
     layout_digest: bytes
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
-    share: PromptShare | None = None  # sized at the call's first disk or remote hit
+    share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
+    gpu_bytes: int = 0  # copied out of the gpu tier into scratch space, for its read rate
+    gpu_s: float = 0.0
 
 
 @dataclass
@@ -207,14 +215,19 @@ class TieredStore:
     def __init__(self, host: HostTier, disk: DiskTier | None, lease_timeout_s: float = 30.0,
                  io_threads: int = 4, remote: RemoteTier | None = None,
                  remote_queue_blocks: int = 256, fetch_window_bytes: int = 64 << 20,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gpu: GpuTier | None = None,
+                 ) -> None:
         self.host = host
+        self.gpu = gpu
         self.clock = clock  # lease expiry and flush budgets (tests step a fake one)
         # Bytes one fetch promotes (disk and remote reads) before it answers with `more`: the
         # client asks for the rest at once and copies this part meanwhile (0: no limit).
         self.fetch_window_bytes = fetch_window_bytes
         self.disk = disk
-        self.tiers: list[Tier] = [host] + ([disk] if disk is not None else [])
+        # Fastest first: the placement engine's levels, and the order Stats reports them in.
+        self.tiers: list[Tier] = ([gpu] if gpu is not None else []) + [host] + (
+            [disk] if disk is not None else [])
+        self.host_level = self.tiers.index(host)
         # The remote tier is not in `tiers`: it is shared, with no local space or LRU to keep.
         self.remote = remote
         self.write_queue = WriteThroughQueue(remote_queue_blocks) if remote is not None else None
@@ -224,7 +237,8 @@ class TieredStore:
         self.leases: dict[int, Lease] = {}
         # Every placement decision (lookup walks, victims and where they go, a prompt's share,
         # the flush order) is the engine's; this class carries them out with bytes and leases.
-        self.placement = Hierarchy(self.tiers, RecentChains(RECENT_CHAIN_KEYS))
+        self.placement = Hierarchy(self.tiers, RecentChains(RECENT_CHAIN_KEYS),
+                                   serve=self.host_level, remote=remote is not None)
         self.counters = StoreCounters()
         # Measured read bandwidth per tier (bytes/s into host staging, an EWMA over fetches);
         # a tier is absent until measured. See `read_bandwidth`.
@@ -273,7 +287,7 @@ class TieredStore:
             log.debug("remote lookup skipped: %s", e)
             return found
         for key, remote_has in zip(rest, present, strict=True):
-            level = self.placement.level_of(key)
+            level = self.placement.source(key)
             if level is None and not remote_has:
                 break
             found.append(remote.name if level is None else self.tiers[level].name)
@@ -362,15 +376,61 @@ class TieredStore:
                 if err is None and s.src is not None), read_s)
         if remote is not None:
             self.read_rates.observe(remote.remote.name, remote.nbytes, remote.seconds)
+        if self.gpu is not None and room.gpu_bytes:
+            self.read_rates.observe(self.gpu.name, room.gpu_bytes, room.gpu_s)
         served = len(lease.entries)
         self.counters.hit_blocks += served
         self.counters.miss_blocks += len(keys) - served
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
+        if self.gpu is not None and served:
+            try:
+                await self._lift(self.gpu, lease, [*prior, *keys[:served]], keys[:served])
+            except BaseException:
+                self.release(lease.id)
+                raise
         # With the earlier windows' keys: ranking only this window would make a long prompt's
-        # tail fresher than its head (evicted and flushed in the wrong order).
+        # tail fresher than its head (evicted and flushed in the wrong order). After the lift:
+        # blocks entering gpu are ranked as they come, root first, so the root would go first.
         self.touch_chain([*prior, *keys[:served]])
         return self.hand_over(lease, hold)
+
+    async def _lift(self, gpu: GpuTier, lease: FetchLease, prompt: Sequence[bytes],
+                    keys: Sequence[bytes]) -> None:
+        """Copy the blocks the placement engine lifts into the gpu tier (`Hierarchy.lift`)
+        from the host blocks this fetch pins (blocks served from scratch space are not: a
+        prompt past its host share is not kept in faster memory either). The prompt's own gpu
+        blocks are pinned meanwhile: room for it is never made from itself. Stops where no
+        room can be made (gpu pinned full, or host cannot take its victims)."""
+        pinned = {k: e for k, e in zip(keys, lease.entries, strict=False) if e.key == k}
+        size = gpu.units_for(lease.entries[0].length) * PAGE
+        lifted = self.placement.lift(prompt, pinned, size)
+        if not lifted:
+            return
+        gpu_level = self.tiers.index(gpu)
+        held = [gpu.prepare_load(k) for k in prompt if gpu.contains(k)]
+        try:
+            for key in lifted:
+                src = pinned[key]
+                try:
+                    dst = await self._reserve(gpu_level, key, src.namespace, src.layout_digest,
+                                              src.length)
+                except CapacityError as e:
+                    log.debug("promotion into the gpu tier stops: %s", e)
+                    return
+                if dst is None:  # another fetch is lifting it right now
+                    continue
+                try:
+                    await self._run_io(gpu.write_from, dst, self.host.memview(src))
+                except BaseException:
+                    gpu.abort_store(dst)
+                    raise
+                gpu.complete_store(dst)
+                self.counters.promotions += 1
+                self.counters.add(self.counters.bytes_written, gpu.name, src.length)
+        finally:
+            for entry in held:
+                gpu.complete_load(entry)
 
     def read_bandwidth(self) -> dict[str, float]:
         """Measured read bandwidth of each tier, bytes/s: the daemon's side of a fetch (disk:
@@ -387,16 +447,20 @@ class TieredStore:
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: FetchLease,
                      staged: list[_Staged], room: _Room) -> _Staged | None:
-        """Pin a host hit, or take host room for a disk hit; None ends the prefix."""
-        entry = self.host.get(key)
-        if entry is not None:
-            if entry.layout_digest != layout_digest:
-                return None
-            return _Staged(self.host.name, self.host.prepare_load(key))
-        if self.disk is None:
+        """Pin a host hit, copy a gpu hit into scratch space, or take host room for a disk
+        hit, from the level the placement engine names; None ends the prefix."""
+        level = self.placement.source(key)
+        if level is None:
             return None
-        src = self.disk.get(key)
+        tier = self.tiers[level]
+        src = tier.get(key)
         if src is None or src.layout_digest != layout_digest:
+            return None
+        if tier is self.host:
+            return _Staged(self.host.name, self.host.prepare_load(key))
+        if tier is self.gpu:
+            return await self._stage_gpu(self.gpu, src, lease, staged, room)
+        if tier is not self.disk or self.disk is None:
             return None
         self.disk.prepare_load(key)
         try:
@@ -413,20 +477,51 @@ class TieredStore:
             return None
         return _Staged(self.disk.name, dst, src, "scratch" if scratch else "reservation")
 
+    async def _stage_gpu(self, gpu: GpuTier, src: BlockEntry, lease: FetchLease,
+                         staged: list[_Staged], room: _Room) -> _Staged | None:
+        """Copy a block only the gpu tier holds into host scratch space for this fetch (clients
+        read host memory; CUDA IPC of the slab is not done yet). Nothing is placed: the gpu tier
+        keeps the block, host gets no second copy. None ends the prefix."""
+        gpu.prepare_load(src.key)
+        try:
+            try:
+                dst, _ = await self._take_room(room, src.key, src.namespace, src.layout_digest,
+                                               src.length, scratch=True)
+            except CapacityError:
+                lease.more = bool(staged)  # the client copies these, releases, asks again
+                return None
+            if dst is None:  # never: scratch space is under no key
+                return None
+            s = _Staged(gpu.name, dst, holds="scratch")
+            began = time.perf_counter()
+            try:
+                await self._run_io(gpu.read_into, src, self.host.memview(dst))
+            except BaseException:
+                s.abandon(self)
+                raise
+        finally:
+            gpu.complete_load(src)
+        room.gpu_s += time.perf_counter() - began
+        room.gpu_bytes += src.length
+        self.counters.add(self.counters.bytes_read, gpu.name, src.length)
+        return s
+
     def _plan_room(self, room: _Room, length: int) -> PromptShare:
         """Pin the prompt's host blocks for the rest of the call and size its share of the
         host tier (`_Room`); `length` is the size of the blocks read."""
-        host, disk = self.host, self.disk
+        host = self.host
         size = host.units_for(length) * PAGE  # a block's, as the prompt's blocks are alike
         room.held = [host.prepare_load(k) for k in room.prior if host.contains(k)]
-        # The prompt's other blocks: served by earlier calls, or on disk ahead of this one.
+        # The prompt's other blocks: served by earlier calls, or in gpu or on disk ahead of this
+        # one (a gpu block takes scratch space while its lease lasts).
         rest = (len(room.prior) - len(room.held)) * size
         local = True  # every key is in a local tier
         for key in room.keys:
             if host.contains(key):
                 room.held.append(host.prepare_load(key))
                 continue
-            src = disk.get(key) if disk is not None else None
+            level = self.placement.source(key)
+            src = self.tiers[level].get(key) if level is not None else None
             if src is None or src.layout_digest != room.layout_digest:
                 local = False
                 break
@@ -438,25 +533,27 @@ class TieredStore:
         return room.share
 
     async def _take_room(self, room: _Room, key: bytes, namespace: bytes, layout_digest: bytes,
-                         length: int) -> tuple[BlockEntry | None, bool]:
+                         length: int, scratch: bool = False) -> tuple[BlockEntry | None, bool]:
         """Host space for a block this fetch reads: a reservation to promote it into while the
-        prompt is within its share, else scratch space (True). None: another call is promoting
-        `key` right now. `CapacityError` when no room can be made."""
+        prompt is within its share, else (or with `scratch`: a gpu hit) scratch space (True).
+        None: another call is promoting `key` right now. `CapacityError` when no room can be
+        made."""
         share = room.share or self._plan_room(room, length)
         size = self.host.units_for(length) * PAGE
-        if share.promotes(size):
-            dst = await self._reserve_host(key, namespace, layout_digest, length)
+        if not scratch and share.promotes(size):
+            dst = await self._reserve(self.host_level, key, namespace, layout_digest, length)
             share.used += size if dst is not None else 0
             return dst, False
-        while (scratch := self.host.prepare_scratch(length)) is None:
-            plan = self.placement.room(0, size, partial=True)
+        level = self.host_level
+        while (space := self.host.prepare_scratch(length)) is None:
+            plan = self.placement.room(level, size, partial=True)
             if plan.short:  # never another of its own, unless it holds more than its share
                 victim = self._give_way(room, share)
                 if victim is None:
                     raise CapacityError("host tier is full of pinned or in-flight blocks")
-                plan = RoomPlan(0, size, [self.placement.move(0, victim)])
+                plan = RoomPlan(level, size, [self.placement.move(level, victim)])
             await self._carry_out(plan)
-        return scratch, True
+        return space, True
 
     def _give_way(self, room: _Room, share: PromptShare) -> bytes | None:
         """While the prompt holds more than its share, its deepest host block that only this
@@ -557,7 +654,8 @@ class TieredStore:
                     lease.needed.append(False)
                     continue
                 try:
-                    entry = await self._reserve_host(key, namespace, layout_digest, length)
+                    entry = await self._reserve(self.host_level, key, namespace,
+                                                layout_digest, length)
                 except CapacityError as e:
                     log.debug("publish stops at a full host tier: %s", e)
                     lease.more = bool(lease.entries)
@@ -581,9 +679,10 @@ class TieredStore:
             raise InvalidArgumentError(f"lease {lease_id} is a fetch lease: Commit ends publish "
                                        "leases (end a fetch lease with Release)")
         del self.leases[lease_id]
+        share = self.write_queue is not None and self.placement.share_on_commit()
         for entry in lease.entries:
             self.host.complete_store(entry)
-            if self.write_queue is not None:
+            if share and self.write_queue is not None:
                 self.write_queue.put(entry.key)  # write-through; shed (counted) when full
         # The whole chain, blocks that were already present and earlier rounds' included:
         # touching only the new ones would leave their parents older than them, so LRU would
@@ -595,54 +694,93 @@ class TieredStore:
                           sum(e.length for e in lease.entries))
         return n
 
-    async def _reserve_host(self, key: bytes, namespace: bytes, layout_digest: bytes,
-                            length: int) -> BlockEntry | None:
-        """Reserve host space, carrying out the placement engine's room plans until it fits.
+    async def _reserve(self, level: int, key: bytes, namespace: bytes, layout_digest: bytes,
+                       length: int) -> BlockEntry | None:
+        """Reserve space at `level` (host, or gpu for a promotion), carrying out the placement
+        engine's room plans until it fits.
 
-        None when another call reserved `key` meanwhile: demotions await disk writes, and
-        other calls run during them.
+        None when another call reserved `key` there meanwhile: demotions await copies and
+        disk writes, and other calls run during them. `CapacityError` when no room can be
+        made: the level is full of pinned or in-flight blocks, or its victims have nowhere to
+        go (a gpu victim is never dropped while host can take it).
         """
-        host = self.host
+        tier = self.tiers[level]
         while True:
-            if host.holds(key):
+            if tier.holds(key):
                 return None
-            entry = host.prepare_store(key, namespace, layout_digest, length)
+            entry = tier.prepare_store(key, namespace, layout_digest, length)
             if entry is not None:
                 return entry
-            plan = self.placement.room(0, host.units_for(length) * PAGE, partial=True)
+            plan = self.placement.room(level, tier.units_for(length) * PAGE, partial=True)
             if plan.short:
-                raise CapacityError("host tier is full of pinned or in-flight blocks")
-            await self._carry_out(plan)
+                raise CapacityError(f"{tier.name} tier is full of pinned or in-flight blocks")
+            if await self._carry_out(plan) == len(plan.moves):
+                raise CapacityError(f"{tier.name} tier: the level below takes none of its "
+                                    "victims")
 
-    async def _carry_out(self, plan: RoomPlan) -> None:
-        """Move a host room plan's victims to disk (those it copies down), then drop them from
-        host. Every victim is pinned before the first write, in the same step as the plan was
-        made, so no concurrent call picks one; a victim another call pins meanwhile stays."""
-        host, disk = self.host, self.disk
-        claimed = [host.prepare_load(m.key) for m in plan.moves]  # pinned while written out
+    async def _carry_out(self, plan: RoomPlan) -> int:
+        """Carry out a room plan: copy its victims down where it says (gpu to host, host to
+        disk), then drop them from their level. Every victim is pinned before the first copy,
+        in the same step as the plan was made, so no concurrent call picks one; a victim
+        another call pins meanwhile stays. Returns how many victims stayed because the level
+        below could not take them (a gpu victim host has no room for: kept, not dropped; a
+        host victim the disk refuses is dropped, as a disk must not block the host tier)."""
+        src = self.tiers[plan.level]
+        claimed = [src.prepare_load(m.key) for m in plan.moves]  # pinned while copied down
+        kept: set[bytes] = set()
         try:
             for move, entry in zip(plan.moves, claimed, strict=True):
-                if move.dst is not None and disk is not None and not disk.holds(move.key):
-                    await self._write_disk(disk, entry)
+                if move.dst is None:
+                    continue
+                dst = self.tiers[move.dst]
+                if dst is self.disk and self.disk is not None:
+                    if not self.disk.holds(move.key):
+                        await self._write_disk(self.disk, entry)
+                elif (dst is self.host and isinstance(src, GpuTier)
+                      and not await self._demote_to_host(src, entry)):
+                    kept.add(move.key)
         finally:
             for entry in claimed:
-                host.complete_load(entry)
+                src.complete_load(entry)
         for move in plan.moves:
-            host.evict(move.key)
-            if self.write_queue is not None and disk is not None and disk.contains(move.key):
-                # Write-through on demotion too, for blocks whose write at publish was shed or
-                # failed, or that came up from disk: the writer first checks the remote tier
-                # lacks the block, then reads it back from disk. (Without a disk tier it is gone.)
+            if move.key in kept or not src.evict(move.key):
+                continue
+            if self.write_queue is not None and self.placement.share_on_leave(move):
+                # The writer checks the remote tier lacks it, then reads it back from disk.
                 self.write_queue.put(move.key, check_exists=True)
+        return len(kept)
 
-    async def _write_disk(self, disk: DiskTier, src: BlockEntry, seq: int | None = None) -> bool:
-        """Copy a pinned host block to disk, evicting disk blocks as needed; True if written."""
+    async def _demote_to_host(self, gpu: GpuTier, src: BlockEntry) -> bool:
+        """Copy a pinned gpu victim down into host (making room there by the engine's plans);
+        False when host cannot take it now."""
+        try:
+            dst = await self._reserve(self.host_level, src.key, src.namespace,
+                                      src.layout_digest, src.length)
+        except CapacityError as e:
+            log.debug("gpu victim kept: %s", e)
+            return False
+        if dst is None:  # host holds it now (published or promoted meanwhile)
+            return True
+        try:
+            await self._run_io(gpu.read_into, src, self.host.memview(dst))
+        except BaseException:
+            self.host.abort_store(dst)
+            raise
+        self.host.complete_store(dst)
+        self.counters.demotions += 1
+        self.counters.add(self.counters.bytes_written, self.host.name, src.length)
+        return True
+
+    async def _write_disk(self, disk: DiskTier, src: BlockEntry, seq: int | None = None,
+                          tier: Tier | None = None) -> bool:
+        """Copy a pinned block of `tier` (host by default) to disk, evicting disk blocks as
+        needed; True if written."""
         level = self.tiers.index(disk)
         try:
             while (dst := disk.prepare_store(src.key, src.namespace, src.layout_digest,
                                              src.length)) is None:
                 plan = self.placement.room(level, disk.units_for(src.length) * PAGE,
-                                               partial=True)
+                                           partial=True)
                 if plan.short:
                     return False  # disk full of in-flight blocks: drop rather than block
                 for move in plan.moves:  # the last level: its victims are dropped
@@ -650,7 +788,7 @@ class TieredStore:
         except CapacityError:
             return False  # larger than the whole disk tier
         try:
-            await self._run_io(disk.write, dst, self.host.memview(src), seq)
+            await self._run_io(self._write_record, disk, dst, tier or self.host, src, seq)
         except OSError as e:
             log.warning("demotion to disk failed: %s", e)
             disk.abort_store(dst)
@@ -663,30 +801,46 @@ class TieredStore:
         self.counters.add(self.counters.bytes_written, disk.name, src.length)
         return True
 
-    async def flush(self, budget_s: float) -> int:
-        """Write host-only blocks to disk, most recent first, for up to `budget_s` seconds, so
-        a planned restart keeps them. Returns how many were written.
+    def _write_record(self, disk: DiskTier, dst: BlockEntry, tier: Tier, src: BlockEntry,
+                      seq: int | None) -> None:
+        """In a worker: write `src` (host memory, or a gpu block staged through a host buffer
+        first: only the shutdown flush writes gpu blocks to disk) into disk record `dst`."""
+        if isinstance(tier, GpuTier):
+            staged = memoryview(bytearray(src.length))
+            tier.read_into(src, staged)
+            disk.write(dst, staged, seq)
+        else:
+            disk.write(dst, self.host.memview(src), seq)
 
-        They are written in the placement engine's order (`Hierarchy.flush_order`: the budget
-        may run out) and ranked so that, after a restart, the first written is the most
-        recently used: parents ahead of children.
+    async def flush(self, budget_s: float) -> int:
+        """Write the blocks of the memory tiers (host, gpu) that disk lacks, for up to
+        `budget_s` seconds, so a planned restart keeps them. Returns how many were written.
+
+        They are written in the placement engine's order (`Hierarchy.flush_order`: each recent
+        prompt from its start, never a block past a hole, as the budget may run out) and
+        ranked so that, after a restart, the first written is the most recently used: parents
+        ahead of children.
         """
-        if self.disk is None or budget_s <= 0:
+        disk = self.disk
+        if disk is None or budget_s <= 0:
             return 0
         end = self.clock() + budget_s
-        todo = self.placement.flush_order(0, self.disk.entries)
-        top = self.disk.reserve_seqs(len(todo)) + len(todo) - 1
+        below = self.tiers.index(disk)
+        upper = [self.host] + [t for t in self.tiers[:below] if t is not self.host]
+        bound = sum(t.committed_blocks for t in upper)  # each key comes once: a bound on ranks
+        top = disk.reserve_seqs(bound) + bound - 1
         written = 0
-        for rank, key in enumerate(todo):
+        for rank, key in enumerate(self.placement.flush_order(below)):
             if self.clock() >= end:
                 break
-            if key in self.disk.entries or not self.host.contains(key):
+            tier = next((t for t in upper if t.contains(key)), None)
+            if tier is None or disk.holds(key):
                 continue
-            entry = self.host.prepare_load(key)
+            entry = tier.prepare_load(key)
             try:
-                written += await self._write_disk(self.disk, entry, seq=top - rank)
+                written += await self._write_disk(disk, entry, seq=top - rank, tier=tier)
             finally:
-                self.host.complete_load(entry)
+                tier.complete_load(entry)
         return written
 
     # ---- remote write-through (the task and its batches: `server.remote_writer`)

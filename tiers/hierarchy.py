@@ -5,21 +5,30 @@ The daemon (`server/store.py`) and the trace simulator (`benchmarks/simulate.py`
 before the first byte moves, so concurrent calls never pick the same block), the simulator
 applies them to metadata (`apply`, `place`). No I/O happens here.
 
-Levels are the local tiers, fastest first (host, then disk). The rules:
+Levels are the local tiers, fastest first (gpu when configured, host, then disk). One of them
+is where clients meet the store (`serve`: host in the daemon): they write new blocks there and
+read every fetched block from there. The rules:
 - **Lookup** walks a prompt's keys through the levels and stops at the first key no level
-  holds: a prefix with a hole is useless past the hole.
+  holds: a prefix with a hole is useless past the hole. A key is read from the serve level
+  when it holds it (no copy), else from the fastest level holding it (`source`).
 - **Room** at a level is made from its eviction policy's victims (`kvstore.tiering`). A victim
   moves to the level below unless that level holds it already (a promoted block stays on
-  disk), and is dropped from the last level; room below is made by the same rule.
+  disk, a block copied up to gpu stays in host), and is dropped from the last level; room
+  below is made by the same rule.
 - **A prompt read up from below** is promoted whole when it fits the level, else only its
   first blocks, up to its share (`PromptShare`): promoted whole it would push itself out.
-- **A shutdown flush** writes the chains used most recently, each from its first block, then
-  the rest of the level, hottest first (`flush_order`).
+  Into the serve level that is a fetch's disk and remote hits; into a level above it (gpu),
+  the blocks a fetch served that it lacks (`lift`).
+- **The shared remote tier** is not a level (no local space): a committed block is offered to
+  it, and offered again when it leaves the serve level for a level below that keeps it
+  (`share_on_leave`).
+- **A shutdown flush** writes the blocks of the levels above the persistent one, chains used
+  most recently first, each from its start, never a block past a hole (`flush_order`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,12 +73,21 @@ class RoomPlan:
 
 
 class Hierarchy:
-    """The ordered local levels and the placement rules over them. `recent`, when given,
-    remembers the chains used most recently (the flush writes them head first)."""
+    """The ordered local levels and the placement rules over them. `serve` is the level
+    clients read from and write to; `recent`, when given, remembers the chains used most
+    recently (the flush writes them head first); `remote`: a shared remote tier is configured
+    (write-through)."""
 
-    def __init__(self, levels: Sequence[Level], recent: RecentChains | None = None) -> None:
+    def __init__(self, levels: Sequence[Level], recent: RecentChains | None = None,
+                 serve: int = 0, remote: bool = False) -> None:
         self.levels = list(levels)
         self.recent = recent
+        self.serve = serve
+        self.remote = remote
+        # The order a fetch looks for a key in: the serve level first (its hits cost no copy).
+        self._search = [self.levels[serve]] + [lv for i, lv in enumerate(self.levels)
+                                                if i != serve]
+        self._index = {id(lv): i for i, lv in enumerate(self.levels)}
 
     # ---- lookup
     def level_of(self, key: bytes) -> int | None:
@@ -79,14 +97,22 @@ class Hierarchy:
                 return i
         return None
 
+    def source(self, key: bytes) -> int | None:
+        """The level a fetch reads `key` from: the serve level if it holds it, else the first
+        level holding it; None when none does."""
+        for level in self._search:
+            if level.contains(key):
+                return self._index[id(level)]
+        return None
+
     def walk(self, keys: Sequence[bytes]) -> list[str]:
-        """Level names of the longest prefix of `keys` held by some level."""
+        """Names of the levels a fetch would read the longest held prefix of `keys` from."""
         # Key by key, not a binary search: a chain's blocks need not be a contiguous prefix (a
         # block published while its unpinned parent was evicted, a corrupt block dropped).
         # Plain loops: a generator per key cost ~1 us, 0.6 ms of a 512-key lookup.
         found: list[str] = []
         append = found.append
-        levels = self.levels
+        levels = self._search
         for key in keys:
             for level in levels:
                 if level.contains(key):
@@ -141,6 +167,34 @@ class Hierarchy:
             victims = [victim]
         return RoomPlan(level, nbytes, [self.move(level, v) for v in victims])
 
+    # ---- promotion above the serve level
+    def lift(self, prompt: Sequence[bytes], served: Collection[bytes], block: int) -> list[bytes]:
+        """The blocks a fetch copies up into the level above the serve level (gpu), in order:
+        of `prompt` (root first, the earlier calls' keys included), those the fetch `served`
+        that the level lacks, from the prompt's start, while the prompt's blocks there stay
+        within the level's capacity (`block`: a block's size there). A prompt larger than the
+        level keeps its first blocks: the daemon pins the prompt's blocks there while it
+        lifts, so it never pushes itself out. Empty when no level is above the serve level."""
+        if self.serve == 0:
+            return []
+        top = self.levels[self.serve - 1]
+        room = top.policy.capacity_bytes - sum(block for k in prompt if top.holds(k))
+        todo = [k for k in prompt if k in served and not top.holds(k)]
+        return todo[: max(0, room // block)] if block > 0 else []
+
+    # ---- the shared remote tier (write-through)
+    def share_on_commit(self) -> bool:
+        """A committed block is offered to the remote tier at once (unchecked: it is new)."""
+        return self.remote
+
+    def share_on_leave(self, move: Move) -> bool:
+        """Once carried out: whether a block that left its level is offered to the remote tier
+        again (checked there first): it left the serve level, and a level below keeps it to
+        read back from. Its write at commit may have been shed or failed, or it came up from
+        below; a block no level keeps cannot be sent."""
+        return (self.remote and move.src == self.serve
+                and any(lv.contains(move.key) for lv in self.levels[self.serve + 1 :]))
+
     # ---- metadata-only execution (the simulator's; the daemon moves bytes instead)
     def place(self, level: int, key: bytes, nbytes: int,
               on_change: Callable[[str, bytes, bool], None] | None = None) -> bool:
@@ -176,26 +230,47 @@ class Hierarchy:
                 on_change(src.name, move.key, False)
 
     # ---- shutdown flush
-    def flush_order(self, level: int, written: Collection[bytes]) -> list[bytes]:
-        """Blocks of `level` that `written` (the level below) lacks, in the order a cut-short
-        flush should write them: the chains used most recently first, each from its first
-        block (a block `level` lacks ends the chain: nothing past it can be reached); then the
-        rest of the level, hottest first. The eviction order alone ranks blocks, not prompts:
-        it may put a prompt's tail, or a segment past blocks held below, ahead of its head."""
-        tier = self.levels[level]
-        todo: list[bytes] = []
-        chosen: set[bytes] = set()
+    def flush_order(self, below: int) -> Iterator[bytes]:
+        """Blocks of the levels above `below` that `below` lacks, in the order a flush cut
+        short should write them there. A generator, read while the flush runs: each step sees
+        the writes, and the evictions they caused, of the steps before it.
+
+        A block is worth writing only if a restart can reach it: every block before it in its
+        chain is below. So the chains used most recently come first, each from its start; a
+        chain ends at a block no level holds, at one whose write did not land, or where a
+        block before it has left `below` meanwhile (evicted to make room for the flush): past
+        a hole nothing is reachable, and the budget goes to the next prompt's start instead.
+        Then the rest of the levels, hottest first, less the blocks known to lie past a hole.
+        (The eviction order alone ranks blocks, not prompts: it may put a prompt's tail, or a
+        segment past blocks held below, ahead of its head.)
+        """
+        upper, low = self.levels[:below], self.levels[below]
+        tried: set[bytes] = set()
+        dead: set[bytes] = set()
         for chain in self.recent.newest_first() if self.recent is not None else ():
-            for key in chain:
-                if key in chosen or key in written:
+            stamp, i = low.policy.evictions, 0
+            while i < len(chain):
+                if low.policy.evictions != stamp:  # a write evicted something below: the start?
+                    stamp = low.policy.evictions
+                    i = next((j for j in range(i) if not low.contains(chain[j])), i)
+                key = chain[i]
+                if not low.contains(key):
+                    # Written already (and gone again), held nowhere, or its write failed: a
+                    # hole, so the rest of the chain is worth nothing. (Each key is yielded
+                    # once: the walk ends.)
+                    if key in tried or not any(lv.contains(key) for lv in upper):
+                        dead.update(chain[i + 1 :])
+                        break
+                    tried.add(key)
+                    yield key
+                    continue  # checked again: written, or a hole
+                i += 1
+        for level in upper:
+            for key in reversed(list(level.policy.eviction_order())):
+                if key in tried or key in dead or low.holds(key) or not level.contains(key):
                     continue
-                if not tier.contains(key):
-                    break
-                todo.append(key)
-                chosen.add(key)
-        todo += [k for k in reversed(list(tier.policy.eviction_order()))
-                 if k not in chosen and k not in written and tier.contains(k)]
-        return todo
+                tried.add(key)
+                yield key
 
 
 @dataclass

@@ -26,6 +26,18 @@ def fill(h: Hierarchy, level: int, ids: list[int]) -> None:
         h.levels[level].policy.touch_chain([key(i)])
 
 
+def flushed(h: Hierarchy, below: int, budget: int = 1 << 30) -> list[bytes]:
+    """What a flush into `below` writes, `budget` blocks at most: each key the engine names is
+    placed there before the next is asked for, as the daemon writes it."""
+    out: list[bytes] = []
+    for k in h.flush_order(below):
+        if len(out) == budget:
+            break
+        out.append(k)
+        assert h.place(below, k, B)
+    return out
+
+
 def test_victims_go_down_unless_the_level_below_holds_them() -> None:
     h = chain(3, 4)
     fill(h, 0, [0, 1, 2])
@@ -102,7 +114,8 @@ def test_touch_ranks_a_chain_on_every_level_and_keeps_it_for_the_flush(eviction:
     h.touch([key(0), key(1), key(2), key(3)])  # a prompt: 0 is its head
     assert next(h.levels[0].policy.eviction_order()) == key(3)  # its leaf goes first
     # The flush writes the prompt from its head, skipping what the disk holds already.
-    assert h.flush_order(0, {key(1)}) == [key(0), key(2), key(3)]
+    assert h.place(1, key(1), B)
+    assert flushed(h, 1) == [key(0), key(2), key(3)]
 
 
 def test_flush_order_puts_recent_chains_head_first_then_the_rest_hottest_first() -> None:
@@ -112,10 +125,79 @@ def test_flush_order_puts_recent_chains_head_first_then_the_rest_hottest_first()
     h.touch([key(4)])
     h.touch([key(5)])  # the newest block, but no chain used lately names it first ...
     h.touch([key(0), key(1)])  # ... after this one
-    assert h.flush_order(0, set()) == [key(0), key(1), key(5), key(4), key(3), key(2)]
-    # A chain stops at a block the level lacks: past it nothing can be reached.
+    assert flushed(h, 1) == [key(0), key(1), key(5), key(4), key(3), key(2)]
+
+
+def test_flush_skips_what_lies_past_a_hole() -> None:
+    # A chain stops at a block no level holds: past it nothing can be reached, so its rest is
+    # not written at all (it used to come back with the rest of the level, hottest first).
+    h = chain(8, 8, recent=RecentChains(100))
+    for i in range(6):
+        assert h.place(0, key(i), B)
+    h.touch([key(4)])
+    h.touch([key(5)])
+    h.touch([key(0), key(1)])
     h.levels[0].policy.remove(key(0))
-    assert h.flush_order(0, set())[:2] == [key(5), key(4)]
+    assert flushed(h, 1) == [key(5), key(4), key(3), key(2)]
+
+
+def test_flush_cut_short_writes_prompt_starts_not_blocks_past_a_hole_it_made() -> None:
+    # Disk full (4 blocks, LRU). Prompt B has its start (b0, b1) on disk, its tail (b2, b3)
+    # in host only; Z (z0, z1) is on disk; A (a0, a1), the newest, in host only. Writing A
+    # evicts B's start from disk, so B's tail is worth nothing after a restart: a budget of 4
+    # writes goes to A and B's start again (host still holds it). The order planned before the
+    # writes (the old one) spent it on a0, a1, b2, b3: after a restart only A was reachable.
+    h = chain(8, 4, recent=RecentChains(100))
+    b, z, a = [key(i) for i in range(4)], [key(10), key(11)], [key(20), key(21)]
+    for k in b[:2] + z:
+        assert h.place(1, k, B)
+    for k in b + z + a:
+        assert h.place(0, k, B)
+    h.touch(b)
+    h.touch(z)
+    h.touch(a)
+    assert flushed(h, 1, budget=4) == [a[0], a[1], b[0], b[1]]
+    disk = h.levels[1].policy
+    assert [k in disk for k in a + b] == [True, True, True, True, False, False]
+
+
+def gpu_chain(gpu: int, host: int, disk: int) -> Hierarchy:
+    """gpu over host over disk, clients served from host (the daemon's chain with gpu_bytes)."""
+    return Hierarchy([MetaLevel(TierPolicy(name, blocks * B))
+                      for name, blocks in (("gpu", gpu), ("host", host), ("disk", disk))], serve=1)
+
+
+def test_gpu_level_is_read_through_host_and_its_victims_go_down_to_host() -> None:
+    h = gpu_chain(2, 3, 8)
+    fill(h, 1, [0, 1, 2])
+    fill(h, 0, [1, 5])  # 1 was lifted from host (kept there too); host has lost 5 since
+    fill(h, 2, [2, 5])
+    # A key host holds is read from host (no copy) even where gpu holds it too; else from
+    # the fastest level holding it (gpu before disk).
+    assert h.walk([key(i) for i in (0, 1, 5, 2, 9)]) == ["host", "host", "gpu", "host"]
+    assert (h.source(key(1)), h.source(key(5)), h.source(key(9))) == (1, 0, None)
+    # gpu victims go to host unless host holds them.
+    assert h.room(0, 2 * B).moves == [Move(key(1), 0, None), Move(key(5), 0, 1)]
+    # A block entering a full gpu pushes its victim down, which pushes host's down to disk.
+    changes: list[tuple[str, int, bool]] = []
+    h.touch([key(1)])  # 5 is gpu's LRU block now
+    assert h.place(0, key(7), B, lambda lvl, k, stored: changes.append(
+        (lvl, int.from_bytes(k, "little"), stored)))
+    assert changes == [("disk", 0, True), ("host", 0, False), ("host", 5, True),
+                       ("gpu", 5, False), ("gpu", 7, True)]
+    for level, cap in zip(h.levels, (2, 3, 8), strict=True):
+        assert level.policy.used_bytes <= cap * B
+
+
+def test_lift_copies_a_fetched_prompt_up_from_its_start_within_the_gpu_level() -> None:
+    h = gpu_chain(3, 8, 8)
+    prompt = [key(i) for i in range(5)]
+    fill(h, 0, [1])  # block 1 is in gpu already
+    # Of the blocks served, those gpu lacks, in order, while the prompt fits gpu's 3 blocks.
+    assert h.lift(prompt, set(prompt), B) == [key(0), key(2)]
+    assert h.lift(prompt, {key(3), key(4)}, B) == [key(3), key(4)]  # a later window's keys
+    assert h.lift(prompt, set(prompt), 0) == []
+    assert chain(8, 8).lift(prompt, set(prompt), B) == []  # nothing above the serve level
 
 
 def test_prompt_share() -> None:

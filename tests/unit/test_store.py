@@ -488,10 +488,10 @@ def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
     written: list[bytes] = []
     write_disk = store._write_disk
 
-    async def timed_write(disk: DiskTier, src, seq=None):  # type: ignore[no-untyped-def]
+    async def timed_write(disk: DiskTier, src, seq=None, tier=None):  # type: ignore[no-untyped-def]
         written.append(src.key)
         now[0] += 1.0  # each block takes a second of the budget
-        return await write_disk(disk, src, seq)
+        return await write_disk(disk, src, seq, tier)
 
     async def main() -> None:
         await publish_whole(store, keys)
@@ -509,6 +509,43 @@ def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
             store.host.remove(k)  # as after a restart
         on_disk = [k in store.disk.entries for k in keys]
         assert on_disk[: keys.index(host_only[3])] == [True] * keys.index(host_only[3])
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_flush_cut_short_never_spends_its_budget_past_a_hole(tmp_path: Path) -> None:
+    # Disk full (4 blocks, LRU): prompt B's start (b0, b1) on disk, its tail (b2, b3) in host
+    # only; Z on disk; A, the newest, in host only. Writing A evicts B's start from disk. The
+    # old order, planned before any write, then wrote b2 and b3: worth nothing after a
+    # restart (their parents were gone), while B's start, still in host, was not written.
+    now = [0.0]
+    store = make_store(tmp_path, host_blocks=8, disk_blocks=4)
+    b, z, a = [key(i) for i in range(4)], [key(10), key(11)], [key(20), key(21)]
+    written: list[bytes] = []
+    write_disk = store._write_disk
+
+    async def timed_write(disk: DiskTier, src, seq=None, tier=None):  # type: ignore[no-untyped-def]
+        written.append(src.key)
+        now[0] += 1.0  # each block takes a second of the budget
+        return await write_disk(disk, src, seq, tier)
+
+    async def main() -> None:
+        await publish(store, b[:2])
+        await publish(store, z)
+        assert await store.flush(10.0) == 4  # disk full: b0, b1, z0, z1
+        await publish(store, b)  # B's tail, host only
+        await publish(store, z)
+        await publish(store, a)
+        store.clock = lambda: now[0]
+        store._write_disk = timed_write  # type: ignore[method-assign]
+        assert await store.flush(3.5) == 4
+        assert written == [a[0], a[1], b[0], b[1]]
+        for k in list(store.host.entries):
+            store.host.remove(k)  # as after a restart
+        assert store.lookup(a) == ["disk"] * 2 and store.lookup(b) == ["disk"] * 2
 
     try:
         asyncio.run(main())
