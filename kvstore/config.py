@@ -71,6 +71,14 @@ class ServerConfig:
                                    "blocks, whatever its requests say. Empty: no tenants.")
     host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
                            lo=0, hi=1 << 44)
+    gpu_bytes: int = _opt(0, "GPU HBM tier capacity: a device slab above the host tier (victims "
+                          "demoted to host, fetched blocks promoted into it). 0: no GPU tier, "
+                          "the default until a measurement shows the slab is worth the HBM it "
+                          "takes from the engine's own KV cache (docs/ARCHITECTURE.md). Needs "
+                          "torch, imported only when this is set.", unit="bytes", lo=0,
+                          hi=1 << 44)
+    gpu_device: str = _opt("cuda", "Device of the GPU tier's slab (`gpu_bytes`): `cuda`, "
+                           "`cuda:N`, or `cpu` (tests: the same code on host memory).")
     disk_bytes: int = _opt(8 << 30, "Disk tier capacity: payload bytes in the data file.",
                            unit="bytes", lo=0, hi=1 << 50)
     disk_sync: str = _opt("always", "When disk writes are made durable: `always` (fdatasync "
@@ -160,6 +168,8 @@ class ServerConfig:
         if self.token and self.token_file:
             raise ConfigError("token_file: `token` is set as well; give the admin token one "
                               "way, not both")
+        if not re.fullmatch(r"cuda(:[0-9]+)?|cpu", self.gpu_device):
+            raise ConfigError(f"gpu_device: expected cuda, cuda:N or cpu, got {self.gpu_device!r}")
         if self.remote:
             parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
         for name in ("kv_events", "kv_events_replay"):

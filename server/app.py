@@ -34,6 +34,7 @@ from kvstore.server.service import Admission, KVStoreService, add_service
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import TokenTable, load_tenant_tokens
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier  # imports torch only when one is built
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteOptions, RemoteTier
 
@@ -123,6 +124,16 @@ def _open_disk(directory: Path, config: ServerConfig) -> DiskTier | None:
         return None
 
 
+def _open_gpu(config: ServerConfig) -> GpuTier:
+    """The gpu tier's slab (`gpu_bytes` on `gpu_device`). Unlike the disk tier, a slab that
+    cannot be allocated stops start-up: the operator asked for HBM that is not there."""
+    try:
+        return GpuTier(config.gpu_bytes, config.gpu_device)
+    except Exception as e:  # no torch, torch without CUDA, out of device memory
+        raise ConfigError(f"gpu_bytes: cannot allocate {config.gpu_bytes} bytes on "
+                          f"{config.gpu_device!r} (gpu_device): {e}") from None
+
+
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -134,12 +145,15 @@ class Daemon:
                        if config.listen else None)
         self._lock_fd = _lock_data_dir(self.data_dir)
         host: HostTier | None = None
+        gpu: GpuTier | None = None
         disk: DiskTier | None = None
         try:  # whatever fails here, release what was opened: the arena above all
             _check_socket(config.socket_path)
             host = HostTier(config.host_bytes, config.shm_dir)  # first: it refuses fastest
+            # torch is imported here only: a daemon without a gpu tier starts without it.
+            gpu = _open_gpu(config) if config.gpu_bytes > 0 else None
             disk = _open_disk(self.data_dir / "disk", config) if config.disk_bytes > 0 else None
-            for tier in (host, disk):
+            for tier in (gpu, host, disk):
                 if tier is not None:
                     tier.use_eviction(config.eviction_policy)
             remote = None
@@ -148,14 +162,14 @@ class Daemon:
                     ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
                     retry_s=config.remote_retry_s))
         except BaseException:
-            for tier in (disk, host):
+            for tier in (disk, gpu, host):
                 if tier is not None:
                     tier.close()
             os.close(self._lock_fd)
             raise
         self.store = TieredStore(host, disk, config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
-                                 fetch_window_bytes=config.fetch_window_bytes)
+                                 fetch_window_bytes=config.fetch_window_bytes, gpu=gpu)
         self._rates_file = self.data_dir / "read_bandwidth.json"
         self.store.saved_read_bandwidth = load_rates(self._rates_file)
         if config.kv_events:
@@ -220,8 +234,10 @@ class Daemon:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kvstore-server listening on unix:%s%s; host %d B, disk %d B, arena %s", sock,
-                 f" and tcp:{self.config.listen}" if self.config.listen else "",
+        gpu = self.store.gpu
+        log.info("kvstore-server listening on unix:%s%s; %shost %d B, disk %d B, arena %s",
+                 sock, f" and tcp:{self.config.listen}" if self.config.listen else "",
+                 f"gpu {gpu.capacity_bytes} B on {gpu.device}, " if gpu is not None else "",
                  self.store.host.capacity_bytes,
                  self.store.disk.capacity_bytes if self.store.disk else 0,
                  self.store.host.arena.path)
@@ -251,7 +267,7 @@ class Daemon:
         try:
             flushed = await self.store.flush(self.config.shutdown_flush_s)
             if flushed:
-                log.info("flushed %d host blocks to disk", flushed)
+                log.info("flushed %d blocks of the memory tiers to disk", flushed)
             if self.store.remote is not None:
                 # Queued write-through gets its own budget: other daemons may want these.
                 if not await self.store.drain_remote(self.config.shutdown_flush_s):

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # vLLM's medium names (`vllm.v1.kv_offload.base.Medium`, `kv_events.MEDIUM_*`): its own
 # offloading connector reports CPU offload as "CPU" and storage tiers as "STORAGE".
-MEDIUMS = {"host": "CPU", "disk": "STORAGE"}
+MEDIUMS = {"gpu": "GPU", "host": "CPU", "disk": "STORAGE"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay end-of-sequence marker
 # Descriptions of blocks no tier holds (described before commit, or after a miss): kept this
 # many, oldest dropped, so a client describing blocks it never publishes costs bounded memory.
@@ -343,11 +343,12 @@ class EventTracker:
         first announce the removal of the described host blocks."""
         if host_gone:
             for tier in self.tiers:
-                if tier.name == "host":
+                if tier.name in ("gpu", "host"):  # memory tiers; disk blocks stay stored
                     for key, meta in self.meta.items():
                         if tier.contains(key):
-                            self._emit(BlockRemoved(block_hashes=list(meta.block_hashes),
-                                                    medium=MEDIUMS["host"]))
+                            self._emit(BlockRemoved(
+                                block_hashes=list(meta.block_hashes),
+                                medium=MEDIUMS.get(tier.name, tier.name.upper())))
         self.flush()
         for tier in self.tiers:
             tier.listener = None

@@ -1,0 +1,163 @@
+"""The gpu tier in the daemon's chain, through a real daemon process: gpu over host over disk
+(`--gpu-bytes`, with `--gpu-device cpu`: the same code on host memory).
+
+Capacities are 4 gpu, 6 host and 64 disk blocks under LRU, so every step's placement follows
+from the rules (`tiers/hierarchy.py`) and is asserted exactly, per tier, by Inspect and Stats:
+a fetch copies what it served up into gpu (kept in host too), a publish pushes host's
+least-recent blocks down to disk, a block only gpu holds reaches its client through host
+scratch space, and gpu victims go down to host (pushing host's down to disk).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.client import KVClient
+from kvstore.proto import kvstore_pb2 as pb
+from tests.conftest import random_kv, same_bytes, small_layout
+from tests.reliability import CapacityWatch, stats, stub, tier, wait_quiescent
+
+pytestmark = pytest.mark.integration
+P1, P2, P3 = (small_layout(model=m) for m in ("p1", "p2", "p3"))  # a namespace each
+BB = P1.block_bytes  # 8 KiB: 2 pages
+BT = P1.block_tokens
+GPU, HOST, DISK = 4, 6, 64  # blocks
+
+
+def chain_args(gpu_blocks: int = GPU) -> tuple[str, ...]:
+    return ("--gpu-bytes", str(gpu_blocks * BB), "--gpu-device", "cpu",
+            "--host-bytes", str(HOST * BB), "--disk-bytes", str(DISK * BB),
+            "--eviction-policy", "lru")
+
+
+def placement(target: str) -> dict[str, dict[str, int]]:
+    """Blocks per tier of each prompt (its layout's model names its namespace), by Inspect."""
+    channel, s = stub(target)
+    with channel:
+        reply = s.Inspect(pb.InspectRequest(), timeout=5)
+    return {ns.layout.model: {t.tier: t.blocks for t in ns.tiers if t.blocks}
+            for ns in reply.namespaces}
+
+
+def counters(target: str) -> dict[str, int | dict[str, list[int]]]:
+    """Per tier [blocks, hits, bytes read, bytes written], and the chain's moves."""
+    r = stats(target)
+    return {"tiers": {t.name: [t.blocks, t.hits, t.bytes_read, t.bytes_written]
+                      for t in r.tiers},
+            "promotions": r.promotions, "demotions": r.demotions}
+
+
+def prompt(i: int) -> list[int]:
+    return list(range(1000 * i, 1000 * i + 4 * BT))
+
+
+def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory):
+    d = daemon_factory(*chain_args()).start()
+    t1, t2, t3 = prompt(1), prompt(2), prompt(3)
+    kv1, kv2, kv3 = (random_kv(lay, len(t), seed)
+                     for seed, (lay, t) in enumerate(((P1, t1), (P2, t2), (P3, t3))))
+    with (CapacityWatch(d) as watch, KVClient(d.target, P1) as c1,
+          KVClient(d.target, P2, deadline_s=20) as c2, KVClient(d.target, P3) as c3):
+        assert c1.publish(t1, kv1) == len(t1)
+        assert placement(d.target) == {"p1": {"host": 4}}
+        # A fetch serves host's blocks and copies them up into gpu; host keeps them.
+        n, got = c1.fetch(t1)
+        assert n == len(t1) and same_bytes(got, kv1)
+        assert placement(d.target) == {"p1": {"gpu": 4, "host": 4}}
+        assert counters(d.target) == {
+            "tiers": {"gpu": [4, 0, 0, 4 * BB], "host": [4, 4, 0, 4 * BB],
+                      "disk": [0, 0, 0, 0]}, "promotions": 4, "demotions": 0}
+        # Host full: a publish pushes its least-recent blocks (P1's tail) down to disk.
+        assert c2.publish(t2, kv2) == len(t2)
+        assert placement(d.target) == {"p1": {"gpu": 4, "host": 2, "disk": 2},
+                                       "p2": {"host": 4}}
+        # P1's tail is read from gpu (before disk) through host scratch space: no copy is
+        # placed in host; the scratch space pushes P2's tail down to disk and is freed.
+        n, got = c1.fetch(t1)
+        assert n == len(t1) and same_bytes(got, kv1)
+        assert placement(d.target) == {"p1": {"gpu": 4, "host": 2, "disk": 2},
+                                       "p2": {"host": 2, "disk": 2}}
+        assert counters(d.target) == {
+            "tiers": {"gpu": [4, 2, 2 * BB, 4 * BB], "host": [4, 6, 0, 8 * BB],
+                      "disk": [4, 0, 0, 4 * BB]}, "promotions": 4, "demotions": 4}
+        assert tier(wait_quiescent(d.target, 2.0), "host").used_bytes == 4 * BB
+        # P2: its tail promoted from disk into host, then all of it copied up into gpu. gpu's
+        # victims (P1) go down to host, whose victims (P1 again) go down to disk, written once.
+        n, got = c2.fetch(t2)
+        assert n == len(t2) and same_bytes(got, kv2)
+        assert placement(d.target) == {"p1": {"host": 2, "disk": 4},
+                                       "p2": {"gpu": 4, "host": 4, "disk": 2}}
+        # Written: into gpu by lifts, into host by publishes and gpu's demotions (a promotion
+        # from disk counts as disk's read), into disk by host's demotions.
+        assert counters(d.target) == {
+            "tiers": {"gpu": [4, 2, 2 * BB, 8 * BB], "host": [6, 8, 0, 12 * BB],
+                      "disk": [6, 2, 2 * BB, 6 * BB]},
+            "promotions": 4 + 2 + 4, "demotions": 4 + 4 + 2}
+
+        # Pins: while P2's fetch lease is held, its host blocks are never evicted. P3 gets
+        # host's two unpinned blocks (P1's, already on disk: dropped) and, published in
+        # rounds, pushes its own first half down to disk to take them again.
+        during: list[object] = []
+
+        def consume(blocks, views, stop: threading.Event) -> None:
+            during.append(c3.publish(t3, kv3))
+            during.append(placement(d.target))
+            for b, view in zip(blocks, views, strict=True):  # the arena under the lease
+                assert same_bytes(view, kv2[:, :, b * BT : (b + 1) * BT])
+
+        assert c2.fetch_with(t2, consume) == len(t2)
+        assert during == [len(t3), {"p1": {"disk": 4}, "p2": {"gpu": 4, "host": 4, "disk": 2},
+                                    "p3": {"host": 2, "disk": 2}}]
+        # The lease ended: P3 is promoted into host and copied up into gpu, P2 going down the
+        # chain as P1 did.
+        n, got = c3.fetch(t3)
+        assert n == len(t3) and same_bytes(got, kv3)
+        assert placement(d.target) == {"p1": {"disk": 4}, "p2": {"host": 2, "disk": 4},
+                                       "p3": {"gpu": 4, "host": 4, "disk": 2}}
+        wait_quiescent(d.target, 2.0)
+        watch.check()
+        before = stats(d.target)
+        assert all(t.used_bytes <= t.capacity_bytes for t in before.tiers)
+        assert [(t.name, t.capacity_bytes) for t in before.tiers] == [
+            ("gpu", GPU * BB), ("host", HOST * BB), ("disk", DISK * BB)]
+
+    # A restart keeps the disk tier (the SIGTERM flush writes what only memory held); gpu and
+    # host start empty, and every prompt comes back byte-identical from disk.
+    assert d.stop() == 0
+    d.start()
+    after = stats(d.target)
+    assert [(t.name, t.blocks) for t in after.tiers] == [("gpu", 0), ("host", 0), ("disk", 12)]
+    for lay, t, kv in ((P1, t1, kv1), (P2, t2, kv2), (P3, t3, kv3)):
+        with KVClient(d.target, lay) as c:
+            n, got = c.fetch(t)
+            assert n == len(t) and same_bytes(got, kv)
+    assert tier(stats(d.target), "disk").hits == 12
+    d.stop()
+
+
+def torch_loaded(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_daemon_imports_torch_only_with_a_gpu_tier(daemon_factory):
+    plain = daemon_factory("--host-bytes", str(HOST * BB), name="plain").start()
+    gpu = daemon_factory(*chain_args(), name="gpu").start()
+    assert plain.proc is not None and gpu.proc is not None
+    assert not torch_loaded(plain.proc.pid)
+    assert torch_loaded(gpu.proc.pid)
+    assert [t.name for t in stats(plain.target).tiers] == ["host", "disk"]
+    plain.stop()
+    gpu.stop()
+
+
+def test_gpu_tier_that_cannot_be_allocated_stops_start_up(daemon_factory):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device exists here: the slab would be allocated")
+    d = daemon_factory("--gpu-bytes", str(GPU * BB), "--gpu-device", "cuda", name="nocuda")
+    with pytest.raises(RuntimeError, match="did not start"):
+        d.start(timeout=20)
+    assert "gpu_bytes: cannot allocate" in d.log.read_text()
