@@ -111,8 +111,9 @@ class ServerConfig:
                                     hi=1 << 20)
     drain_grace_s: float = _opt(5.0, "On SIGTERM, how long in-flight calls may finish.",
                                 unit="seconds", lo=0, hi=600)
-    shutdown_flush_s: float = _opt(10.0, "On SIGTERM, seconds spent writing host-only blocks to "
-                                   "disk (most recent first) so a restart keeps them; 0 disables.",
+    shutdown_flush_s: float = _opt(10.0, "On SIGTERM, seconds spent writing the blocks only "
+                                   "memory holds (host, gpu) to disk (recent prompts first, each "
+                                   "from its start) so a restart keeps them; 0 disables.",
                                    unit="seconds", lo=0, hi=3600)
     remote: str = _opt("", "Shared remote tier: `redis://HOST:PORT/DB` or `redis+cluster://HOST:"
                        "PORT,HOST:PORT` (`rediss` for TLS, `redis://:PASSWORD@...`). Empty: none.")
