@@ -17,6 +17,7 @@ from kvstore.errors import NotFoundError
 from kvstore.server.store import Lease, TieredStore
 from kvstore.tiers.base import PAGE
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.host import HostTier
 
 NS_A = b"A" * 32
@@ -769,6 +770,73 @@ def test_scratch_space_is_freed_by_the_reaper_and_on_cancellation(tmp_path: Path
         with pytest.raises(asyncio.CancelledError):
             await call
         assert nothing_held(store)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- a gpu level (on cpu) above host
+def gpu_store(tmp_path: Path, gpu_blocks: int, host_blocks: int,
+              disk_blocks: int | None = 16) -> TieredStore:
+    host = HostTier(host_blocks * 2 * PAGE, shm_dir=tmp_path)
+    disk = (DiskTier(tmp_path / "disk", disk_blocks * 3 * PAGE, sync="never")
+            if disk_blocks is not None else None)
+    return TieredStore(host, disk, io_threads=2, gpu=GpuTier(gpu_blocks * 2 * PAGE, "cpu"))
+
+
+def test_flush_writes_blocks_only_the_gpu_tier_holds(tmp_path: Path) -> None:
+    store = gpu_store(tmp_path, gpu_blocks=4, host_blocks=8)
+    keys = [key(i) for i in range(3)]
+
+    async def main() -> None:
+        await publish(store, keys)
+        lease = await store.fetch(keys, LAYOUT)
+        store.release(lease.id)
+        assert store.gpu is not None and store.disk is not None
+        assert all(store.gpu.contains(k) for k in keys)  # lifted, host keeps its copies
+        for k in keys:
+            store.host.remove(k)
+        store.host.buffer[:] = 0  # their old host bytes gone: only gpu has them
+        assert store.lookup(keys) == ["gpu"] * 3
+        assert await store.flush(10.0) == 3  # through a host buffer: the gpu may be a device
+        for k in keys:
+            store.gpu.remove(k)
+        lease = await store.fetch(keys, LAYOUT)
+        assert lease.tiers == ["disk"] * 3 and fetched_bytes(store, lease) == [
+            payload(k) for k in keys]
+        store.release(lease.id)
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
+    # Host (2 blocks) is pinned full by the fetch that lifts B: gpu's victims (A, only in gpu)
+    # have nowhere to go, so they stay and the lift stops; nothing is dropped.
+    store = gpu_store(tmp_path, gpu_blocks=2, host_blocks=2, disk_blocks=None)
+    a, b = [key(0), key(1)], [key(2), key(3)]
+
+    async def main() -> None:
+        await publish(store, a)
+        store.release((await store.fetch(a, LAYOUT)).id)
+        assert store.gpu is not None
+        for k in a:
+            store.host.remove(k)
+        await publish(store, b)
+        lease = await store.fetch(b, LAYOUT)
+        assert fetched_bytes(store, lease) == [payload(k) for k in b]
+        assert [store.gpu.contains(k) for k in a + b] == [True, True, False, False]
+        store.release(lease.id)
+        # A later fetch reads A from gpu through scratch space, byte-identical.
+        lease = await store.fetch(a, LAYOUT)
+        assert lease.tiers == ["gpu", "gpu"] and fetched_bytes(store, lease) == [
+            payload(k) for k in a]
+        store.release(lease.id)
+        assert nothing_held(store) and store.gpu.stats().pinned_blocks == 0
 
     try:
         asyncio.run(main())
