@@ -556,19 +556,17 @@ class TieredStore:
         return space, True
 
     def _give_way(self, room: _Room, share: PromptShare) -> bytes | None:
-        """While the prompt holds more than its share, its deepest host block that only this
-        call pins, unpinned for demotion; else None."""
-        if not share.over():
+        """The prompt's host block the placement engine picks to give way (`PromptShare.
+        giving_way`), unpinned for demotion; else None."""
+        host = self.host
+        i = share.giving_way([host.entries.get(e.key) is e and host.policy.pin_count(e.key) == 1
+                              for e in room.held])
+        if i is None:
             return None
-        for i in range(len(room.held) - 1, -1, -1):
-            entry = room.held[i]
-            if (self.host.entries.get(entry.key) is entry
-                    and self.host.policy.pin_count(entry.key) == 1):
-                del room.held[i]
-                self.host.complete_load(entry)
-                share.used -= entry.units * PAGE
-                return entry.key
-        return None
+        entry = room.held.pop(i)
+        host.complete_load(entry)
+        share.used -= entry.units * PAGE
+        return entry.key
 
     async def _read_disk(self, s: _Staged) -> Exception | None:
         """Read one staged disk block into its host reservation (then commit it) or scratch

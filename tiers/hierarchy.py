@@ -308,6 +308,15 @@ class PromptShare:
         """Whether the prompt holds more than its share (its deepest blocks give way)."""
         return self.used > self.limit
 
+    def giving_way(self, movable: Sequence[bool]) -> int | None:
+        """Which of the prompt's blocks in the level (chain order; `movable`: only this fetch
+        pins it) gives way when scratch space is needed: while the prompt holds more than its
+        share, its deepest movable block (a lookup stops at a hole: never its head); else
+        None."""
+        if not self.over():
+            return None
+        return next((i for i in range(len(movable) - 1, -1, -1) if movable[i]), None)
+
 
 class MetaLevel:
     """A level as metadata only (the simulator's): its policy is all it has."""

@@ -216,3 +216,8 @@ def test_prompt_share() -> None:
     assert s.keep == 80
     # Windows smaller than a block: a block is the window.
     assert PromptShare.size(100, 1, 30, 0, 200, False, True).limit == 40
+    # Past its share, the prompt's deepest block only this fetch pins gives way; within it, none.
+    s = PromptShare(keep=80, limit=80, used=85)
+    assert s.giving_way([True, True, False]) == 1 and s.giving_way([False, False]) is None
+    s.used = 80
+    assert s.giving_way([True, True]) is None
