@@ -402,7 +402,7 @@ class TieredStore:
         prompt past its host share is not kept in faster memory either). The prompt's own gpu
         blocks are pinned meanwhile: room for it is never made from itself. Stops where no
         room can be made (gpu pinned full, or host cannot take its victims)."""
-        pinned = {k: e for k, e in zip(keys, lease.entries, strict=False) if e.key == k}
+        pinned = {k: e for k, e in zip(keys, lease.entries, strict=True) if e.key == k}
         size = gpu.units_for(lease.entries[0].length) * PAGE
         lifted = self.placement.lift(prompt, pinned, size)
         if not lifted:
@@ -426,6 +426,7 @@ class TieredStore:
                     gpu.abort_store(dst)
                     raise
                 gpu.complete_store(dst)
+                held.append(gpu.prepare_load(key))  # no victim of the next block's room
                 self.counters.promotions += 1
                 self.counters.add(self.counters.bytes_written, gpu.name, src.length)
         finally:
