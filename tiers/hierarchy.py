@@ -251,6 +251,7 @@ class Hierarchy:
             stamp, i = low.policy.evictions, 0
             while i < len(chain):
                 if low.policy.evictions != stamp:  # a write evicted something below: the start?
+                    # O(i) lookups, only after a write that evicted: small beside that write.
                     stamp = low.policy.evictions
                     i = next((j for j in range(i) if not low.contains(chain[j])), i)
                 key = chain[i]
