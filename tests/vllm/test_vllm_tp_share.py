@@ -42,8 +42,9 @@ RECOMPUTE = "recompute"  # a salt nothing was published under: the engine comput
 ROUNDING = 1e-4  # allowance for float32 rounding on top of the two degrees' difference
 
 
-def engine_at(tp: int, model: Path, daemon: DaemonProcess, log_path: Path) -> Engine:
-    opts: dict[str, Any] = {"extra": {"kvstore.shared_model": SHARED}}
+def engine_at(tp: int, model: Path, daemon: DaemonProcess, log_path: Path,
+              **more: Any) -> Engine:
+    opts: dict[str, Any] = {"extra": {"kvstore.shared_model": SHARED}, **more}
     if tp > 1:
         opts["llm_kwargs"] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
     return Engine(model, daemon.target, log=log_path, **opts)
@@ -183,3 +184,70 @@ def test_a_missing_head_is_a_miss_for_every_degree(runs: dict[str, dict[str, Any
     out = runs["tp2/head-missing"]
     assert out["cached"] == [0], out["tail"]
     assert out["served"] == 0, out["tail"]
+
+
+# ---- MLA: the latent is the same on every rank: one shard, saved by rank 0, loaded by all
+MLA_PROMPT = 6 * 16 + 4  # MLA_BLOCK = 16: loads 6 blocks, computes 4
+
+
+@pytest.fixture(scope="module")
+def mla_runs(daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory,
+             ) -> dict[str, dict[str, Any]]:
+    """The DeepSeek-V2-shaped model: a TP=2 engine publishes a prompt (and computes another
+    under a salt), then a TP=1 engine computes the first under a salt and loads it."""
+    from tests.vllm.models import MLA_BLOCK, make_mla_model
+
+    model = make_mla_model(tmp_path_factory.mktemp("vllm-share-mla") / "tiny-deepseek-v2")
+    logs = tmp_path_factory.mktemp("vllm-share-mla-log")
+    ids = corpus_ids(model, 85, MLA_PROMPT, sentences=30)
+    out: dict[str, dict[str, Any]] = {}
+
+    def run(engine: Engine, key: str, salt: str | None = None) -> None:
+        served = hit_blocks(daemon)
+        req: dict[str, Any] = {"prompt_token_ids": ids}
+        if salt is not None:
+            req["cache_salt"] = salt
+        out[key] = {**engine.generate([req]), "served": hit_blocks(daemon) - served,
+                    "tail": engine.tail(60)}
+
+    for tp, keys in ((TP, ("tp2",)), (1, ("tp1", "tp1-warm"))):
+        path = logs / f"tp{tp}.log"
+        engine = engine_at(tp, model, daemon, path, block_size=MLA_BLOCK)
+        try:
+            for key in keys:
+                run(engine, key, RECOMPUTE if key == "tp1" else None)
+        finally:
+            engine.close()
+        out[key]["log"] = path.read_text()
+    out["tp2"]["ids"] = ids
+    return out
+
+
+@pytest.mark.timeout(1200)
+def test_mla_latent_stored_once_and_shared_across_degrees(mla_runs: dict[str, dict[str, Any]],
+                                                          daemon: DaemonProcess) -> None:
+    """At TP=2 the latent (identical on both ranks) is saved once, by rank 0, under the
+    shared id; a TP=1 engine loads it, its output as close to its own recompute as the two
+    degrees' outputs are to each other."""
+    import torch
+
+    from kvstore.client import KVClient
+    from kvstore.layout import KVLayout
+    from tests.vllm.models import MLA_BLOCK, MLA_LATENT
+
+    cold, own, warm = mla_runs["tp2"], mla_runs["tp1"], mla_runs["tp1-warm"]
+    cached = MLA_PROMPT // MLA_BLOCK * MLA_BLOCK
+    saves = [line for line in cold["log"].splitlines() if f" saved {cached} tokens" in line]
+    assert len(saves) == 1, saves  # rank 0's save only: rank 1 holds the same latent
+    layout = KVLayout(model=SHARED, num_layers=2, num_kv_heads=1, head_dim=MLA_LATENT,
+                      dtype=torch.float32, block_tokens=MLA_BLOCK, kv_kind="mla")
+    with KVClient(daemon.target, layout) as client:
+        assert client.lookup(cold["ids"]) == MLA_PROMPT // MLA_BLOCK * MLA_BLOCK
+    assert cold["cached"] == [0] and own["cached"] == [0]
+    assert warm["cached"] == [cached], warm["tail"]
+    assert warm["served"] == cached // MLA_BLOCK, warm["tail"]
+    apart, off = distance(own, cold), distance(warm, own)
+    log.warning("MLA: tp1 loading tp2's latent: |warm - own recompute| %.2e, |recomputes| "
+                "%.2e", off, apart)
+    assert off <= apart + ROUNDING, (off, apart)
+    assert warm["tokens"][0][0] == own["tokens"][0][0]
