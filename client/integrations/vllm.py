@@ -9,7 +9,8 @@ Load it with
 Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.block_tokens`
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
-`kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`.
+`kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`,
+`kvstore.shared_model`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -87,15 +88,21 @@ TP=1 the layouts are those of before). The scheduler keys each prompt for every 
 counts a block cached only when every rank's shard (of every group) is: the minimum of their
 lookups. The workers agree on each load (an all-reduce of the tokens each rank loaded), so a
 load short on one rank is reported as the same failed blocks by all, and no rank publishes
-what that step computed; vLLM recomputes from the first failed block on every rank.
+what that step computed; vLLM recomputes from the first failed block on every rank. An MLA
+latent, the same on every rank, is stored once (`MODEL#tp=2`): rank 0 saves it, all load it.
+
+Sharing across parallel degrees (`kvstore.shared_model`, docs/ENGINES.md): every block is
+stored one KV head at a time under layouts naming the shared id and the head
+(`SHARED#kv-head=1:of=8`), not the degree, so engines of any tensor-parallel size read each
+other's blocks; each rank moves the heads its cache holds through head slices of vLLM's pages
+(`KVShard`, `PagedCache.head_slice`). Off by default: two degrees' K/V differ in the last bits.
 
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
 other state groups, chunked local attention, static sink attention, groups of different block
 sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
-MLA at tensor parallel size 1 only, pipeline parallel size 1 (vLLM's CPU build fails PP=2's
-first step), text prompts (requests with multimodal inputs or prompt embeddings bypass the
-store); hybrid models and TP > 1 publish no KV events; blocks of different parallel degrees
-are never shared.
+pipeline parallel size 1 (vLLM's CPU build fails PP=2's first step), text prompts (requests
+with multimodal inputs or prompt embeddings bypass the store); hybrid models, TP > 1 and
+`kvstore.shared_model` publish no KV events.
 """
 
 from __future__ import annotations
