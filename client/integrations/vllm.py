@@ -10,7 +10,7 @@ Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.bl
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
 `kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`,
-`kvstore.shared_model`.
+`kvstore.shared_model`, `kvstore.async_load`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -35,6 +35,9 @@ vLLM keeps its blocks (`request_finished` delays their free and `get_finished` r
 a preempted request's pending saves are waited for in `handle_preemptions`, before its blocks
 can be reused). A full save queue drops the save (a future miss), never blocks the step.
 `kvstore.async_save=false` publishes synchronously in `wait_for_save` instead.
+`kvstore.async_load=true` loads in a background thread instead (on the CPUs vLLM's compute
+threads are not bound to), reported to vLLM as an asynchronous load: the request waits,
+unscheduled, while the engine runs the others; a load that comes short is recomputed whole.
 
 A load's deadline follows its size and the measured bandwidth, and the time this engine takes
 to recompute what it carries (learnt from its own full prefills): it is abandoned only when
@@ -116,6 +119,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +208,12 @@ class ConnectorConfig:
     published its prompt (`kvstore_prefilled_tokens`) waits, unscheduled, for blocks a lookup
     does not find yet (a write-through to the remote tier still on its way); then it loads
     what is there and vLLM computes the rest."""
+    async_load: bool = False
+    """Load in a background thread while the engine runs other requests: vLLM schedules a
+    request once its load is done (`WAITING_FOR_REMOTE_KVS`), and a load that comes short is
+    recomputed whole. False: loads run in the step that schedules the request, before its
+    forward (a load cut short keeps the prefix that arrived). Hybrid models always report
+    their loads asynchronously (synchronously carried out unless this is set)."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
@@ -700,6 +710,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # `failed_recving`, when block ids are per group) and saves synchronous (vLLM frees a
         # sliding-window group's blocks behind the window while the request runs).
         self._hybrid = len(self._groups) > 1
+        # Loads vLLM sees as asynchronous (the request waits, unscheduled, until the worker
+        # reports it loaded): hybrid models' (carried out in the step), and with `async_load`
+        # every model's (carried out in a background thread while the engine runs others).
+        self._async_load = self._hybrid or self._cfg.async_load
         self._block_size = vllm_config.cache_config.block_size
         self._clients: dict[tuple[str, str, int, int], KVClient] = {}
         # one client per (salt, LoRA) namespace, KV-cache group and shard; salts are few
@@ -711,8 +725,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # (req_id, group) -> its prompt's keys so far, one chain per shard, from its first
         # lookup to request_finished
         self._chains: dict[tuple[str, int], tuple[tuple[str, str], list[KeyChain]]] = {}
-        self._async_loads: list[str] = []  # hybrid: requests whose load goes out next
-        self._load_failed: set[str] = set()  # hybrid: requests whose load failed: recompute
+        self._async_loads: list[str] = []  # asynchronous: requests whose load goes out next
+        self._load_failed: set[str] = set()  # asynchronous: loads that failed: recompute
         # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
         # (its answer must not reach the proxy before its blocks are committed) and tells
         # the consumer what it published; a consumer loads, waits for those blocks within
@@ -727,8 +741,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache: PagedCache | None = None
         self._caches: list[PagedCache] = []  # per KV-cache group
         self._shard_caches: dict[tuple[int, int], PagedCache] = {}  # (group, shard): its heads
-        self._recving: set[str] = set()  # hybrid: loads done since the last report
+        self._recving: set[str] = set()  # asynchronous: loads done since the last report
         self._recv_failed: set[str] = set()  # of those, the ones that failed
+        self._recv_lock = threading.Lock()  # the loader thread adds to both
+        self._loader: ThreadPoolExecutor | None = None  # `async_load`: one thread, in order
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._saver: _Saver | None = None  # started with the cache, in the worker
@@ -809,8 +825,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.prompt_token_ids
         if ns is None or tokens is None or len(tokens) < 2 \
                 or request.request_id in self._load_failed:
-            # A hybrid load that failed: vLLM looks the request up again; computing it beats
-            # failing the same way again.
+            # An asynchronous load that failed: vLLM looks the request up again; computing it
+            # beats failing the same way again.
             return 0, False
         waiting = self._waiting.get(request.request_id)
         now = time.monotonic()
@@ -834,7 +850,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._matched[request.request_id] = (num_computed_tokens, hit)
         # Never the last prompt token: vLLM must compute at least one token for its logits.
         n = max(0, min(hit, len(tokens) - 1) - num_computed_tokens)
-        return n, self._hybrid and n > 0
+        return n, self._async_load and n > 0
 
     def _must_wait(self, request: Request, found: int, now: float) -> bool:
         """Consumer: whether `request` stays unscheduled for blocks its producer published
@@ -864,9 +880,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         local, hit = self._matched.pop(request.request_id, (0, 0))
         prev = self._requests.get(request.request_id)
-        if self._hybrid and prev is not None and num_external_tokens == 0:
-            # Scheduled after its asynchronous (hybrid) load: vLLM allocates again without a
-            # lookup; what kvstore held then still holds for saving. (Not after a preemption
+        if self._async_load and prev is not None and num_external_tokens == 0:
+            # Scheduled after its asynchronous load: vLLM allocates again without a lookup;
+            # what kvstore held then still holds for saving. (Not after a preemption
             # of a synchronous load: its new lookup is the fresher figure.)
             hit = max(hit, prev.hit_end)
         ns = _namespace_of(request)
@@ -881,7 +897,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
-            if self._hybrid:  # an asynchronous load: the request is not scheduled meanwhile
+            if self._async_load:  # the request is not scheduled meanwhile
                 self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
         # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models, nor for
@@ -1014,7 +1030,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return bool(self._async_save and state is not None and state.save_issued), params
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Scheduler side: note hybrid loads that failed (see `get_num_new_matched_tokens`)."""
+        """Scheduler side: note asynchronous loads that failed (see
+        `get_num_new_matched_tokens`)."""
         self._load_failed |= set(connector_output.failed_recving or ())
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
@@ -1054,6 +1071,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._client("", "").prepare()
         if self._async_save and self._saves and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
+        if self._cfg.async_load and self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
 
     def _group_cache(self, lay: KVLayout, names: list[str], tensors: list[torch.Tensor],
                      ) -> PagedCache:
@@ -1111,6 +1130,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_reqs.clear()
         # Each rank loads the shards its cache holds (the scheduler sends one spec per shard).
         loads = [spec for spec in self._metadata().loads if self._holds(spec)]
+        if self._loader is not None:
+            # In the background, while this step's forward runs the other requests (the loading
+            # ones are not scheduled): reported done or failed by a later step's get_finished.
+            if loads:
+                self._loader.submit(self._load_in_background, loads)
+            return
         if self._hybrid:
             # A group short on any rank fails the request's load on that rank; vLLM takes a
             # request as loaded only when every rank reports it (KVOutputAggregator) and
@@ -1178,11 +1203,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("kvstore: TP ranks could not agree on their loads; recomputing")
             return [-1] * len(loaded)
 
-    def _load_groups(self, loads: list[LoadSpec]) -> None:
-        """Hybrid models: each request's loads, one per KV-cache group, reported to vLLM as
-        done (`finished_recving`) or, when any group came short, failed (`failed_recving`):
-        vLLM then recomputes the request from its first token (it cannot take a failed block
-        of one group: block ids are per group), never from a prefix missing a group."""
+    def _load_in_background(self, loads: list[LoadSpec]) -> None:
+        """`async_load`: one step's loads, in the loader thread, off vLLM's compute CPUs."""
+        _run_on(self._side_cpus)
+        try:
+            self._load_groups(loads, background=True)
+        except BaseException:  # never leave a request waiting for a report
+            log.exception("kvstore: background load failed")
+            with self._recv_lock:
+                ids = {spec.req_id for spec in loads}
+                self._recving |= ids
+                self._recv_failed |= ids
+
+    def _load_groups(self, loads: list[LoadSpec], background: bool = False) -> None:
+        """Asynchronous loads: each request's loads, one per KV-cache group (and shard),
+        reported to vLLM as done (`finished_recving`) or, when any came short, failed
+        (`failed_recving`): vLLM then recomputes the request from its first token (it cannot
+        take a failed block of one group: block ids are per group), never from a prefix
+        missing a group. In the loader thread when `background`."""
         by_req: dict[str, list[LoadSpec]] = {}
         for spec in loads:
             by_req.setdefault(spec.req_id, []).append(spec)
@@ -1204,21 +1242,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 "%d); vLLM recomputes the request", req_id, spec.group,
                                 spec.start, loaded, spec.start, spec.end)
                     break
-            self._recving.add(req_id)
-            if not ok:
-                self._recv_failed.add(req_id)
+            with self._recv_lock:
+                self._recving.add(req_id)
+                if not ok:
+                    self._recv_failed.add(req_id)
+            if not ok and not background:
                 self._failed_reqs.add(req_id)
-            else:
+            if ok:
                 log.info("kvstore: request %s loaded %s in %.1f ms", req_id,
                          ", ".join(f"group {s.group} tokens [{s.start}, {s.end})"
                                    for s in specs), (time.perf_counter() - began) * 1e3)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        if self._recving:  # hybrid loads: done (and failed) since the last report
-            results.finished_recving |= self._recving
-            results.failed_recving |= self._recv_failed
-            self._recving, self._recv_failed = set(), set()
+        with self._recv_lock:
+            if self._recving:  # asynchronous loads: done (and failed) since the last report
+                results.finished_recving |= self._recving
+                results.failed_recving |= self._recv_failed
+                self._recving, self._recv_failed = set(), set()
         return results
 
     def _recompute_s(self, start: int, end: int) -> float | None:
@@ -1285,7 +1326,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return max(end, spec.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are synchronous (done in `start_load_kv`): nothing to wait for."""
+        """Loads are done in `start_load_kv`, or in the loader thread for requests vLLM does
+        not schedule until they are done: nothing to wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -1399,6 +1441,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:  # loads end by their deadlines: wait for them
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
         if self._saver is not None and not self._saver.close(_SHUTDOWN_SAVE_S):
             log.warning("kvstore: saves still running at shutdown were abandoned")
         self._saver = None
