@@ -71,9 +71,11 @@ LOGGING = {
     "loggers": {name: {"handlers": ["out"], "level": "INFO", "propagate": False}
                 for name in ("vllm", "kvstore")},
 }
-LOAD_LINE = re.compile(r"kvstore: request \S+ loaded tokens \[(\d+), (\d+)\) in ([\d.]+) ms")
-SAVE_LINE = re.compile(r"kvstore: request \S+ saved (\d+) tokens in ([\d.]+) ms \(copy "
-                       r"([\d.]+) ms, queued ([\d.]+) ms\); (\d+) prompt tokens cached")
+LOAD_LINE = re.compile(r"kvstore: request \S+ loaded (?:group 0 )?tokens \[(\d+), (\d+)\) in "
+                       r"([\d.]+) ms")
+SAVE_LINE = re.compile(r"kvstore: request \S+ saved (\d+) tokens (?:\(group \d+\) )?in "
+                       r"([\d.]+) ms \(copy ([\d.]+) ms, queued ([\d.]+) ms\); (\d+) prompt "
+                       r"tokens cached")
 
 
 # ---- engine subprocess: `python -m benchmarks.vllm_ttft --engine '{json}'`
@@ -93,6 +95,8 @@ def engine_main(opts: dict[str, Any]) -> None:
                                kv_connector_extra_config=opts.get("extra", {}))
     sched: dict[str, Any] = {k: opts[k] for k in ("max_num_batched_tokens",
                                                   "enable_chunked_prefill") if k in opts}
+    if opts.get("tp", 1) > 1:
+        sched.update(tensor_parallel_size=opts["tp"], distributed_executor_backend="mp")
     llm = LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True,
               skip_tokenizer_init=True, block_size=opts["block_size"],
               max_model_len=opts["max_model_len"], max_num_seqs=4, seed=0,
@@ -259,6 +263,16 @@ def main() -> None:
                         "vLLM's own, 4096 for the LLM class on CPU)")
     p.add_argument("--max-tokens", type=int, default=1,
                    help="tokens generated per request (TTFT is measured with 1)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel size of every engine (> 1: one core per rank, bound "
+                        "with VLLM_CPU_OMP_THREADS_BIND; no LMCache rows; results in "
+                        "vllm_ttft_tpN.json)")
+    p.add_argument("--name", default="",
+                   help="results file name (default vllm_ttft, or vllm_ttft_tpN with --tp N)")
+    p.add_argument("--async-load", action="store_true",
+                   help="also a kvstore engine that loads in the connector's background thread "
+                        "(kvstore.async_load), on the same daemon after the synchronous one: "
+                        "rows 'kvstore async host'")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
@@ -295,11 +309,21 @@ def run(args: argparse.Namespace) -> None:
     if args.max_num_batched_tokens:
         base["max_num_batched_tokens"] = args.max_num_batched_tokens
     settings: dict[str, dict[str, Any]] = {}
+    env: dict[str, str] = {}
+    if args.tp > 1:
+        # vLLM's automatic binding wants a NUMA node per rank: one core each, by hand.
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < args.tp:
+            raise SystemExit(f"--tp {args.tp} needs {args.tp} CPUs, this process has {len(cpus)}")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cpus[: args.tp])
+        base["tp"] = args.tp
+        args.no_lmcache = True
     lmcache = not args.no_lmcache and VENV_LMCACHE.exists()
     if not args.no_lmcache and not lmcache:
         print(f"no {VENV_LMCACHE}: LMCache rows skipped (bash scripts/setup_lmcache.sh)")
     per_prompt = args.recompute_repeats + args.repeats
     per_prompt += 1 + args.repeats + (0 if args.no_disk else args.repeats)  # kvstore
+    per_prompt += args.repeats if args.async_load else 0
     per_prompt += (1 + args.repeats) if lmcache else 0
     bar = tqdm(total=len(lengths) * per_prompt, desc="vllm ttft", unit="run")
     samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -321,7 +345,7 @@ def run(args: argparse.Namespace) -> None:
         engine.generate(warmup)
 
     # 1. recompute: vLLM alone
-    engine = Engine(VENV_VLLM, dict(base), data / "engine-recompute.log")
+    engine = Engine(VENV_VLLM, dict(base), data / "engine-recompute.log", env=env)
     settings["recompute"] = engine.settings
     try:
         warm_up(engine)
@@ -348,7 +372,7 @@ def run(args: argparse.Namespace) -> None:
     engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
                                 "module": "kvstore.client.integrations.vllm", "extra": extra},
                     data / "engine-kvstore.log",
-                    env={"VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
+                    env={**env, "VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
     settings["kvstore"] = engine.settings
     try:
         warm_up(engine)
@@ -356,6 +380,18 @@ def run(args: argparse.Namespace) -> None:
             measure(engine, "kvstore cold", n, reset=True)
             for _ in range(args.repeats):
                 measure(engine, "kvstore host", n, reset=True)
+        if args.async_load:  # the same prompts in the host tier, loaded in the background
+            engine.close()
+            engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
+                                        "module": "kvstore.client.integrations.vllm",
+                                        "extra": {**extra, "kvstore.async_load": True}},
+                            data / "engine-kvstore-async.log",
+                            env={**env, "VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
+            settings["kvstore async"] = engine.settings
+            warm_up(engine)
+            for n in lengths:
+                for _ in range(args.repeats):
+                    measure(engine, "kvstore async host", n, reset=True)
         for _ in range(0 if args.no_disk else args.repeats):
             daemon.stop()  # SIGTERM: the host tier is flushed to disk
             daemon.start()  # a new, empty host tier: every hit below is read from disk
@@ -392,11 +428,12 @@ def run(args: argparse.Namespace) -> None:
     bar.close()
 
     rows = summarize(samples, lengths, args.repeats)
-    print(f"\nvLLM {_vllm_version()} on CPU, {args.layers}-layer Llama with 8B's KV shape "
-          f"({bytes_per_token // 1024} KiB/token, bf16), vLLM block {args.block_size}, "
-          f"kvstore block {kv_block}, LMCache chunk {args.chunk_size}; TTFT = wall time of a "
-          f"{args.max_tokens}-token generate, median of {args.repeats} (cold: 1 run); load "
-          f"average {os.getloadavg()[0]:.1f}")
+    name = args.name or ("vllm_ttft" if args.tp == 1 else f"vllm_ttft_tp{args.tp}")
+    print(f"\nvLLM {_vllm_version()} on CPU, TP={args.tp}, {args.layers}-layer Llama with "
+          f"8B's KV shape ({bytes_per_token // 1024} KiB/token, bf16), vLLM block "
+          f"{args.block_size}, kvstore block {kv_block}, LMCache chunk {args.chunk_size}; "
+          f"TTFT = wall time of a {args.max_tokens}-token generate, median of {args.repeats} "
+          f"(cold: 1 run); load average {os.getloadavg()[0]:.1f}")
     print(f"vLLM settings: {json.dumps(settings)}\n")
     columns = ["tokens", "run", "cached", "TTFT s", "load ms", "save ms", "save/load",
                "vs recompute", "vs LMCache", "compared with", "same token", "logprob diff"]
@@ -411,16 +448,16 @@ def run(args: argparse.Namespace) -> None:
                "kv_block": kv_block, "bytes_per_token": bytes_per_token,
                "vllm": _vllm_version(), "rows": rows,
                "samples": {f"{n}/{name}": s for (n, name), s in samples.items()}}
-    path = write_results("vllm_ttft", payload)
-    plot(rows, lengths, RESULTS / "vllm_ttft.png")
-    print(f"\nresults: {path} and {RESULTS / 'vllm_ttft.png'}; engine logs in {data}")
+    path = write_results(name, payload)
+    plot(rows, lengths, RESULTS / f"{name}.png")
+    print(f"\nresults: {path} and {RESULTS / f'{name}.png'}; engine logs in {data}")
 
 
 def summarize(samples: dict[tuple[int, str], list[dict[str, Any]]], lengths: list[int],
               repeats: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    order = ["recompute", "vLLM prefix cache", "kvstore cold", "kvstore host", "kvstore disk",
-             "LMCache cold", "LMCache warm"]
+    order = ["recompute", "vLLM prefix cache", "kvstore cold", "kvstore host",
+             "kvstore async host", "kvstore disk", "LMCache cold", "LMCache warm"]
     for n in lengths:
         base = samples.get((n, "recompute"), [])
         hit = samples.get((n, "vLLM prefix cache"), [])
@@ -472,7 +509,8 @@ def plot(rows: list[dict[str, Any]], lengths: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [("recompute", "#999999"), ("vLLM prefix cache", "#cccccc"),
-            ("kvstore host", "#22aa77"), ("kvstore disk", "#2277aa"), ("LMCache warm", "#aa5522")]
+            ("kvstore host", "#22aa77"), ("kvstore async host", "#88cc44"),
+            ("kvstore disk", "#2277aa"), ("LMCache warm", "#aa5522")]
     present = [(r, c) for r, c in runs if any(row["run"] == r for row in rows)]
     width = 0.8 / max(1, len(present))
     fig, ax = plt.subplots(figsize=(7.5, 4))
