@@ -24,6 +24,9 @@ Configurations, one engine each, the same workload:
   `--lmcache-gib`, 4 GiB as kvstore's host tier; chunks of 256 tokens), as
   `benchmarks.vllm_ttft` runs it, from `.venv-lmcache` (`bash scripts/setup_lmcache.sh`;
   skipped with a note when that venv is missing);
+- `kvstore-async` (not by default): the compose stack with `kvstore.async_load` added to its
+  connector config (loads in the connector's background thread while the engine runs the
+  other requests);
 - `vllm-rerun` (not by default): vLLM alone again, to see how far two runs of the same engine
   agree: with requests batched differently, vLLM's own outputs differ between runs.
 
@@ -55,6 +58,16 @@ from tests.vllm.compose import MODEL_NAME, Native, stack
 
 CONFIGS = ("vllm", "kvstore", "lmcache")
 VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
+
+
+def async_transfer_config(native: Native) -> str:
+    """The compose file's `--kv-transfer-config` with `kvstore.async_load` set (given after
+    it, it replaces it)."""
+    flag = "--kv-transfer-config="
+    arg = next(a for a in native.command("vllm") if a.startswith(flag))
+    cfg = json.loads(arg[len(flag):])
+    cfg["kv_connector_extra_config"]["kvstore.async_load"] = True
+    return flag + json.dumps(cfg)
 
 
 def workload(users: int, rounds: int, system: int, question: int, answer: int,
@@ -213,8 +226,10 @@ def main() -> None:
                     "kv_connector_extra_config": {
                         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
+            if config == "kvstore-async":  # the compose connector config, loads asynchronous
+                vllm_args.append(async_transfer_config(native))
             running.enter_context(stack(
-                native, remote=False, vllm_env=env, connector=config == "kvstore",
+                native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
                 vllm_args=tuple(vllm_args),
                 vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
             with tqdm(total=requests, desc=config, unit="req") as bar:
