@@ -475,17 +475,10 @@ def test_prompt_in_rounds_keeps_its_head_freshest(tmp_path: Path, policy: str) -
         store.close()
 
 
-@pytest.mark.parametrize("policy", ["lru", "prefix", "arc", "s3fifo"])
-def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
-    # A prompt larger than the host tier, published in rounds and fetched in windows, leaves
-    # its head and a later segment in host with blocks between them on disk only (under
-    # `prefix`: host 0-11 and 16, disk 12-15 and 17-19). A flush whose budget runs out after 3
-    # blocks must write the head's first 3: the eviction order alone (the old flush order)
-    # ranked the later segment first, and after a restart the prompt had a hole at block 2.
+def timed_disk_writes(store: TieredStore) -> list[bytes]:
+    """Make every disk write of `store` take one second of its (stepped) clock; returns the
+    keys written, in order, as they are written."""
     now = [0.0]
-    store = make_store(tmp_path, host_blocks=16, disk_blocks=32, fetch_window_bytes=2 * LENGTH)
-    store.host.use_eviction(policy)
-    keys = [key(i) for i in range(20)]
     written: list[bytes] = []
     write_disk = store._write_disk
 
@@ -494,6 +487,21 @@ def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
         now[0] += 1.0  # each block takes a second of the budget
         return await write_disk(disk, src, seq, tier)
 
+    store.clock = lambda: now[0]
+    store._write_disk = timed_write  # type: ignore[method-assign]
+    return written
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix", "arc", "s3fifo"])
+def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
+    # A prompt larger than the host tier, published in rounds and fetched in windows, leaves
+    # its head and a later segment in host with blocks between them on disk only (under
+    # `prefix`: host 0-11 and 16, disk 12-15 and 17-19). A flush whose budget runs out after 3
+    # blocks must write the head's first 3: the eviction order alone (the old flush order)
+    # ranked the later segment first, and after a restart the prompt had a hole at block 2.
+    store = make_store(tmp_path, host_blocks=16, disk_blocks=32, fetch_window_bytes=2 * LENGTH)
+    store.host.use_eviction(policy)
+    keys = [key(i) for i in range(20)]
     async def main() -> None:
         await publish_whole(store, keys)
         for _ in range(2):
@@ -502,8 +510,7 @@ def test_flush_cut_short_keeps_a_prefix(tmp_path: Path, policy: str) -> None:
         assert store.disk is not None
         host_only = [k for k in keys if store.host.contains(k) and k not in store.disk.entries]
         assert len(host_only) >= 4
-        store.clock = lambda: now[0]
-        store._write_disk = timed_write  # type: ignore[method-assign]
+        written = timed_disk_writes(store)
         assert await store.flush(2.5) == 3
         assert written == host_only[:3]
         for k in list(store.host.entries):
@@ -522,17 +529,8 @@ def test_flush_cut_short_never_spends_its_budget_past_a_hole(tmp_path: Path) -> 
     # only; Z on disk; A, the newest, in host only. Writing A evicts B's start from disk. The
     # old order, planned before any write, then wrote b2 and b3: worth nothing after a
     # restart (their parents were gone), while B's start, still in host, was not written.
-    now = [0.0]
     store = make_store(tmp_path, host_blocks=8, disk_blocks=4)
     b, z, a = [key(i) for i in range(4)], [key(10), key(11)], [key(20), key(21)]
-    written: list[bytes] = []
-    write_disk = store._write_disk
-
-    async def timed_write(disk: DiskTier, src, seq=None, tier=None):  # type: ignore[no-untyped-def]
-        written.append(src.key)
-        now[0] += 1.0  # each block takes a second of the budget
-        return await write_disk(disk, src, seq, tier)
-
     async def main() -> None:
         await publish(store, b[:2])
         await publish(store, z)
@@ -540,8 +538,7 @@ def test_flush_cut_short_never_spends_its_budget_past_a_hole(tmp_path: Path) -> 
         await publish(store, b)  # B's tail, host only
         await publish(store, z)
         await publish(store, a)
-        store.clock = lambda: now[0]
-        store._write_disk = timed_write  # type: ignore[method-assign]
+        written = timed_disk_writes(store)
         assert await store.flush(3.5) == 4
         assert written == [a[0], a[1], b[0], b[1]]
         for k in list(store.host.entries):
