@@ -839,8 +839,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # shard) cached prefixes (every shard of every group stores every block, so each
             # one's prefix ends where its first missing block is).
             keys = self._prompt_keys(request, ns, tokens)
-            hit = min(self._client(*ns, g.index, s.index).lookup(keys[g.index][s.index])
-                      for g in self._groups for s in g.all_shards)
+            hit = self._shortest_hit(ns, keys)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -851,6 +850,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Never the last prompt token: vLLM must compute at least one token for its logits.
         n = max(0, min(hit, len(tokens) - 1) - num_computed_tokens)
         return n, self._async_load and n > 0
+
+    def _shortest_hit(self, ns: tuple[str, str], keys: list[list[PrefixKeys]]) -> int:
+        """The tokens every (group, shard) holds of the prompt: each shard is looked up only
+        as far as the shorter hits before it reach, and not at all after a miss (a prompt
+        nothing holds costs one lookup, not one per KV head with `shared_model`)."""
+        hit: int | None = None
+        for g in self._groups:
+            for s in g.all_shards:
+                chain = keys[g.index][s.index]
+                if hit is not None:
+                    chain = chain.prefix(hit // chain.block_tokens)
+                hit = self._client(*ns, g.index, s.index).lookup(chain)
+                if hit == 0:
+                    return 0
+        return hit or 0
 
     def _must_wait(self, request: Request, found: int, now: float) -> bool:
         """Consumer: whether `request` stays unscheduled for blocks its producer published
