@@ -1195,9 +1195,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvstore: request %s loaded tokens [%d, %d) in %.1f ms", spec.req_id,
                          spec.start, spec.end, ms)
 
+    def _shard(self, spec: LoadSpec | SaveSpec) -> KVShard:
+        return self._groups[spec.group].all_shards[spec.shard]
+
     def _holds(self, spec: LoadSpec | SaveSpec) -> bool:
         """Whether this rank's cache holds the spec's shard."""
-        return self._rank in self._groups[spec.group].all_shards[spec.shard].ranks
+        return self._rank in self._shard(spec).ranks
 
     def _agree(self, loaded: list[int]) -> list[int]:
         """TP > 1: the tokens every rank loaded, per request (every rank holds a shard of
@@ -1299,7 +1302,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._caches:
             return spec.start
         cache = self._shard_caches[spec.group, spec.shard]
-        lay = self._groups[spec.group].all_shards[spec.shard].layout
+        lay = self._shard(spec).layout
         bt, ps = lay.block_tokens, cache.page_size
         bytes_per_page = lay.bytes_per_token * ps
         guard = _CopyGuard()
@@ -1356,7 +1359,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # The scheduler holds its blocks until every rank reports the request done
                 # (`get_finished`), the ranks whose spec this is not included.
                 self._save_reqs.add(spec.req_id)
-            if self._groups[spec.group].all_shards[spec.shard].ranks[0] != self._rank:
+            if self._shard(spec).ranks[0] != self._rank:
                 continue  # a shard another rank holds, or saves
             if not self._caches or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
@@ -1375,7 +1378,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._caches:
             return
         cache = self._shard_caches[spec.group, spec.shard]
-        lay = self._groups[spec.group].all_shards[spec.shard].layout
+        lay = self._shard(spec).layout
         began = time.perf_counter()
         copying = [0.0]
         # A sliding-window group's blocks behind the window are vLLM's null block by now:

@@ -122,12 +122,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("vllm") / "kvstore", "--host-bytes", "64MiB",
+def small_daemon(tmp_path_factory: pytest.TempPathFactory, name: str,
+                 ) -> Iterator[DaemonProcess]:
+    """The daemon a vLLM test module runs against (64 MiB host tier, 128 MiB disk), in a
+    directory of its own; killed at the module's end."""
+    d = DaemonProcess(tmp_path_factory.mktemp(name) / "kvstore", "--host-bytes", "64MiB",
                       "--disk-bytes", "128MiB").start()
     yield d
     d.kill()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    yield from small_daemon(tmp_path_factory, "vllm")
 
 
 @pytest.fixture(scope="module")

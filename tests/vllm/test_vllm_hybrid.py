@@ -35,6 +35,7 @@ from tests.vllm.test_vllm_connector import (
     assert_same_generation,
     hit_blocks,
     require_varied_output,
+    small_daemon,
 )
 from tests.vllm.vllm_runner import corpus_ids
 
@@ -70,10 +71,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("vllm-hybrid") / "kvstore", "--host-bytes",
-                      "64MiB", "--disk-bytes", "128MiB").start()
-    yield d
-    d.kill()
+    yield from small_daemon(tmp_path_factory, "vllm-hybrid")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from tests.vllm.test_vllm_connector import (
     expected_cached,
     fetched_blocks,
     hit_blocks,
+    small_daemon,
 )
 from tests.vllm.vllm_runner import corpus_ids, make_model
 
@@ -189,10 +190,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("vllm-tp") / "kvstore", "--host-bytes",
-                      "64MiB", "--disk-bytes", "128MiB").start()
-    yield d
-    d.kill()
+    yield from small_daemon(tmp_path_factory, "vllm-tp")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ if importlib.util.find_spec("vllm") is None:
                 "then `.venv-vllm/bin/python -m pytest tests/vllm -m vllm`",
                 allow_module_level=True)
 
-from tests.vllm.test_vllm_connector import BLOCK, Engine, expected_cached, hit_blocks
+from tests.vllm.test_vllm_connector import BLOCK, Engine, expected_cached, hit_blocks, small_daemon
 from tests.vllm.test_vllm_tp import PARTIAL, TP, one_core_per_rank  # noqa: F401 (a fixture)
 from tests.vllm.vllm_runner import corpus_ids, make_model
 
@@ -87,10 +87,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("vllm-share") / "kvstore", "--host-bytes",
-                      "64MiB", "--disk-bytes", "128MiB").start()
-    yield d
-    d.kill()
+    yield from small_daemon(tmp_path_factory, "vllm-share")
 
 
 @pytest.fixture(scope="module")
