@@ -369,11 +369,18 @@ def run(args: argparse.Namespace) -> None:
     # times (logger "kvstore", INFO) reach the engine log with vLLM's own lines.
     logging_config = data / "logging.json"
     logging_config.write_text(json.dumps(LOGGING))
-    engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
-                                "module": "kvstore.client.integrations.vllm", "extra": extra},
-                    data / "engine-kvstore.log",
-                    env={**env, "VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
-    settings["kvstore"] = engine.settings
+
+    def kvstore_engine(name: str, more: dict[str, Any]) -> Engine:
+        """An engine with kvstore's connector on the daemon, its log `engine-{name}.log`."""
+        engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
+                                    "module": "kvstore.client.integrations.vllm",
+                                    "extra": {**extra, **more}},
+                        data / f"engine-{name}.log",
+                        env={**env, "VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
+        settings[name.replace("-", " ")] = engine.settings
+        return engine
+
+    engine = kvstore_engine("kvstore", {})
     try:
         warm_up(engine)
         for n in lengths:
@@ -382,12 +389,7 @@ def run(args: argparse.Namespace) -> None:
                 measure(engine, "kvstore host", n, reset=True)
         if args.async_load:  # the same prompts in the host tier, loaded in the background
             engine.close()
-            engine = Engine(VENV_VLLM, {**base, "connector": "KVStoreConnector",
-                                        "module": "kvstore.client.integrations.vllm",
-                                        "extra": {**extra, "kvstore.async_load": True}},
-                            data / "engine-kvstore-async.log",
-                            env={**env, "VLLM_LOGGING_CONFIG_PATH": str(logging_config)})
-            settings["kvstore async"] = engine.settings
+            engine = kvstore_engine("kvstore-async", {"kvstore.async_load": True})
             warm_up(engine)
             for n in lengths:
                 for _ in range(args.repeats):
