@@ -171,6 +171,7 @@ PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 prefill): the tokens of the prompt's full blocks the producer published."""
 _WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
 _NULL_BLOCK = 0  # vLLM's null block (BlockPool's first, never handed out): a dropped block
+_PP_LOAD_TAG = 0x6B76  # tags the stages' load agreement apart from vLLM's own sends
 
 
 class ConnectorConfigError(ValueError):
@@ -268,6 +269,8 @@ class KVShard:
     saves them (an MLA latent and replicated KV heads are the same on several ranks)."""
     first_head: int = 0
     """The first of its heads among the model's KV heads."""
+    stage: int = 0
+    """The pipeline-parallel stage whose layers these are (0 at PP=1): its workers hold it."""
 
 
 @dataclass(frozen=True)
@@ -287,15 +290,19 @@ class KVGroup:
     first_head: int = 0
     """The first of this rank's heads among the model's KV heads."""
     shards: tuple[KVShard, ...] = ()
-    """Every rank's shards of the group's blocks (one, `layout`'s, when empty)."""
+    """Every worker's shards of the group's blocks, all stages' (one, `layout`'s, when
+    empty)."""
+    stage: int = 0
+    """The pipeline-parallel stage whose layers `layout` holds (0 at PP=1)."""
 
-    def shards_of(self, rank: int) -> list[KVShard]:
-        """The shards `rank` holds (loads)."""
-        return [s for s in self.all_shards if rank in s.ranks]
+    def shards_of(self, rank: int, stage: int = 0) -> list[KVShard]:
+        """The shards the worker of tensor-parallel `rank` in pipeline `stage` holds (loads)."""
+        return [s for s in self.all_shards if s.stage == stage and rank in s.ranks]
 
     @property
     def all_shards(self) -> tuple[KVShard, ...]:
-        return self.shards or (KVShard(0, self.layout, (self.rank,), self.first_head),)
+        return self.shards or (KVShard(0, self.layout, (self.rank,), self.first_head,
+                                       self.stage),)
 
 
 def _layer_index(name: str) -> int:
@@ -304,7 +311,7 @@ def _layer_index(name: str) -> int:
 
 
 def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                    cfg: ConnectorConfig, rank: int = 0) -> list[KVGroup]:
+                    cfg: ConnectorConfig, rank: int = 0, stage: int = 0) -> list[KVGroup]:
     """The groups of this engine's KV cache, each with the layout its blocks are stored
     under, or `ConnectorConfigError` naming what is unsupported.
 
@@ -322,19 +329,23 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     exactly those of before. An MLA latent is the same on every rank: stored once
     (`MODEL#tp=2`), by rank 0, loaded by all.
 
+    Pipeline parallel > 1: pipeline `stage`'s layers (vLLM's `get_pp_indices`; the scheduler
+    is given stage 0's cache config, and derives the other stages' layers the same way), each
+    stage's blocks a shard of their own, its layers named in `model` (`MODEL#pp=2:layers=2-3`,
+    before the TP rank's tag), so a block is cached only when every stage's layers of it are.
+
     `kvstore.shared_model`: every group's blocks are stored as one shard per KV head of the
     model (`SHARED#kv-head=3:of=8`; an MLA latent as one shard, `SHARED`), whatever the
-    parallel degree, so engines of any tensor-parallel size share them; each rank moves the
-    heads its cache holds (`KVGroup.shards`)."""
+    tensor-parallel degree, so engines of any tensor-parallel size share them; each rank moves
+    the heads its cache holds (`KVGroup.shards`). At PP > 1 the shards name their layers
+    (`SHARED#layers=0-1#kv-head=3:of=8`): shared with engines whose stages split the layers
+    the same way."""
     parallel = vllm_config.parallel_config
-    tp = parallel.tensor_parallel_size
-    if parallel.pipeline_parallel_size != 1:
-        raise ConnectorConfigError(f"the kvstore connector supports pipeline parallel size 1 "
-                                   f"only, got {parallel.pipeline_parallel_size} (vLLM's CPU "
-                                   f"build, where the connector is tested, does not run "
-                                   f"pipeline parallel: docs/ENGINES.md)")
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if not 0 <= rank < tp:
         raise ConnectorConfigError(f"tensor-parallel rank {rank} outside [0, {tp})")
+    if not 0 <= stage < pp:
+        raise ConnectorConfigError(f"pipeline-parallel stage {stage} outside [0, {pp})")
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise ConnectorConfigError("the kvstore connector needs a KV cache (attention-free "
                                    "models have none)")
@@ -349,6 +360,11 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     model_config = vllm_config.model_config
     model = cfg.model or model_config.model
     hybrid = len(kv_cache_config.kv_cache_groups) > 1
+    if hybrid and pp > 1:
+        raise ConnectorConfigError(f"the kvstore connector supports pipeline parallel size "
+                                   f"{pp} for models of one KV-cache group only, not hybrid "
+                                   f"models (docs/ENGINES.md, \"Pipeline parallel\")")
+    stages = _stage_layers(vllm_config, pp)
     out: list[KVGroup] = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -387,36 +403,62 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         if hybrid:
             kind = f"sliding_window={window}" if window is not None else "full"
             tag = f"#kv-group:layers={','.join(str(_layer_index(n)) for n in names)}:{kind}"
+        # At PP > 1, the scheduler's cache config is stage 0's; a worker's, its own stage's.
+        if pp > 1 and [_layer_index(n) for n in names] != list(range(*stages[stage])):
+            raise ConnectorConfigError(f"pipeline stage {stage}'s KV caches are layers "
+                                       f"{[_layer_index(n) for n in names]}, not "
+                                       f"{stages[stage]} as vLLM's get_pp_indices splits the "
+                                       f"model's layers")
         local = 1 if mla else spec.num_kv_heads
         layout = functools.partial(
-            KVLayout, model_revision=model_config.revision or "", num_layers=len(names),
-            num_kv_heads=local, head_dim=spec.head_size, dtype=spec.dtype,
-            block_tokens=block_tokens, kv_kind="mla" if mla else "kv")
-        if tp > 1:
-            own = layout(f"{model}{tag}#tp={tp}" + ("" if mla else f":rank={rank}"))
-        else:
-            own = layout(f"{model}{tag}")
+            KVLayout, model_revision=model_config.revision or "", num_kv_heads=local,
+            head_dim=spec.head_size, dtype=spec.dtype, block_tokens=block_tokens,
+            kv_kind="mla" if mla else "kv")
         every = tuple(range(tp))
-        first = 0 if mla else rank * local
-        shards: tuple[KVShard, ...] = ()
-        if cfg.shared_model is not None and mla:
-            shards = (KVShard(0, layout(f"{cfg.shared_model}{tag}"), every),)
-        elif cfg.shared_model is not None:
-            total = vllm_config.model_config.get_total_num_kv_heads()
+        total = local * tp  # the model's KV heads: asked of vLLM only where they matter
+        firsts = [r * local for r in every]
+        if cfg.shared_model is not None and not mla:
+            total = model_config.get_total_num_kv_heads()
             firsts = [_first_head(total, local, tp, r) for r in every]
-            first = firsts[rank]
-            shards = tuple(
-                KVShard(h, layout(f"{cfg.shared_model}{tag}#kv-head={h}:of={total}",
-                                  num_kv_heads=1),
-                        tuple(r for r in every if firsts[r] <= h < firsts[r] + local), h)
-                for h in range(total))
-        elif mla and tp > 1:
-            shards = (KVShard(0, own, every),)
-        elif tp > 1:
-            shards = tuple(KVShard(r, layout(f"{model}{tag}#tp={tp}:rank={r}"), (r,), r * local)
-                           for r in every)
-        out.append(KVGroup(index, own, names, window, rank, first, shards))
+        mine: list[KVLayout] = []  # each stage's layout of this rank's cache
+        shards: list[KVShard] = []
+        for s, (start, end) in enumerate(stages):  # each stage's shards, numbered in order
+            n = end - start if pp > 1 else len(names)
+            degree = f"#pp={pp}:layers={start}-{end - 1}" if pp > 1 else ""
+            mine.append(layout(f"{model}{tag}{degree}" + (f"#tp={tp}" if tp > 1 else "")
+                               + (f":rank={rank}" if tp > 1 and not mla else ""), num_layers=n))
+            if cfg.shared_model is not None:
+                base = f"{cfg.shared_model}{tag}" + (f"#layers={start}-{end - 1}" if pp > 1
+                                                     else "")
+                if mla:
+                    shards.append(KVShard(len(shards), layout(base, num_layers=n), every, 0, s))
+                    continue
+                shards += [KVShard(len(shards) + h,
+                                   layout(f"{base}#kv-head={h}:of={total}", num_layers=n,
+                                          num_kv_heads=1),
+                                   tuple(r for r in every if firsts[r] <= h < firsts[r] + local),
+                                   h, s) for h in range(total)]
+            elif mla and tp > 1:
+                shards.append(KVShard(len(shards), mine[s], every, 0, s))
+            elif tp > 1:
+                shards += [KVShard(len(shards) + r,
+                                   layout(f"{model}{tag}{degree}#tp={tp}:rank={r}",
+                                          num_layers=n), (r,), r * local, s) for r in every]
+            elif pp > 1:
+                shards.append(KVShard(len(shards), mine[s], (0,), 0, s))
+        first = 0 if mla else firsts[rank]
+        out.append(KVGroup(index, mine[stage], names, window, rank, first, tuple(shards), stage))
     return out
+
+
+def _stage_layers(vllm_config: VllmConfig, pp: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each pipeline stage's layers, as vLLM splits them."""
+    if pp == 1:
+        return [(0, 0)]
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return [get_pp_indices(total, s, pp) for s in range(pp)]
 
 
 def _first_head(total: int, local: int, tp: int, rank: int) -> int:
@@ -696,14 +738,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Tensor parallel: each worker moves its own rank's shard, under its own layouts; the
         # scheduler (one process) keys a prompt for every rank and counts a block cached only
         # when every rank's shard of it is (docs/ENGINES.md, "Tensor parallel").
+        # Pipeline parallel: each stage's workers move its layers' shards, and agree on each
+        # load with the stages before them (`_agree`; docs/ENGINES.md, "Pipeline parallel").
         self._tp = vllm_config.parallel_config.tensor_parallel_size
-        self._rank = 0
+        self._pp = vllm_config.parallel_config.pipeline_parallel_size
+        self._rank = self._stage = 0
         if role == KVConnectorRole.WORKER and self._tp > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._rank = get_tensor_model_parallel_rank()
-        # Each group's `shards` name every rank's (the scheduler keys and looks up them all).
-        self._groups = groups_for_vllm(vllm_config, kv_cache_config, self._cfg, self._rank)
+        if role == KVConnectorRole.WORKER and self._pp > 1:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            self._stage = get_pp_group().rank_in_group
+        self._worker = ", ".join([f"PP stage {self._stage} of {self._pp}"] * (self._pp > 1)
+                                 + [f"TP rank {self._rank} of {self._tp}"] * (self._tp > 1))
+        # Each group's `shards` name every worker's (the scheduler keys and looks up them all).
+        self._groups = groups_for_vllm(vllm_config, kv_cache_config, self._cfg, self._rank,
+                                       self._stage)
         self._layout = self._groups[0].layout
         # Hybrid models (several KV-cache groups, vLLM's hybrid manager): each group's blocks
         # under its own keys; loads asynchronous (vLLM takes a failed load per request only,
@@ -755,6 +807,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # What recomputing costs here, learnt from the worker's own full prefills: a load goes
         # on while finishing it can still beat recomputing what it carries.
         self._prefill = PrefillModel()
+        self._pp_sends: list[Any] = []  # PP: this stage's load results in flight to the next
         self._step_began: float | None = None
         self._side_cpus: set[int] | None = None  # CPUs off vLLM's compute threads: saves
         self.dropped_saves = 0  # saves not queued (queue full); the client counts its own
@@ -766,10 +819,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # policy right after building its connector, from this same config object.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
         layouts = [s.layout for g in self._groups for s in g.all_shards
-                   if role == KVConnectorRole.SCHEDULER or self._rank in s.ranks]
+                   if role == KVConnectorRole.SCHEDULER
+                   or s in g.shards_of(self._rank, self._stage)]
         log.info("kvstore connector (%s%s) on %s, layout%s %s", role.name,
-                 f", TP rank {self._rank} of {self._tp}" if role == KVConnectorRole.WORKER
-                 and self._tp > 1 else "", self._cfg.target, "s" if len(layouts) > 1 else "",
+                 f", {self._worker}" if role == KVConnectorRole.WORKER and self._worker
+                 else "", self._cfg.target, "s" if len(layouts) > 1 else "",
                  layouts if len(layouts) > 1 else self._layout)
 
     @property
@@ -783,7 +837,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         this rank holds), created on first use in this process (workers are spawned: a client
         made before would not survive)."""
         g = self._groups[group]
-        index = g.shards_of(self._rank)[0].index if shard is None else shard
+        index = g.shards_of(self._rank, self._stage)[0].index if shard is None else shard
         key = (salt, lora, group, index)
         with self._clients_lock:
             client = self._clients.get(key)
@@ -1079,7 +1133,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._shard_caches = {
             (g.index, s.index): caches[g.index].head_slice(s.first_head - g.first_head,
                                                            s.layout.num_kv_heads)
-            for g in self._groups for s in g.shards_of(self._rank)}
+            for g in self._groups for s in g.shards_of(self._rank, self._stage)}
         # Map the daemon's arena at engine start: its pages are touched in the background
         # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
         self._client("", "").prepare()
@@ -1176,10 +1230,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for (spec, mine, ms), agreed_end in zip(results.values(), agreed, strict=True):
             loaded = max(spec.start, agreed_end)
             if loaded < mine:
-                log.warning("kvstore: request %s loaded tokens [%d, %d) on TP rank %d, "
-                            "another rank only [%d, %d): all ranks recompute from %d",
-                            spec.req_id, spec.start, mine, self._rank, spec.start, loaded,
-                            loaded)
+                log.warning("kvstore: request %s loaded tokens [%d, %d) on %s, another "
+                            "rank only [%d, %d): all ranks recompute from %d", spec.req_id,
+                            spec.start, mine, self._worker, spec.start, loaded, loaded)
             if loaded < spec.end:
                 self._failed_reqs.add(spec.req_id)
                 # Only the blocks from the first token not loaded: vLLM keeps the prefix that
@@ -1199,26 +1252,59 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._groups[spec.group].all_shards[spec.shard]
 
     def _holds(self, spec: LoadSpec | SaveSpec) -> bool:
-        """Whether this rank's cache holds the spec's shard."""
-        return self._rank in self._shard(spec).ranks
+        """Whether this worker's cache holds the spec's shard."""
+        shard = self._shard(spec)
+        return shard.stage == self._stage and self._rank in shard.ranks
 
     def _agree(self, loaded: list[int]) -> list[int]:
-        """TP > 1: the tokens every rank loaded, per request (every rank holds a shard of
-        each, and has them in the scheduler's order): the minimum over ranks, so that every
+        """The tokens every worker loaded, per request (every worker holds a shard of each,
+        and has them in the scheduler's order): the minimum over the TP ranks, so that every
         rank reports the same blocks failed to vLLM (which recomputes from the first one) and
-        none publishes a block this step computed over a prefix another rank failed to load."""
-        if self._tp == 1 or not loaded:
+        none publishes a block this step computed over a prefix another rank failed to load;
+        at PP > 1 also over the stages before this one (`_agree_stages`)."""
+        if not loaded or (self._tp == 1 and self._pp == 1):
             return loaded
-        try:
-            import torch.distributed as dist
-            from vllm.distributed.parallel_state import get_tp_group
+        mins = torch.tensor(loaded, dtype=torch.int64)
+        if self._tp > 1:
+            try:
+                import torch.distributed as dist
+                from vllm.distributed.parallel_state import get_tp_group
 
-            mins = torch.tensor(loaded, dtype=torch.int64)
-            dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
-            return [int(n) for n in mins.tolist()]
-        except Exception:  # ranks that cannot agree: nothing loaded counts (recompute all)
-            log.exception("kvstore: TP ranks could not agree on their loads; recomputing")
-            return [-1] * len(loaded)
+                dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+            except Exception:  # ranks that cannot agree: nothing loaded counts (recompute all)
+                log.exception("kvstore: TP ranks could not agree on their loads; recomputing")
+                mins.fill_(-1)
+        if self._pp > 1:
+            mins = self._agree_stages(mins)
+        return [int(n) for n in mins.tolist()]
+
+    def _agree_stages(self, mins: torch.Tensor) -> torch.Tensor:
+        """PP > 1: the minimum of this stage's loads and every earlier stage's. A stage's
+        K/V of the tokens this step computes depend on every earlier stage's layers, so a
+        load short on stage 0 makes stage 1's new blocks wrong even where stage 1 loaded
+        all: stage 1 must not publish them. Each stage receives the figure of the stage
+        before it (sent from that stage's `start_load_kv`, which never waits for a later
+        stage: no deadlock) and sends on the minimum, tagged apart from vLLM's own
+        point-to-point traffic. A later stage's short load leaves earlier stages' new blocks
+        right (they never read its layers); vLLM recomputes from the first failed block that
+        any worker reports (KVOutputAggregator takes the union)."""
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_pp_group
+
+        group = get_pp_group()
+        self._pp_sends = [work for work in self._pp_sends if not work.is_completed()]
+        try:
+            if not group.is_first_rank:
+                before = torch.empty_like(mins)
+                dist.recv(before, src=group.prev_rank, group=group.cpu_group, tag=_PP_LOAD_TAG)
+                mins = torch.minimum(mins, before)
+            if not group.is_last_rank:
+                self._pp_sends.append(dist.isend(mins.clone(), dst=group.next_rank,
+                                                 group=group.cpu_group, tag=_PP_LOAD_TAG))
+        except Exception:  # stages that cannot agree: nothing loaded counts (recompute all)
+            log.exception("kvstore: PP stages could not agree on their loads; recomputing")
+            return torch.full_like(mins, -1)
+        return mins
 
     def _load_in_background(self, loads: list[LoadSpec]) -> None:
         """`async_load`: one step's loads, in the loader thread, off vLLM's compute CPUs."""
@@ -1359,8 +1445,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # The scheduler holds its blocks until every rank reports the request done
                 # (`get_finished`), the ranks whose spec this is not included.
                 self._save_reqs.add(spec.req_id)
-            if self._shard(spec).ranks[0] != self._rank:
-                continue  # a shard another rank holds, or saves
+            if not self._holds(spec) or self._shard(spec).ranks[0] != self._rank:
+                continue  # a shard another worker holds, or saves
             if not self._caches or spec.req_id in self._failed_reqs:
                 # This step's KV attended to blocks that failed to load: never publish it.
                 continue

@@ -73,3 +73,13 @@ class RankFlakyKVStoreConnector(KVStoreConnector):
     def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
         client = super()._client(salt, lora, group, shard)
         return _ShortFetch(client) if self._rank == 1 else client
+
+
+class StageFlakyKVStoreConnector(KVStoreConnector):
+    """Pipeline parallel: stage 0's worker-side fetches lose their last block (NaN), stage
+    1's are whole; a fault in one stage's load, which makes every later stage's new K/V of
+    that step wrong too."""
+
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
+        client = super()._client(salt, lora, group, shard)
+        return _ShortFetch(client) if self._stage == 0 else client

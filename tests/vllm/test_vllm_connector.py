@@ -50,9 +50,13 @@ def logging_config() -> Path:
 class Engine(JsonLineWorker):
     """A `vllm_runner` subprocess: one vLLM engine with the connector."""
 
-    def __init__(self, model: Path, target: str, log: Path | None = None, **opts: Any) -> None:
+    def __init__(self, model: Path, target: str, log: Path | None = None,
+                 python_path: tuple[Path, ...] = (), **opts: Any) -> None:
+        """`python_path`: directories on the engine's path after the repository's (a vLLM
+        plugin's, e.g.)."""
         args = {"model": str(model), "target": target, "block_size": BLOCK, **opts}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+               "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT, *python_path)),
                "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_CONFIG_PATH": str(logging_config())}
         super().__init__("engine", [sys.executable, "-m", "tests.vllm.vllm_runner",
                                     json.dumps(args)], cwd=ROOT, env=env, log_path=log)

@@ -89,11 +89,13 @@ def fake_config(tp: int, pp: int = 1, kv_heads: int = 2) -> Any:
         compilation_config=SimpleNamespace(custom_ops=[]))
 
 
-def fake_groups(spec: Any) -> Any:
+def fake_groups(spec: Any, layer_names: list[str] | None = None) -> Any:
+    """A one-group `KVCacheConfig` of `spec` (layers 0 and 1 unless `layer_names`)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-        kv_cache_spec=spec, layer_names=["model.layers.0.attn", "model.layers.1.attn"])])
+        kv_cache_spec=spec,
+        layer_names=layer_names or ["model.layers.0.attn", "model.layers.1.attn"])])
 
 
 def full_spec(heads: int) -> Any:
@@ -107,14 +109,13 @@ def full_spec(heads: int) -> Any:
 def test_layouts_per_rank_and_refusals() -> None:
     """No engine: `groups_for_vllm` names the degree and rank at TP > 1 (a rank's share of the
     heads, as vLLM's spec counts them), leaves TP=1 layouts as they were, stores an MLA latent
-    once at TP > 1 (one shard, every rank holds it, rank 0 saves it), and refuses any
-    pipeline parallel size but 1 at start."""
+    once at TP > 1 (one shard, every rank holds it, rank 0 saves it). Pipeline parallel:
+    tests/vllm/test_vllm_pp.py."""
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     from kvstore.client.integrations.vllm import (
         ConnectorConfig,
-        ConnectorConfigError,
         groups_for_vllm,
     )
 
@@ -130,8 +131,6 @@ def test_layouts_per_rank_and_refusals() -> None:
         assert [(s.layout.model, s.ranks) for s in g.all_shards] == [
             (f"m#tp={TP}:rank={r}", (r,)) for r in range(TP)]
         assert g.shards_of(rank) == [g.all_shards[rank]]
-    with pytest.raises(ConnectorConfigError, match="pipeline parallel size 1 only, got 2"):
-        groups_for_vllm(fake_config(1, pp=2), full_spec(2), cfg)
     mla = fake_groups(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
                                        dtype=torch.float32))
     assert groups_for_vllm(fake_config(1), mla, cfg)[0].layout.kv_kind == "mla"
@@ -307,7 +306,7 @@ def test_failed_load_on_one_rank_is_recomputed_on_all(cold: dict[str, dict[str, 
         out = engine.generate([corpus_ids(model_dir, *FLAKY)])
         tail = engine.tail(400)
         assert hit_blocks(daemon) - served >= TP * (PARTIAL // BLOCK - 1)
-        assert "on TP rank 0, another rank only" in tail, tail
+        assert "on TP rank 0 of 2, another rank only" in tail, tail
         assert "vLLM recomputes the rest" in tail, tail
         assert_same_generation(out, cold["flaky"])
     finally:
