@@ -1,9 +1,10 @@
 """The write-through task: blocks queued in `WriteThroughQueue`, framed and sent to the remote tier.
 
-One task per daemon takes a batch of queued keys, finds each block where it lives now (host, or
-disk if it was demoted meanwhile), pins it just long enough to frame it in a worker thread (a
-disk copy is verified on the way, so a rotten local copy is never shared), and writes the batch
-in one pipeline. Blocks queued by a demotion are sent only where the remote tier lacks them.
+One task per daemon takes a batch of queued keys, finds each block where it lives now (where a
+fetch would read it: host, else gpu or disk), pins it just long enough to frame it in a worker
+thread (a disk copy is verified on the way, so a rotten local copy is never shared), and writes
+the batch in one pipeline. Blocks queued by a demotion are sent only where the remote tier
+lacks them.
 
 While the remote tier's breaker is open the task waits rather than fail each batch, and a write
 that failed for a transient reason goes back to the front of the queue, up to
@@ -25,6 +26,7 @@ from kvstore.errors import IntegrityError
 from kvstore.server.write_through import QueuedWrite, WriteThroughQueue
 from kvstore.tiers.base import BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.remote import (
     RemoteSkippedError,
     RemoteTier,
@@ -99,32 +101,39 @@ class RemoteWriter:
                 self.store.counters.remote_dropped_writes += 1
         return again
 
-    def _local_entry(self, key: bytes) -> BlockEntry | None:
-        disk = self.store.disk
-        return self.store.host.get(key) or (disk.get(key) if disk is not None else None)
+    def _local(self, key: bytes) -> tuple[Tier, BlockEntry] | None:
+        """Where to read a queued block from: the level a fetch reads it from (host, else the
+        fastest level holding it; the placement engine's `source`), or None."""
+        level = self.store.placement.source(key)
+        if level is None:
+            return None
+        tier = self.store.tiers[level]
+        entry = tier.get(key)
+        return (tier, entry) if entry is not None else None
 
     def _local_length(self, key: bytes) -> int:
-        entry = self._local_entry(key)
-        return entry.length if entry is not None else 0
+        found = self._local(key)
+        return found[1].length if found is not None else 0
 
     async def _write(self, batch: list[QueuedWrite]) -> list[QueuedWrite]:
         """Frame and send one batch; returns the writes to try again (transient failures)."""
         store = self.store
         checks: dict[bytes, list[bytes]] = {}  # namespace -> keys to check first
         for w in batch:
-            entry = self._local_entry(w.key) if w.check_exists else None
-            if entry is not None:
-                checks.setdefault(entry.namespace, []).append(w.key)
+            found = self._local(w.key) if w.check_exists else None
+            if found is not None:
+                checks.setdefault(found[1].namespace, []).append(w.key)
         skip: set[bytes] = set()
         for namespace, keys in checks.items():  # before pinning: no pin waits on the network
             present = await self.remote.exists(namespace, keys)
             skip.update(k for k, p in zip(keys, present, strict=True) if p)
         sources: list[tuple[Tier, BlockEntry]] = []
         for w in batch:
-            tier = next((t for t in store.tiers if t.contains(w.key)), None)
-            if tier is None:
+            found = self._local(w.key)
+            if found is None:
                 store.counters.remote_lost_writes += 1  # evicted everywhere before its turn
             elif w.key not in skip:
+                tier = found[0]
                 sources.append((tier, tier.prepare_load(w.key)))  # pinned while framed
         try:
             views = [store.host.memview(e) if t is store.host else None
@@ -149,20 +158,25 @@ class RemoteWriter:
 
 def _frames(sources: list[tuple[Tier, BlockEntry]], views: list[memoryview | None],
             ) -> list[bytearray | Exception]:
-    """Worker thread: the framed value of each pinned block, from its host view or its disk
-    record (verified)."""
+    """Worker thread: the framed value of each pinned block, from its host view, its disk
+    record (verified) or its gpu copy."""
     out: list[bytearray | Exception] = []
     for (tier, entry), view in zip(sources, views, strict=True):
         if view is not None:
             out.append(frame_value(entry.key, entry.layout_digest, view))
             continue
         frame = new_frame(entry.length)
+        checksum = None  # computed by `seal_frame`, unless the disk verified one
         try:
-            if not isinstance(tier, DiskTier):
+            if isinstance(tier, DiskTier):
+                tier.read_into(entry, payload_view(frame))
+                checksum = entry.checksum or None
+            elif isinstance(tier, GpuTier):
+                tier.read_into(entry, payload_view(frame))
+            else:
                 raise TypeError(f"no way to read a {tier.name} block without a host view")
-            tier.read_into(entry, payload_view(frame))
         except (IntegrityError, OSError) as e:
             out.append(e)
             continue
-        out.append(seal_frame(frame, entry.key, entry.layout_digest, entry.checksum or None))
+        out.append(seal_frame(frame, entry.key, entry.layout_digest, checksum))
     return out

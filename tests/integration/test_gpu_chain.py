@@ -28,9 +28,9 @@ BT = P1.block_tokens
 GPU, HOST, DISK = 4, 6, 64  # blocks
 
 
-def chain_args(gpu_blocks: int = GPU) -> tuple[str, ...]:
+def chain_args(gpu_blocks: int = GPU, disk_bytes: int = DISK * BB) -> tuple[str, ...]:
     return ("--gpu-bytes", str(gpu_blocks * BB), "--gpu-device", "cpu",
-            "--host-bytes", str(HOST * BB), "--disk-bytes", str(DISK * BB),
+            "--host-bytes", str(HOST * BB), "--disk-bytes", str(disk_bytes),
             "--eviction-policy", "lru")
 
 
