@@ -94,6 +94,12 @@ load short on one rank is reported as the same failed blocks by all, and no rank
 what that step computed; vLLM recomputes from the first failed block on every rank. An MLA
 latent, the same on every rank, is stored once (`MODEL#tp=2`): rank 0 saves it, all load it.
 
+Pipeline parallel (docs/ENGINES.md, "Pipeline parallel"): each stage's workers load and save
+their layers' shard, under layouts naming the layers (`MODEL#pp=2:layers=2-3`); the scheduler,
+given stage 0's cache config, derives every stage's layers with vLLM's `get_pp_indices`. The
+stages agree on each load down the pipeline (stage s takes the minimum of its figure and stage
+s-1's, and sends it on), so no stage publishes K/V computed over an earlier stage's failed load.
+
 Sharing across parallel degrees (`kvstore.shared_model`, docs/ENGINES.md): every block is
 stored one KV head at a time under layouts naming the shared id and the head
 (`SHARED#kv-head=1:of=8`), not the degree, so engines of any tensor-parallel size read each
@@ -103,8 +109,8 @@ other's blocks; each rank moves the heads its cache holds through head slices of
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
 other state groups, chunked local attention, static sink attention, groups of different block
 sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
-pipeline parallel size 1 (vLLM's CPU build fails PP=2's first step), text prompts (requests
-with multimodal inputs or prompt embeddings bypass the store); hybrid models, TP > 1 and
+hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs
+or prompt embeddings bypass the store); hybrid models, TP > 1, PP > 1 and
 `kvstore.shared_model` publish no KV events.
 """
 

@@ -250,7 +250,8 @@ def test_fresh_engine_loads_every_stage(name: str, cold: dict[str, dict[str, Any
     again = warm_engine.generate([ids])  # vLLM's prefix cache (the blocks loaded before)
     assert again["cached"][0] >= n // BLOCK * BLOCK - BLOCK, warm_engine.tail()
     assert_same_generation(again, cold[name])
-    if again["cached"] == warm["cached"]:
+    if name == "partial":  # whole blocks: vLLM's own cache recomputes the last one
+        assert again["cached"] == warm["cached"]
         assert (again["tokens"], again["top"]) == (warm["tokens"], warm["top"])
 
 
