@@ -83,3 +83,17 @@ class StageFlakyKVStoreConnector(KVStoreConnector):
     def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
         client = super()._client(salt, lora, group, shard)
         return _ShortFetch(client) if self._stage == 0 else client
+
+
+SLOW_LOAD_S = 4.0
+
+
+class SlowLoadKVStoreConnector(KVStoreConnector):
+    """`async_load`: each background load waits SLOW_LOAD_S before fetching (a slow daemon),
+    so a request can be aborted while its load has not yet copied anything into its pages."""
+
+    def _load_in_background(self, loads: Any) -> None:
+        import time
+
+        time.sleep(SLOW_LOAD_S)
+        super()._load_in_background(loads)

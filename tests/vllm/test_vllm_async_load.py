@@ -5,7 +5,8 @@ reports the load to vLLM when it is done; vLLM keeps the request unscheduled
 A cold engine (synchronous loads, the default) publishes the prompts; engines with
 `async_load` load them: the cold run's tokens and log-probabilities, alone and in a batch beside
 a request computed meanwhile; a load that comes short is reported failed and vLLM recomputes
-the request whole, with the cold run's output.
+the request whole, with the cold run's output; a request aborted while its load is under way
+keeps its blocks until the load is done, and the request that then gets them computes right.
 
     .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_async_load.py -m vllm
 """
@@ -13,6 +14,7 @@ the request whole, with the cold run's output.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 PARTIAL = 9 * BLOCK + 12  # loads 9 blocks, computes 12 tokens
 WHOLE = 8 * BLOCK  # loads all but the last token (a partial page)
 PROMPTS = {"partial": (101, PARTIAL), "whole": (102, WHOLE), "flaky": (103, PARTIAL),
-           "beside": (104, PARTIAL)}  # name: (corpus seed, tokens)
+           "beside": (104, PARTIAL), "aborted": (105, PARTIAL)}  # name: (corpus seed, tokens)
+# A KV cache of 14 blocks of 32 tokens (13 usable): a 300-token prompt and its 16 tokens take
+# 10, so while one request holds its blocks another of that size cannot be scheduled.
+SMALL_CACHE = {"max_model_len": 400, "llm_kwargs": {"num_gpu_blocks_override": 14}}
 ASYNC = {"kvstore.async_load": True}
 
 
@@ -136,3 +141,36 @@ def test_short_async_load_is_recomputed(cold: dict[str, dict[str, Any]], model_d
         assert_same_generation(out, cold["flaky"])
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(900)
+def test_request_aborted_mid_load_keeps_its_blocks_until_the_load_ends(
+        cold: dict[str, dict[str, Any]], model_dir: Path, daemon: DaemonProcess,
+        async_engine: Engine, tmp_path: Path) -> None:
+    """A request whose background load is under way (held back SLOW_LOAD_S by
+    tests/vllm/flaky_connector.py:SlowLoadKVStoreConnector) is aborted; another request of the
+    same size is submitted into a KV cache that cannot hold both. The loader then writes the
+    aborted request's pages: had vLLM handed them to the other request at the abort, its output
+    would be wrong. It is the cold run's, the loader finished after the abort and reported it
+    (vLLM's prefix cache then resets: no request holds blocks), and the aborted prompt, asked
+    again, loads with the cold run's output."""
+    async_engine.close()  # one engine at a time on 2 cores
+    log = tmp_path / "abort.log"
+    engine = Engine(model_dir, daemon.target, log=log, connector="SlowLoadKVStoreConnector",
+                    module="tests.vllm.flaky_connector", extra=ASYNC, **SMALL_CACHE)
+    try:
+        out = engine.call(op="abort_mid_load", abort=ids_of(model_dir, "aborted"), wait_s=1.5,
+                          max_tokens=16, prompts=[{"prompt_token_ids": ids_of(model_dir, "beside"),
+                                                   "cache_salt": "after-abort"}])
+        assert out["cached"] == [0], engine.tail()
+        assert_same_generation(out, cold["beside"])
+        engine.reset()  # fails unless every request's blocks, the aborted one's too, are free
+        again = engine.generate([ids_of(model_dir, "aborted")])
+        assert again["cached"] == [expected_cached(PARTIAL)], engine.tail()
+        assert_same_generation(again, cold["aborted"])
+    finally:
+        engine.close()
+    text = log.read_text()
+    aborted_at = text.index("kvstore-test: aborted request 'aborted'")
+    assert re.search(r"kvstore: request aborted\S* loaded group 0 tokens \[0, "
+                     rf"{expected_cached(PARTIAL)}\)", text[aborted_at:]), text[-3000:]

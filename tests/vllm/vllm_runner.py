@@ -7,7 +7,9 @@ and a test must be able to stop the daemon while the engine lives on):
 
 then one JSON command per line on stdin, one `RESULT {json}` line per command on stdout:
 `{"op": "generate", "prompts": [...], "max_tokens": N}` -> outputs, cached tokens, seconds;
-`{"op": "reset"}` -> whether vLLM's prefix cache was emptied; `{"op": "quit"}`.
+`{"op": "reset"}` -> whether vLLM's prefix cache was emptied; `{"op": "abort_mid_load",
+"abort": ids, "wait_s": S, "prompts": [...]}` -> a request aborted S seconds after its
+submission, then `generate`; `{"op": "quit"}`.
 
 `make_model(dir)` builds the tiny random Llama and its locally trained tokenizer.
 """
@@ -120,6 +122,22 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                      for step in o.outputs[0].logprobs or []] for o in outs]}
 
 
+def abort_mid_load(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Submit `cmd["abort"]` (token ids), give the engine `cmd["wait_s"]` to take it up (its
+    load under way), abort it, then generate `cmd["prompts"]` as `generate` does; the
+    aborted request's id is "aborted"."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16),
+                            ignore_eos=True)
+    engine.add_request("aborted", {"prompt_token_ids": cmd["abort"]}, params)
+    time.sleep(cmd["wait_s"])  # the engine core runs in its own process meanwhile
+    engine.abort_request(["aborted"])
+    print("kvstore-test: aborted request 'aborted'", file=sys.stderr, flush=True)
+    return generate(llm, cmd)
+
+
 def reset(llm: Any) -> dict[str, Any]:
     # The prefix cache resets only once no request holds blocks: retry briefly.
     for _ in range(50):
@@ -137,7 +155,9 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        result = generate(llm, cmd) if cmd["op"] == "generate" else reset(llm)
+        ops = {"generate": generate, "abort_mid_load": abort_mid_load,
+               "reset": lambda llm, _: reset(llm)}
+        result = ops[cmd["op"]](llm, cmd)
         print("RESULT " + json.dumps(result), flush=True)
     del llm  # shuts the engine core process down
 
