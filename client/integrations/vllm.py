@@ -110,8 +110,8 @@ Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-at
 other state groups, chunked local attention, static sink attention, groups of different block
 sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
 hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs
-or prompt embeddings bypass the store); hybrid models, TP > 1, PP > 1 and
-`kvstore.shared_model` publish no KV events.
+or prompt embeddings bypass the store); hybrid models publish no KV events, and a block
+stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is described by its first.
 """
 
 from __future__ import annotations
@@ -974,11 +974,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if self._async_load:  # the request is not scheduled meanwhile
                 self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
-        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models, nor for
-        # blocks stored in several shards, cached only once every shard is).
-        if self._saves and state.save_end > state.hit_end and not self._hybrid \
-                and len(self._groups[0].all_shards) == 1:
-            describe_request(self._client(*ns), request, state.keys[0], self._block_size)
+        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models). A block
+        # stored as several shards (TP/PP ranks, KV heads) is described by its first shard's
+        # keys only, which stage 0's TP rank 0 saves: one event per block, not per shard; a
+        # router takes the first shard for the block (docs/ENGINES.md, "KV events").
+        if self._saves and state.save_end > state.hit_end and not self._hybrid:
+            describe_request(self._client(*ns, 0, 0), request, state.keys[0], self._block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(

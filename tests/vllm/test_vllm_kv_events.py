@@ -183,3 +183,44 @@ def test_events_carry_vllm_block_hashes_per_tier(model_dir: Path, events_daemon)
         assert isinstance(events[-1], AllBlocksCleared)
     finally:
         sub.close()
+
+
+@pytest.mark.timeout(900)
+def test_block_stored_as_two_shards_is_described_once(model_dir: Path, events_daemon) -> None:
+    """Tensor parallel 2: every block is stored as two shards, one per rank's KV head. The
+    events describe the first shard only (which rank 0 saves): each vLLM block hash of the
+    prompt is in exactly one CPU `BlockStored`, not one per shard, with its tokens."""
+    import os
+
+    from transformers import AutoTokenizer
+    from vllm.distributed.kv_events import BlockStored
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"TP=2 needs 2 CPUs, this process may use {len(cpus)}")
+    daemon, endpoint = events_daemon
+    sub = Subscriber(endpoint)
+    try:
+        time.sleep(0.5)  # the SUB connection is up before anything is published
+        ids = AutoTokenizer.from_pretrained(model_dir)(prompts(seed=13)[0])["input_ids"]
+        ids = ids[: len(ids) // KV_BLOCK * KV_BLOCK + 5]
+        want = vllm_hashes(ids)
+        with pytest.MonkeyPatch.context() as mp:  # one core per rank (test_vllm_tp.py)
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
+            engine = Engine(model_dir, daemon.target, extra={"kvstore.block_tokens": KV_BLOCK},
+                            llm_kwargs={"tensor_parallel_size": 2,
+                                        "distributed_executor_backend": "mp"})
+        try:
+            engine.generate([ids])
+        finally:
+            engine.close()
+        sub.drain(lambda ev: hashes_in(ev, "BlockStored", "CPU") >= set(want))
+        events = sub.drain(lambda ev: False, timeout=3.0)  # and whatever else follows
+        stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+                  and set(e.block_hashes) & set(want)]
+        assert sorted(h for e in stored for h in e.block_hashes) == sorted(want)
+        for e in stored:
+            i = want.index(e.block_hashes[0])
+            assert e.token_ids == ids[i * ENGINE_BLOCK : i * ENGINE_BLOCK + KV_BLOCK]
+    finally:
+        sub.close()
