@@ -180,9 +180,9 @@ class _RemoteReads:
     2-core machine: the verify thread, the parser and a local Redis contend for the cores.)"""
 
     def __init__(self, remote: RemoteTier, namespace: bytes, keys: Sequence[bytes],
-                 layout_digest: bytes, batch: int) -> None:
+                 layout_digest: bytes, batch: int, block_bytes: int) -> None:
         self.remote, self.namespace, self.keys = remote, namespace, keys
-        self.layout_digest, self.batch = layout_digest, batch
+        self.layout_digest, self.batch, self.block_bytes = layout_digest, batch, block_bytes
         self.start = 0
         self.values: list[memoryview | None] = []
         self.seconds = 0.0  # spent in GETs (network and verification), for the read rate
@@ -196,7 +196,8 @@ class _RemoteReads:
             began = time.perf_counter()
             try:
                 self.values = await self.remote.get(
-                    self.namespace, self.keys[i : i + self.batch], self.layout_digest)
+                    self.namespace, self.keys[i : i + self.batch], self.layout_digest,
+                    self.block_bytes)
                 self.seconds += time.perf_counter() - began
                 self.nbytes += sum(len(v) for v in self.values if v is not None)
             except RemoteUnavailableError as e:
@@ -325,7 +326,7 @@ class TieredStore:
         remote = None
         if (tier := self._remote_for(namespace)) is not None:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
-            remote = _RemoteReads(tier, namespace, keys, layout_digest, batch)
+            remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None)
         window = self.fetch_window_bytes
         promoted = 0

@@ -63,6 +63,10 @@ PREFIX = f"kvs{FORMAT_VERSION}:".encode()
 # Verifying a batch this large (xxh3 at ~10-25 GB/s: 0.05-0.1 ms) moves to a worker thread
 # (xxh3 releases the GIL), leaving the event loop free for other calls meanwhile.
 _VERIFY_IN_THREAD_BYTES = 1 << 20
+TRANSFER_FLOOR_BYTES_PER_S = 50 << 20
+"""The slowest transfer rate a call's deadline allows for its values, on top of `timeout_s`:
+far below loopback or any LAN, so only a stalled server or network misses it."""
+_SOCKET_IDLE_S = 5.0  # redis-py's per-read/write watchdog; calls are bounded by `deadline_s`
 
 
 # Per-command errors worth another attempt later: the node or the network, not the command.
@@ -203,7 +207,8 @@ class RemoteTier:
     def _connect(self, t: RemoteTarget) -> Redis | RedisCluster:
         common: dict[str, Any] = dict(
             username=t.username, password=t.password, ssl=t.tls,
-            socket_timeout=self.options.timeout_s, socket_connect_timeout=self.options.timeout_s,
+            socket_timeout=max(self.options.timeout_s, _SOCKET_IDLE_S),
+            socket_connect_timeout=self.options.timeout_s,
             max_connections=self.options.max_connections)
         if t.cluster:
             # No client-side retries: the breaker is the retry policy, and redis-py's Cluster
@@ -217,17 +222,26 @@ class RemoteTier:
         return Redis(host=host, port=port, db=t.db, retry=Retry(NoBackoff(), 1), **common)
 
     # ---- the call wrapper: breaker, timeout, error accounting
+    def deadline_s(self, nbytes: int) -> float:
+        """The deadline of a call moving `nbytes` of values: `timeout_s` for the round trip,
+        plus the bytes at TRANSFER_FLOOR_BYTES_PER_S. A flat `timeout_s` would time out
+        every write of a block too large to cross in it (a 64 MiB fp32 block of an 8B
+        model, from a loaded machine: measured, "timed out" at 0.5 s), open the breaker,
+        and leave such blocks never shared."""
+        return self.options.timeout_s + nbytes / TRANSFER_FLOOR_BYTES_PER_S
+
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]],
-                        timeout_s: float | None = None) -> list[Any]:
-        """Run commands in one pipeline; per-command errors come back in place (those of a
-        node or the network open the breaker); a failure of the whole call raises
-        `RemoteUnavailableError`."""
+                        timeout_s: float | None = None, nbytes: int = 0) -> list[Any]:
+        """Run commands in one pipeline, within `timeout_s` (default: `deadline_s(nbytes)`,
+        `nbytes` the value bytes the call moves); per-command errors come back in place
+        (those of a node or the network open the breaker); a failure of the whole call
+        raises `RemoteUnavailableError`."""
         if not commands:
             return []
         if not self.breaker.allow():
             raise RemoteSkippedError(f"remote tier {self.url} skipped: breaker open")
         try:
-            async with asyncio.timeout(timeout_s or self.options.timeout_s):
+            async with asyncio.timeout(timeout_s or self.deadline_s(nbytes)):
                 pipe = self._client.pipeline(transaction=False)
                 for cmd in commands:
                     pipe.execute_command(*cmd)
@@ -260,12 +274,13 @@ class RemoteTier:
         return [r == 1 for r in results]
 
     async def get(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
-                  ) -> list[memoryview | None]:
+                  block_bytes: int = 0) -> list[memoryview | None]:
         """Verified payloads per key (views of the values read); None for a miss: absent,
-        bad, or on an unreachable node. Raises `RemoteUnavailableError` when the call fails
-        as a whole."""
+        bad, or on an unreachable node. `block_bytes`: each value's payload size, for the
+        call's deadline. Raises `RemoteUnavailableError` when the call fails as a whole."""
         names = [redis_key(namespace, k) for k in keys]
-        raws = await self._pipeline([("GET", n) for n in names])
+        raws = await self._pipeline([("GET", n) for n in names],
+                                    nbytes=block_bytes * len(keys))
         out = await self._verified(names, keys, raws, layout_digest)
         for value in out:
             self._count(value)
@@ -312,7 +327,7 @@ class RemoteTier:
         cmds = [("SET", redis_key(w.namespace, w.key), w.frame, *(("EX", ttl) if ttl else ()))
                 for w in writes]
         try:
-            results = await self._pipeline(cmds)
+            results = await self._pipeline(cmds, nbytes=sum(len(w.frame) for w in writes))
         except RemoteSkippedError:
             raise
         except RemoteUnavailableError:

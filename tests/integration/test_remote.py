@@ -107,6 +107,37 @@ def test_refused_writes_are_dropped_without_opening_the_breaker(redis_server: Re
     assert s.available and s.breaker_opens == 0 and s.failed_writes == len(result.rejected)
 
 
+def test_large_blocks_get_a_deadline_for_their_bytes(redis_server: RedisServer) -> None:
+    """A call's deadline grows with the bytes it moves (`deadline_s`): with a 5 ms
+    `timeout_s`, a 32 MiB block is written and read back whole, the breaker never opening.
+    A flat 5 ms deadline times every such call out (as 0.5 s did for 64 MiB blocks on a
+    loaded machine: they were never shared)."""
+    from kvstore.tiers import remote as remote_module
+
+    payload = bytes(range(256)) * (32 << 12)  # 32 MiB
+    key = _key(99)
+
+    async def main(tier: RemoteTier) -> tuple[int, list[bytes | None]]:
+        try:
+            written = (await tier.put([RemoteWrite(NS, key, frame_value(key, LAYOUT,
+                                                                        payload))])).written
+            got = await tier.get(NS, [key], LAYOUT, block_bytes=len(payload))
+            return written, [bytes(g) if g is not None else None for g in got]
+        finally:
+            await tier.close()
+
+    options = RemoteOptions(timeout_s=0.005, retry_s=0.5)
+    tier = RemoteTier(redis_server.url, options)
+    assert tier.deadline_s(len(payload)) == pytest.approx(
+        0.005 + len(payload) / remote_module.TRANSFER_FLOOR_BYTES_PER_S)
+    assert asyncio.run(main(tier)) == (1, [payload])
+    assert tier.stats().breaker_opens == 0 and tier.stats().timeouts == 0
+    flat = RemoteTier(redis_server.url, options)
+    flat.deadline_s = lambda nbytes: options.timeout_s  # type: ignore[method-assign]
+    with pytest.raises(RemoteUnavailableError, match="timed out"):
+        asyncio.run(main(flat))
+
+
 def test_dead_server_costs_one_deadline_not_one_per_call() -> None:
     # A black hole: the kernel completes the TCP handshake, nobody ever answers.
     hole = socket.socket()

@@ -58,7 +58,7 @@ class FakeRemote:
         return [(namespace, k) in self.values for k in keys]
 
     async def get(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
-                  ) -> list[memoryview | None]:
+                  block_bytes: int = 0) -> list[memoryview | None]:
         self._check()
         self.batches.append(len(keys))
         if self.get_delay_s:
