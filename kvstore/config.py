@@ -120,8 +120,10 @@ class ServerConfig:
     remote_ttl_s: int = _opt(86_400, "Seconds a block lives in the remote tier after its last "
                              "write; 0: no expiry (the Cluster's maxmemory policy evicts).",
                              unit="seconds", lo=0, hi=365 * 86_400)
-    remote_timeout_s: float = _opt(0.5, "Deadline of each remote call; past it the call is a "
-                                   "miss and the breaker opens.", unit="seconds", lo=0.01, hi=60)
+    remote_timeout_s: float = _opt(0.5, "Deadline of each remote call's round trip; a call "
+                                   "moving blocks gets their bytes at 50 MiB/s on top. Past "
+                                   "it the call is a miss and the breaker opens.",
+                                   unit="seconds", lo=0.01, hi=60)
     remote_retry_s: float = _opt(1.0, "After a remote failure, seconds the remote tier is "
                                  "skipped (instant misses) before one call probes it; doubles "
                                  "while it keeps failing, up to 8x.", unit="seconds", lo=0.05,
