@@ -14,6 +14,7 @@ never costs more than recomputing.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -51,10 +52,14 @@ def kv_to_cache(kv: torch.Tensor) -> Any:
 
 
 def fetch_cache(client: KVClient, tokens: torch.Tensor,
-                max_blocks: int | None = None) -> tuple[int, Any]:
+                max_blocks: int | None = None, room: int = 1) -> tuple[int, Any]:
     """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
     `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
-    `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again.
+    `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again, and none
+    after: each layer's tensors have room for `room` more tokens past `tokens` (the prompt's
+    last token, and any decoded after it), which the forward writes in place
+    (`roomy_cache`) where a plain `DynamicCache` would concatenate, copying the whole prefix
+    once when the cache is built and again at every forward.
 
     Returns (cached tokens, cache), or (0, None) on a miss."""
     layout = client.layout
@@ -62,7 +67,7 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
     if blocks <= 0:
         return 0, None
-    shape = (1, layout.num_kv_heads, blocks * bt, layout.head_dim)
+    shape = (1, layout.num_kv_heads, max(blocks * bt, len(tokens) + room), layout.head_dim)
     # Allocated for the whole prompt, filled for the hit: untouched pages cost nothing.
     keys = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
     values = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
@@ -82,10 +87,74 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     end = client.fetch_with(tokens, consume, max_blocks=blocks)
     if end <= 0:
         return 0, None
+    return end, roomy_cache(keys, values, end)
+
+
+def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> Any:
+    """A `DynamicCache` holding the first `length` tokens of each layer's `[1, heads, capacity,
+    head_dim]` `keys` and `values` without copying them, whose forwards write the tokens they
+    add into the room past `length` (`_RoomyLayer`)."""
     from transformers import DynamicCache
 
-    return end, DynamicCache(ddp_cache_data=[(k[:, :, :end], v[:, :, :end])
-                                             for k, v in zip(keys, values, strict=True)])
+    cache = DynamicCache()  # no layers yet: the forward would add plain DynamicLayers
+    cache.layers.extend(_roomy_layer()(k, v, length) for k, v in zip(keys, values, strict=True))
+    return cache
+
+
+@functools.cache
+def _roomy_layer() -> type:
+    """`_RoomyLayer`, made on first use (transformers is imported only by its users)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _RoomyLayer(DynamicLayer):
+        """A `DynamicLayer` whose keys and values are the first tokens of larger buffers:
+        `update` copies the new tokens into the room after them (a plain `DynamicLayer`
+        concatenates: a copy of everything cached, per layer, per forward), and doubles the
+        buffers when they are full. A layer whose tensors something else replaced (beam
+        reordering, offloading) is a plain `DynamicLayer` from then on; a crop keeps its
+        buffers (a shorter view of them)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
+            self.dtype, self.device = keys.dtype, keys.device
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+            self.is_initialized = True
+
+        def _cached(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   ] | None:
+            """(keys buffer, values buffer, keys, values) while `keys`/`values` still view the
+            buffers' start (their length: the tokens cached), else None, for good."""
+            k, v = self.keys, self.values
+            if self._buffers is None or k is None or v is None:
+                return None
+            kb, vb = self._buffers
+            if (k.data_ptr(), v.data_ptr()) != (kb.data_ptr(), vb.data_ptr()) \
+                    or k.stride() != kb.stride() or v.stride() != vb.stride():
+                self._buffers = None
+                return None
+            return kb, vb, k, v
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            cached = self._cached()
+            if cached is None or key_states.shape[0] != 1:
+                return super().update(key_states, value_states, *args, **kwargs)
+            kb, vb, k, v = cached
+            length = k.shape[-2]
+            end = length + key_states.shape[-2]
+            if end > kb.shape[-2]:  # full: double, keeping what is cached
+                grow = (*kb.shape[:2], max(end, 2 * kb.shape[-2]), kb.shape[-1])
+                kb, vb = kb.new_empty(grow), vb.new_empty(grow)
+                kb[:, :, :length].copy_(k)
+                vb[:, :, :length].copy_(v)
+                self._buffers = (kb, vb)
+            kb[:, :, length:end].copy_(key_states)
+            vb[:, :, length:end].copy_(value_states)
+            self.keys, self.values = kb[:, :, :end], vb[:, :, :end]
+            return kb[:, :, :end], vb[:, :, :end]
+
+    return _RoomyLayer
 
 
 def cache_to_kv(cache: Any, num_tokens: int) -> torch.Tensor:
