@@ -7,6 +7,7 @@ can stop the daemon under a live engine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -136,6 +137,19 @@ def assert_prefix_cache_bit_identical(warm: dict[str, Any], again: dict[str, Any
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+
+
+@contextlib.contextmanager
+def one_core_per_worker(workers: int) -> Iterator[None]:
+    """For engines started inside: vLLM's automatic CPU binding asserts one NUMA node per
+    worker, so bind each of `workers` workers (TP ranks, PP stages) to one core by hand (the
+    engines inherit the environment). Skips the test where fewer cores are allowed."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        pytest.skip(f"{workers} workers need {workers} CPUs, this process may use {len(cpus)}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:workers]))
+        yield
 
 
 def small_daemon(tmp_path_factory: pytest.TempPathFactory, name: str,

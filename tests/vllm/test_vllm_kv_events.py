@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run `bash scripts/setup_vllm.sh`",
                 allow_module_level=True)
 
-from tests.vllm.test_vllm_connector import MAX_TOKENS, Engine, prompts
+from tests.vllm.test_vllm_connector import MAX_TOKENS, Engine, one_core_per_worker, prompts
 from tests.vllm.vllm_runner import make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -190,14 +190,9 @@ def test_block_stored_as_two_shards_is_described_once(model_dir: Path, events_da
     """Tensor parallel 2: every block is stored as two shards, one per rank's KV head. The
     events describe the first shard only (which rank 0 saves): each vLLM block hash of the
     prompt is in exactly one CPU `BlockStored`, not one per shard, with its tokens."""
-    import os
-
     from transformers import AutoTokenizer
     from vllm.distributed.kv_events import BlockStored
 
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip(f"TP=2 needs 2 CPUs, this process may use {len(cpus)}")
     daemon, endpoint = events_daemon
     sub = Subscriber(endpoint)
     try:
@@ -205,8 +200,7 @@ def test_block_stored_as_two_shards_is_described_once(model_dir: Path, events_da
         ids = AutoTokenizer.from_pretrained(model_dir)(prompts(seed=13)[0])["input_ids"]
         ids = ids[: len(ids) // KV_BLOCK * KV_BLOCK + 5]
         want = vllm_hashes(ids)
-        with pytest.MonkeyPatch.context() as mp:  # one core per rank (test_vllm_tp.py)
-            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
+        with one_core_per_worker(2):
             engine = Engine(model_dir, daemon.target, extra={"kvstore.block_tokens": KV_BLOCK},
                             llm_kwargs={"tensor_parallel_size": 2,
                                         "distributed_executor_backend": "mp"})

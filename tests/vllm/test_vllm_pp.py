@@ -15,7 +15,6 @@ with stage 0's fetches failing, and a fresh engine loads what both left.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from tests.vllm.test_vllm_connector import (
     expected_cached,
     fetched_blocks,
     hit_blocks,
+    one_core_per_worker,
     small_daemon,
 )
 from tests.vllm.test_vllm_tp import fake_config, fake_groups, full_spec
@@ -135,13 +135,7 @@ def test_layouts_per_stage_and_refusals() -> None:
 # ---- engines
 @pytest.fixture(scope="module", autouse=True)
 def one_core_per_stage() -> Iterator[None]:
-    """vLLM's automatic CPU binding asserts one NUMA node per worker; bind each stage's
-    worker to one core by hand (the engines inherit the environment)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < PP:
-        pytest.skip(f"PP={PP} needs {PP} CPUs, this process may use {len(cpus)}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:PP]))
+    with one_core_per_worker(PP):
         yield
 
 

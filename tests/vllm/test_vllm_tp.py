@@ -13,7 +13,6 @@ them from kvstore.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from tests.vllm.test_vllm_connector import (
     expected_cached,
     fetched_blocks,
     hit_blocks,
+    one_core_per_worker,
     small_daemon,
 )
 from tests.vllm.vllm_runner import corpus_ids, make_model
@@ -55,13 +55,7 @@ def tp_opts() -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_core_per_rank() -> Iterator[None]:
-    """vLLM's automatic CPU binding asserts one NUMA node per TP rank; bind each rank to one
-    core by hand (the engines inherit the environment)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < TP:
-        pytest.skip(f"TP={TP} needs {TP} CPUs, this process may use {len(cpus)}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:TP]))
+    with one_core_per_worker(TP):
         yield
 
 
