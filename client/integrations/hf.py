@@ -241,7 +241,10 @@ class CachedPrefill:
                              f"KV cache {expected}")
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, publish: bool = True) -> PrefillResult:
+    def prefill(self, input_ids: torch.Tensor, publish: bool = True,
+                decode_tokens: int = 0) -> PrefillResult:
+        """`decode_tokens`: tokens the caller will decode after it; a cache loaded from
+        kvstore is allocated with room for them, so decoding appends in place."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
         tokens = input_ids[0]
@@ -250,7 +253,7 @@ class CachedPrefill:
         plan = self.plan(tokens) if n > 1 else None
         limit = None if plan is None else plan.load_blocks  # None: the whole cached prefix
         cached, cache = (0, None) if n <= 1 or limit == 0 else fetch_cache(
-            self.client, tokens[: n - 1], limit)
+            self.client, tokens[: n - 1], limit, room=1 + decode_tokens)
         if cache is None:
             from transformers import DynamicCache
 
@@ -293,7 +296,7 @@ class CachedPrefill:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int],
                                                                               PrefillResult]:
         """Greedy decoding after a cached prefill; returns the new tokens."""
-        first = self.prefill(input_ids)
+        first = self.prefill(input_ids, decode_tokens=max_new_tokens)
         cache, logits = first.cache, first.logits
         out: list[int] = []
         for _ in range(max_new_tokens):

@@ -66,6 +66,11 @@ def test_cached_prefill_matches_recompute(daemon, dtype):
         assert warm.cached_tokens == 192
         assert warm.computed_tokens == 8
         assert counter.tokens == 8 + 32  # the suffix, then one token per decoding step
+        # The loaded cache was allocated with room for the prompt and the 32 decoded tokens:
+        # every forward appended in place, no buffer outgrown and copied (a view's head
+        # stride is its buffer's capacity x head_dim).
+        keys = warm.cache.layers[0].keys
+        assert keys.shape[-2] == 200 + 32 and keys.stride(1) == (200 + 32) * keys.shape[-1]
     for r in (cold, warm):
         assert (r.logits - want_logits).abs().max().item() == 0.0
     assert cold_tokens == want_tokens
