@@ -57,6 +57,10 @@ def main() -> None:
     p.add_argument("--suffix", type=int, default=32, help="tokens after the cached blocks")
     p.add_argument("--data-dir", default=".data/bench-ttft")
     p.add_argument("--no-remote", action="store_true")
+    p.add_argument("--name", default="ttft", help="results file name (benchmarks/results)")
+    p.add_argument("--no-reserve", action="store_true",
+                   help="allocate each warm cache inside its prefill (CachedPrefill's "
+                        "reserve_tokens=0) instead of once per engine, up front")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     data = Path(args.data_dir)
@@ -78,8 +82,11 @@ def main() -> None:
             b = DaemonProcess(data / f"b{n}", *sizes, *remote)
             try:
                 results = {}
+                # Each engine reserves its K/V memory for the prompt when it starts, as a
+                # serving engine does (`reserve_tokens`), unless --no-reserve.
+                reserve = 0 if args.no_reserve else n + args.suffix
                 with KVClient(a.target, layout, deadline_s=60) as c:
-                    engine = CachedPrefill(model, c)
+                    engine = CachedPrefill(model, c, reserve_tokens=reserve)
                     results["cold"] = engine.prefill(prompt)
                     bar.update()
                     results["host"] = engine.prefill(prompt)
@@ -87,13 +94,14 @@ def main() -> None:
                 a.stop()  # SIGTERM: host blocks are flushed to disk (and queued remote writes)
                 a.start()
                 with KVClient(a.target, layout, deadline_s=60) as c:
-                    results["disk"] = CachedPrefill(model, c).prefill(prompt, publish=False)
+                    results["disk"] = CachedPrefill(model, c, reserve_tokens=reserve).prefill(
+                        prompt, publish=False)
                     bar.update()
                 if redis:
                     b.start()
                     with KVClient(b.target, layout, deadline_s=60) as c:
-                        results["remote"] = CachedPrefill(model, c).prefill(prompt,
-                                                                            publish=False)
+                        results["remote"] = CachedPrefill(
+                            model, c, reserve_tokens=reserve).prefill(prompt, publish=False)
                         bar.update()
             finally:
                 a.stop()
@@ -115,8 +123,9 @@ def main() -> None:
     print(f"\nKV {layout.bytes_per_token // 1024} KiB/token, {args.layers} layers, fp32; "
           f"each prompt = cached blocks + {args.suffix} new tokens\n")
     print(table(rows, list(rows[0])))
-    path = write_results("ttft", {"layers": args.layers, "rows": rows})
-    _plot(rows, RESULTS / "ttft.png")
+    path = write_results(args.name, {"layers": args.layers, "reserve": not args.no_reserve,
+                                     "rows": rows})
+    _plot(rows, RESULTS / f"{args.name}.png")
     print(f"\nresults: {path}")
 
 

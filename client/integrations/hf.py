@@ -51,15 +51,57 @@ def kv_to_cache(kv: torch.Tensor) -> Any:
          kv[i, 1].transpose(0, 1).unsqueeze(0).contiguous()) for i in range(kv.shape[0])])
 
 
+def _storage_uses(t: torch.Tensor) -> int | None:
+    """How many tensors share `t`'s memory (its storage's use count), None where this torch
+    build does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
+
+
+class KVBuffers:
+    """K/V memory for caches loaded from kvstore, allocated and touched once, up front, as an
+    engine reserves its KV cache when it starts (vLLM allocates its pages at start-up).
+
+    A prefix loaded into fresh tensors pays the kernel's first-touch page faults inside the
+    TTFT: on this repository's VM 0.2-0.4 s per 512 MiB, two to four times the copy itself
+    (docs/PERFORMANCE.md). A `KVBuffers` pays them here, once. Its memory is handed out again
+    only when nothing references it any more (its storage's use count is back to its own), so
+    a cache the caller still holds, or any view of one, is never overwritten: while it is
+    taken, a load allocates fresh tensors as before."""
+
+    def __init__(self, layout: KVLayout, tokens: int) -> None:
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ValueError(f"KVBuffers needs a positive number of tokens, got {tokens!r}")
+        self.layout, self.tokens = layout, tokens
+        shape = (layout.num_layers, 2, 1, layout.num_kv_heads, tokens, layout.head_dim)
+        self._memory = torch.zeros(shape, dtype=layout.torch_dtype)  # zeros: touched now
+        self._idle = _storage_uses(self._memory)
+
+    @property
+    def nbytes(self) -> int:
+        return self._memory.numel() * self._memory.element_size()
+
+    def take(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Each layer's `[1, heads, self.tokens, head_dim]` keys and values, if the buffers
+        hold `tokens` and nothing uses them; else None."""
+        if tokens > self.tokens or self._idle is None \
+                or _storage_uses(self._memory) != self._idle:
+            return None
+        layers = range(self.layout.num_layers)
+        return [self._memory[i, 0] for i in layers], [self._memory[i, 1] for i in layers]
+
+
 def fetch_cache(client: KVClient, tokens: torch.Tensor,
-                max_blocks: int | None = None, room: int = 1) -> tuple[int, Any]:
+                max_blocks: int | None = None, room: int = 1,
+                buffers: KVBuffers | None = None) -> tuple[int, Any]:
     """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
     `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
     `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again, and none
     after: each layer's tensors have room for `room` more tokens past `tokens` (the prompt's
     last token, and any decoded after it), which the forward writes in place
     (`roomy_cache`) where a plain `DynamicCache` would concatenate, copying the whole prefix
-    once when the cache is built and again at every forward.
+    once when the cache is built and again at every forward. With `buffers` (idle and large
+    enough), the tensors are theirs: memory already touched (`KVBuffers`).
 
     Returns (cached tokens, cache), or (0, None) on a miss."""
     layout = client.layout
@@ -67,10 +109,15 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
     if blocks <= 0:
         return 0, None
-    shape = (1, layout.num_kv_heads, max(blocks * bt, len(tokens) + room), layout.head_dim)
-    # Allocated for the whole prompt, filled for the hit: untouched pages cost nothing.
-    keys = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
-    values = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+    capacity = max(blocks * bt, len(tokens) + room)
+    taken = None if buffers is None else buffers.take(capacity)
+    if taken is not None:
+        keys, values = taken
+    else:  # allocated for the whole prompt, filled for the hit: untouched pages cost nothing
+        shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
+        keys = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+        values = [torch.empty(shape, dtype=layout.torch_dtype)
+                  for _ in range(layout.num_layers)]
 
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
@@ -215,13 +262,18 @@ class CachedPrefill:
 
     def __init__(self, model: Any, client: KVClient, *,
                  prefill_tokens_per_s: float | Literal["online"] | None = None,
-                 event_block_size: int = 16, event_hash_algo: str = "sha256") -> None:
+                 event_block_size: int = 16, event_hash_algo: str = "sha256",
+                 reserve_tokens: int = 0) -> None:
         """`prefill_tokens_per_s`: None (default) loads the whole cached prefix; a number
         (the engine's prefill speed) or `"online"` (fitted from this engine's own full
         recomputes, `prefill_model`; the whole prefix is loaded until one was seen) loads only
         what the planner says is worth loading. `event_block_size`, `event_hash_algo`: the
         block size and `prefix_caching_hash_algo` of the vLLM engines a router indexes, for
-        the daemon's KV events (`describe_for_events`; unused when the daemon has none)."""
+        the daemon's KV events (`describe_for_events`; unused when the daemon has none).
+        `reserve_tokens`: allocate and touch K/V memory for loaded prefixes of up to this many
+        tokens (prompt and decoded tokens) now, instead of inside each warm prefill's TTFT
+        (`KVBuffers`; 0, the default, reserves nothing). It holds `reserve_tokens` x the
+        layout's bytes per token for the engine's lifetime; one cache at a time uses it."""
         if prefill_tokens_per_s is not None and prefill_tokens_per_s != "online" and not (
                 isinstance(prefill_tokens_per_s, int | float)
                 and math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s > 0):
@@ -234,6 +286,7 @@ class CachedPrefill:
         # This engine's prefill time by prompt length, from its forward passes over whole
         # prompts of at least one block (always kept; the planner uses it in "online" mode).
         self.prefill_model = PrefillModel()
+        self.buffers = KVBuffers(client.layout, reserve_tokens) if reserve_tokens else None
         expected = layout_for_model(model, client.layout.block_tokens, client.layout.model,
                                     client.layout.model_revision)
         if expected != client.layout:
@@ -253,7 +306,7 @@ class CachedPrefill:
         plan = self.plan(tokens) if n > 1 else None
         limit = None if plan is None else plan.load_blocks  # None: the whole cached prefix
         cached, cache = (0, None) if n <= 1 or limit == 0 else fetch_cache(
-            self.client, tokens[: n - 1], limit, room=1 + decode_tokens)
+            self.client, tokens[: n - 1], limit, room=1 + decode_tokens, buffers=self.buffers)
         if cache is None:
             from transformers import DynamicCache
 

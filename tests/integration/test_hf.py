@@ -77,6 +77,46 @@ def test_cached_prefill_matches_recompute(daemon, dtype):
     assert warm_tokens == want_tokens
 
 
+def test_reserved_buffers_serve_warm_prefills_and_never_a_held_cache(daemon):
+    """`reserve_tokens`: warm prefills load into memory touched up front; a cache the caller
+    still holds is never overwritten by the next load (that one gets fresh memory), and a
+    prompt larger than the reserve loads as before. Outputs equal recompute throughout."""
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    g = torch.Generator().manual_seed(11)
+    a, b = (torch.randint(0, 512, (1, 150), generator=g) for _ in range(2))
+    big = torch.randint(0, 512, (1, 300), generator=g)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c, reserve_tokens=200)
+        assert engine.buffers is not None
+        memory = engine.buffers.take(1)
+        assert memory is not None
+        start = memory[0][0].data_ptr()
+        end = start + engine.buffers.nbytes
+        del memory
+
+        def in_reserve(r) -> bool:
+            return start <= r.cache.layers[0].keys.data_ptr() < end
+
+        for ids in (a, b, big):
+            engine.prefill(ids)  # cold: computes and publishes
+        first = engine.prefill(a)
+        assert first.cached_tokens == 128 and in_reserve(first)
+        held = [layer.keys.clone() for layer in first.cache.layers]
+        second = engine.prefill(b)  # the reserve is held by `first`
+        assert second.cached_tokens == 128 and not in_reserve(second)
+        assert all(torch.equal(layer.keys, k) for layer, k in
+                   zip(first.cache.layers, held, strict=True))
+        del first
+        third = engine.prefill(b)
+        assert in_reserve(third)
+        larger = engine.prefill(big)
+        assert larger.cached_tokens == 288 and not in_reserve(larger)
+    for ids, r in ((b, second), (b, third), (big, larger)):
+        want, _ = reference(model, ids, 0)
+        assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
+
+
 def test_second_request_runs_only_its_suffix(daemon):
     model = tiny_llama(torch.float32)
     layout = layout_for_model(model, block_tokens=32)
