@@ -35,6 +35,8 @@ class StoreCollector(Collector):
             ("kvstore_stored_blocks", c.stored_blocks, "Blocks published."),
             ("kvstore_expired_leases", c.expired_leases,
              "Leases reclaimed by lease_timeout_s because their client never ended them."),
+            ("kvstore_lifts_skipped", c.lifts_skipped,
+             "Promotions into the gpu tier not started: another prompt's was running."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         hits = CounterMetricFamily("kvstore_tier_hits", "Fetched blocks by the tier that held "

@@ -4,9 +4,10 @@ The host tier is where clients meet the store: same-node clients copy straight f
 its shared arena under a lease, remote clients stream from and into it. The disk tier sits
 below: host victims are demoted to it (written, then dropped from host), disk hits are promoted
 (read into host, verified, kept on disk as well). The gpu tier (optional, `gpu_bytes`) sits
-above host: blocks a fetch served are copied up into it (kept in host as well), its victims
-are demoted to host (copied down unless host holds them), and a block only it holds is copied
-into host scratch space for the fetch that reads it (clients read host memory only).
+above host: blocks a fetch served are copied up into it after the fetch answered (a background
+lift under its own pins; kept in host as well), its victims are demoted to host (copied down
+unless host holds them), and a block only it holds is copied into host scratch space for the
+fetch that reads it (clients read host memory only).
 Which block goes where is the placement engine's decision (`tiers.hierarchy`); this module
 carries the decisions out with bytes, pins and leases.
 
@@ -153,6 +154,20 @@ class _Room:
 
 
 @dataclass
+class _Lift:
+    """A promotion into the gpu tier, run after its fetch answered (`TieredStore._lift`) under
+    its own pins, so no lease it outlives can free or demote a block it reads."""
+
+    prompt: list[bytes]  # root first, the earlier windows' keys included
+    todo: list[bytes] = field(default_factory=list)  # to copy up, in order
+    # The prompt's blocks, pinned: in host (the copies' sources among them) and in gpu.
+    in_host: dict[bytes, BlockEntry] = field(default_factory=dict)
+    in_gpu: list[BlockEntry] = field(default_factory=list)
+    writing: BlockEntry | None = None  # the gpu reservation being copied into
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
 class StoreCounters:
     lookups: int = 0
     hit_blocks: int = 0
@@ -166,6 +181,7 @@ class StoreCounters:
     remote_lookup_hits: int = 0  # blocks a lookup found in the remote tier only
     scratch_reads: int = 0  # blocks a fetch read into scratch space, not promoted (`_Room`)
     expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
+    lifts_skipped: int = 0  # promotions into gpu not started: another prompt's was running
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
@@ -249,6 +265,7 @@ class TieredStore:
         self.saved_read_bandwidth: dict[str, float] = {}
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
         self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
+        self._lifting: _Lift | None = None  # the promotion into gpu running now (`_lift`)
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -385,54 +402,118 @@ class TieredStore:
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
         if self.gpu is not None and served:
-            try:
-                await self._lift(self.gpu, lease, [*prior, *keys[:served]], keys[:served])
-            except BaseException:
-                self.release(lease.id)
-                raise
+            # Before the hand-over: the lift pins what it reads, so a client ending its lease
+            # at once (or the reaper) frees nothing the lift still copies.
+            self._request_lift(self.gpu, lease, [*prior, *keys[:served]], keys[:served], prior)
         # With the earlier windows' keys: ranking only this window would make a long prompt's
-        # tail fresher than its head (evicted and flushed in the wrong order). After the lift:
-        # blocks entering gpu are ranked as they come, root first, so the root would go first.
+        # tail fresher than its head (evicted and flushed in the wrong order). The lift ranks
+        # the prompt again when it ends (`_lift`): its blocks enter gpu as they come, root first.
         self.touch_chain([*prior, *keys[:served]])
         return self.hand_over(lease, hold)
 
-    async def _lift(self, gpu: GpuTier, lease: FetchLease, prompt: Sequence[bytes],
-                    keys: Sequence[bytes]) -> None:
-        """Copy the blocks the placement engine lifts into the gpu tier (`Hierarchy.lift`)
-        from the host blocks this fetch pins (blocks served from scratch space are not: a
-        prompt past its host share is not kept in faster memory either). The prompt's own gpu
-        blocks are pinned meanwhile: room for it is never made from itself. Stops where no
-        room can be made (gpu pinned full, or host cannot take its victims)."""
-        pinned = {k: e for k, e in zip(keys, lease.entries, strict=True) if e.key == k}
+    def _request_lift(self, gpu: GpuTier, lease: FetchLease, prompt: list[bytes],
+                      keys: Sequence[bytes], prior: Sequence[bytes]) -> None:
+        """Plan the blocks this fetch lifts into the gpu tier (`Hierarchy.lift`: those it
+        serves from pinned host blocks; blocks in scratch space are not, a prompt past its
+        host share is not kept in faster memory either), pin the prompt's blocks under the
+        lift's own hold, and run it after the reply (`_lift`). One lift runs at a time: the
+        next window of the prompt being lifted joins it; another prompt's lift is skipped
+        (counted in `lifts_skipped`): it is lifted when it is fetched again."""
+        served = {k for k, e in zip(keys, lease.entries, strict=True) if e.key == k}
+        run = self._lifting
+        joins = run is not None and bool(prior) and run.prompt == list(prior)
+        pending = set(run.todo) if run is not None and joins else set()
         size = gpu.units_for(lease.entries[0].length) * PAGE
-        lifted = self.placement.lift(prompt, pinned, size)
-        if not lifted:
+        todo = [k for k in self.placement.lift(prompt, pending | served, size)
+                if k not in pending]
+        if not todo:
             return
+        if run is not None and not joins:
+            self.counters.lifts_skipped += 1
+            log.debug("promotion into the gpu tier skipped: another prompt's lift is running")
+            return
+        lift = run if run is not None else _Lift(prompt=[])
+        lift.prompt = prompt
+        lift.todo += todo
+        # The prompt's blocks in host and gpu, lifted or not, as its leases pinned them when
+        # the lift ran before the reply: neither gpu's victims going down into host nor room in
+        # gpu pushes the prompt out. A joining window's only: the lift holds the earlier ones.
+        own = keys if joins else prompt
+        lift.in_host.update((k, self.host.prepare_load(k)) for k in own if self.host.contains(k))
+        lift.in_gpu += [gpu.prepare_load(k) for k in own if gpu.contains(k)]
+        if run is None:
+            self._lifting = lift
+            lift.task = asyncio.get_running_loop().create_task(self._lift(gpu, lift))
+            # Also when cancelled before its first step (its `finally` never runs then).
+            lift.task.add_done_callback(lambda _: self._end_lift(gpu, lift))
+
+    async def _lift(self, gpu: GpuTier, lift: _Lift) -> None:
+        """Copy `lift.todo` up into the gpu tier from the host blocks pinned for it, in the
+        background. The prompt's blocks stay pinned meanwhile: room is never made from it.
+        Stops where no room can be made (gpu pinned full, or host cannot take its victims).
+        An error is logged, never raised: no client waits for this."""
         gpu_level = self.tiers.index(gpu)
-        held = [gpu.prepare_load(k) for k in prompt if gpu.contains(k)]
+        lifted = 0
         try:
-            for key in lifted:
-                src = pinned[key]
+            while lift.todo:  # may grow while it runs: the prompt's next window joins
+                key = lift.todo.pop(0)
+                src = lift.in_host[key]
                 try:
                     dst = await self._reserve(gpu_level, key, src.namespace, src.layout_digest,
                                               src.length)
                 except CapacityError as e:
                     log.debug("promotion into the gpu tier stops: %s", e)
-                    return
-                if dst is None:  # another fetch is lifting it right now
-                    continue
-                try:
-                    await self._run_io(gpu.write_from, dst, self.host.memview(src))
-                except BaseException:
-                    gpu.abort_store(dst)
-                    raise
-                gpu.complete_store(dst)
-                held.append(gpu.prepare_load(key))  # no victim of the next block's room
-                self.counters.promotions += 1
-                self.counters.add(self.counters.bytes_written, gpu.name, src.length)
+                    break
+                if dst is not None:  # else gpu holds it already
+                    lift.writing = dst
+                    try:
+                        await self._run_io(gpu.write_from, dst, self.host.memview(src))
+                    except BaseException:
+                        gpu.abort_store(dst)
+                        raise
+                    finally:
+                        lift.writing = None
+                    gpu.complete_store(dst)
+                    lift.in_gpu.append(gpu.prepare_load(key))  # no victim of the next one's room
+                    self.counters.promotions += 1
+                    self.counters.add(self.counters.bytes_written, gpu.name, src.length)
+                    lifted += 1
+            if lifted:
+                # Rank the prompt again, root first: the fetch ranked it before these blocks
+                # entered gpu (the root first, so the oldest) and gpu's victims entered host.
+                self.touch_chain(lift.prompt)
+        except Exception:
+            log.exception("promotion into the gpu tier failed")
         finally:
-            for entry in held:
-                gpu.complete_load(entry)
+            self._end_lift(gpu, lift)
+
+    def _end_lift(self, gpu: GpuTier, lift: _Lift) -> None:
+        """Give back what a lift holds (once: it ends from its task, its done callback, or
+        `close`, which cannot wait for the task to unwind)."""
+        if lift.writing is not None:
+            gpu.abort_store(lift.writing)
+            lift.writing = None
+        for entry in lift.in_host.values():
+            self.host.complete_load(entry)
+        for entry in lift.in_gpu:
+            gpu.complete_load(entry)
+        lift.in_host.clear()
+        lift.in_gpu.clear()
+        lift.todo.clear()
+        if self._lifting is lift:
+            self._lifting = None
+
+    async def lifts_idle(self) -> None:
+        """Wait until no lift runs (tests, benchmarks: a lift ends after its fetch answered)."""
+        while (lift := self._lifting) is not None and lift.task is not None:
+            await asyncio.wait([lift.task])
+
+    async def stop_lifts(self) -> None:
+        """Cancel the running lift and wait for it to unwind (its block copy in flight ends
+        first, `_run_io`), its pins given back. For shutdown: a lift only copies host blocks."""
+        if (lift := self._lifting) is not None and lift.task is not None:
+            lift.task.cancel()
+            await asyncio.wait([lift.task])
 
     def read_bandwidth(self) -> dict[str, float]:
         """Measured read bandwidth of each tier, bytes/s: the daemon's side of a fetch (disk:
@@ -821,6 +902,7 @@ class TieredStore:
         ranked so that, after a restart, the first written is the most recently used: parents
         ahead of children.
         """
+        await self.stop_lifts()  # shutdown: no block moves up while the flush writes down
         disk = self.disk
         if disk is None or budget_s <= 0:
             return 0
@@ -942,6 +1024,12 @@ class TieredStore:
         return len(removed)
 
     def close(self) -> None:
+        if (lift := self._lifting) is not None and self.gpu is not None:
+            # Not awaited (close is synchronous): its copy in flight ends in the pool shutdown
+            # below, and the task unwinds on closed tiers if the loop runs it again.
+            if lift.task is not None:
+                lift.task.cancel()
+            self._end_lift(self.gpu, lift)
         for lease_id in list(self.leases):
             self.release(lease_id)
         self._io.shutdown(wait=True)

@@ -19,7 +19,7 @@ import torch
 from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.reliability import CapacityWatch, stats, stub, tier, wait_quiescent
+from tests.reliability import CapacityWatch, stats, stub, tier, wait_quiescent, wait_until
 
 pytestmark = pytest.mark.integration
 P1, P2, P3 = (small_layout(model=m) for m in ("p1", "p2", "p3"))  # a namespace each
@@ -51,6 +51,14 @@ def counters(target: str) -> dict[str, int | dict[str, list[int]]]:
             "promotions": r.promotions, "demotions": r.demotions}
 
 
+def lifted(target: str, promotions: int, within_s: float = 10.0) -> None:
+    """Wait for a fetch's lift, which runs after the fetch answered: until the daemon counts
+    `promotions` in all, then until nothing is pinned (the lift holds pins until it ends)."""
+    wait_until(lambda: stats(target).promotions == promotions, within_s,
+               f"{promotions} promotions")
+    wait_quiescent(target, within_s)
+
+
 def prompt(i: int) -> list[int]:
     return list(range(1000 * i, 1000 * i + 4 * BT))
 
@@ -67,6 +75,7 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory):
         # A fetch serves host's blocks and copies them up into gpu; host keeps them.
         n, got = c1.fetch(t1)
         assert n == len(t1) and same_bytes(got, kv1)
+        lifted(d.target, 4)
         assert placement(d.target) == {"p1": {"gpu": 4, "host": 4}}
         assert counters(d.target) == {
             "tiers": {"gpu": [4, 0, 0, 4 * BB], "host": [4, 4, 0, 4 * BB],
@@ -89,6 +98,7 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory):
         # victims (P1) go down to host, whose victims (P1 again) go down to disk, written once.
         n, got = c2.fetch(t2)
         assert n == len(t2) and same_bytes(got, kv2)
+        lifted(d.target, 4 + 2 + 4)
         assert placement(d.target) == {"p1": {"host": 2, "disk": 4},
                                        "p2": {"gpu": 4, "host": 4, "disk": 2}}
         # Written: into gpu by lifts, into host by publishes and gpu's demotions (a promotion
@@ -116,6 +126,7 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory):
         # chain as P1 did.
         n, got = c3.fetch(t3)
         assert n == len(t3) and same_bytes(got, kv3)
+        lifted(d.target, 10 + 2 + 4)
         assert placement(d.target) == {"p1": {"disk": 4}, "p2": {"host": 2, "disk": 4},
                                        "p3": {"gpu": 4, "host": 4, "disk": 2}}
         wait_quiescent(d.target, 2.0)
@@ -136,7 +147,9 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory):
             n, got = c.fetch(t)
             assert n == len(t) and same_bytes(got, kv)
     assert tier(stats(d.target), "disk").hits == 12
-    d.stop()
+    # Stopped with the last fetch's lift possibly running: cancelled, its pins given back.
+    assert d.stop() == 0
+    assert "Traceback" not in d.log.read_text()
 
 
 def torch_loaded(pid: int) -> bool:

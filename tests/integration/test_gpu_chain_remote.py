@@ -27,7 +27,7 @@ from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteOptions, RemoteTier
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.integration.test_gpu_chain import BB, BT, chain_args, counters, placement, prompt
+from tests.integration.test_gpu_chain import BB, BT, chain_args, counters, lifted, placement, prompt
 from tests.redis_servers import RedisServer, cli
 from tests.reliability import CapacityWatch, stats, wait_quiescent, wait_until
 from tests.unit.test_store import LAYOUT, LENGTH, NS_A, key, payload, publish
@@ -72,6 +72,7 @@ def lose_p1_locally(d: DaemonProcess, cs: dict[str, KVClient], redis: RedisServe
     publish_through(d, cs["p1"], "p1", 4)
     assert placement(d.target) == {"p1": {"host": 4}}
     fetch_same(cs["p1"], "p1")  # copied up into gpu, host keeps it
+    lifted(d.target, 4)  # after the fetch answered
     assert placement(d.target) == {"p1": {"gpu": 4, "host": 4}}
     # Host full: its least-recent blocks (P1's tail) go down to disk; gpu keeps P1 whole.
     publish_through(d, cs["p2"], "p2", 8)
@@ -80,6 +81,7 @@ def lose_p1_locally(d: DaemonProcess, cs: dict[str, KVClient], redis: RedisServe
     # P2 is lifted into gpu, whose victims (P1) go down to host where host lacks them (the
     # tail), host's (P1's head) down to disk, host's next ones dropped (disk holds them).
     fetch_same(cs["p2"], "p2")
+    lifted(d.target, 8)
     assert placement(d.target) == {"p1": {"host": 2, "disk": 4},
                                    "p2": {"gpu": 4, "host": 4}}
     # P3 takes host's least-recent four: P1's (on disk: dropped) and P2's tail, written to
@@ -111,6 +113,7 @@ def test_prompt_goes_down_to_remote_and_comes_back_up_to_gpu(redis_server, daemo
             # it up into gpu (within its 4 blocks). gpu's victims (P2) go down to host, pushing
             # host's down to disk and disk's out: P3 is now only in Redis, as P1 was.
             fetch_same(cs["p1"], "p1")
+            lifted(d.target, 16)
             assert placement(d.target) == {"p1": {"gpu": 4, "host": 4},
                                            "p2": {"host": 2, "disk": 2}, "p4": {"disk": 2}}
             # Per tier [blocks, hits, bytes read, bytes written]. Before: gpu took 8 lifted
@@ -159,6 +162,8 @@ def test_redis_stopped_mid_run_is_a_miss_and_local_tiers_keep_serving(
                 n, got = cs[name].fetch(TOKENS[name])
                 assert n == local and same_bytes(got, KV[name][:, :, :n])
                 served[name] = n // BT
+                if name == "p4":  # the others are read into scratch space: never lifted
+                    lifted(d.target, 12)
             assert served == {"p4": 4, "p3": 2, "p2": 2}
             assert placement(d.target) == {"p4": {"gpu": 4, "host": 4}, "p3": {"disk": 2},
                                            "p2": {"disk": 2}}
@@ -195,6 +200,7 @@ def test_write_through_frames_blocks_the_gpu_tier_holds(redis_server, tmp_path: 
         assert store.write_queue is not None and store.gpu is not None
         await publish(store, first)
         store.release((await store.fetch(first, LAYOUT)).id)  # lifted before its write
+        await store.lifts_idle()
         assert all(store.gpu.contains(k) and host.contains(k) for k in first)
         lost = await store.write_queue.take(2, 1 << 30, lambda k: 0)  # first[0:2] lost...
         store.write_queue.done()

@@ -791,6 +791,7 @@ def test_flush_writes_blocks_only_the_gpu_tier_holds(tmp_path: Path) -> None:
         await publish(store, keys)
         lease = await store.fetch(keys, LAYOUT)
         store.release(lease.id)
+        await store.lifts_idle()  # the lift runs after the fetch answered
         assert store.gpu is not None and store.disk is not None
         assert all(store.gpu.contains(k) for k in keys)  # lifted, host keeps its copies
         for k in keys:
@@ -820,11 +821,13 @@ def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
     async def main() -> None:
         await publish(store, a)
         store.release((await store.fetch(a, LAYOUT)).id)
+        await store.lifts_idle()
         assert store.gpu is not None
         for k in a:
-            store.host.remove(k)
+            assert store.host.remove(k)
         await publish(store, b)
         lease = await store.fetch(b, LAYOUT)
+        await store.lifts_idle()
         assert fetched_bytes(store, lease) == [payload(k) for k in b]
         assert [store.gpu.contains(k) for k in a + b] == [True, True, False, False]
         store.release(lease.id)
