@@ -437,7 +437,7 @@ def run(args: argparse.Namespace) -> None:
     rows = summarize(samples, lengths, args.repeats)
     name = args.name or ("vllm_ttft" if args.tp == 1 else f"vllm_ttft_tp{args.tp}")
     print(f"\nvLLM {_vllm_version()} on CPU, TP={args.tp}, {args.layers}-layer Llama with "
-          f"8B's KV shape ({bytes_per_token // 1024} KiB/token, bf16), vLLM block "
+          f"8B's KV shape ({bytes_per_token // 1024} KiB/token, {args.dtype}), vLLM block "
           f"{args.block_size}, kvstore block {kv_block}, LMCache chunk {args.chunk_size}; "
           f"TTFT = wall time of a {args.max_tokens}-token generate, median of {args.repeats} "
           f"(cold: 1 run); load average {os.getloadavg()[0]:.1f}")
@@ -449,7 +449,7 @@ def run(args: argparse.Namespace) -> None:
         ratio = next((r["vs LMCache"] for r in rows
                       if r["tokens"] == n and r["run"] == "kvstore host"), None)
         if isinstance(ratio, float):
-            print(f"{n} tokens: kvstore host recall = {ratio:.2f}x LMCache's (goal <= 0.5)")
+            print(f"{n} tokens: kvstore host recall = {ratio:.2f}x LMCache's (goal <= 0.4)")
     payload = {"config": {k: v for k, v in vars(args).items() if k != "engine"},
                "vllm_settings": settings, "load_average": os.getloadavg(),
                "kv_block": kv_block, "bytes_per_token": bytes_per_token,

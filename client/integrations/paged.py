@@ -123,10 +123,30 @@ def _build_native() -> object | None:
     return fn
 
 
+def caller_cpus() -> set[int] | None:
+    """The CPUs the calling thread may run on (None where the platform does not say)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def run_on(cpus: set[int] | None) -> None:
+    """Bind the calling thread to `cpus` (no-op for None, or where that is refused)."""
+    if cpus:
+        try:
+            if os.sched_getaffinity(0) != cpus:
+                os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError):
+            pass
+
+
 def copy_threads() -> int:
-    """Threads one copy spreads its layers over: torch's intra-op thread count, at most 4
-    (memory bandwidth, not compute, bounds a copy)."""
-    return max(1, min(4, torch.get_num_threads()))
+    """Threads one copy spreads its layers over: the CPUs its caller may run on, at most 4
+    (memory bandwidth, not compute, bounds a copy). A caller chooses them by binding itself:
+    vLLM's synchronous load runs on the compute CPUs it stalls and the idle side ones."""
+    cpus = caller_cpus()
+    return max(1, min(4, len(cpus) if cpus else torch.get_num_threads()))
 
 
 def _thread_pool() -> ThreadPoolExecutor:
@@ -342,13 +362,17 @@ class PagedCache:
             counts.extend(min(ps, count - j * ps) for j in range(len(pages)))
         layers = torch.tensor([t.data_ptr() for t in self.layers], dtype=torch.int64)
         threads = min(copy_threads(), self.num_layers)
+        cpus = caller_cpus()  # the pool's threads copy where the caller may
         bounds = [self.num_layers * i // threads for i in range(threads + 1)]
         for (layer_stride, kv_stride), (src, ids, counts) in groups.items():
             args = (torch.tensor(src, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                     torch.tensor(counts, dtype=torch.int32))
 
             def run(l0: int, l1: int, args: tuple[torch.Tensor, ...] = args,
-                    strides: tuple[int, int] = (layer_stride, kv_stride)) -> None:
+                    strides: tuple[int, int] = (layer_stride, kv_stride),
+                    pooled: bool = False) -> None:
+                if pooled:
+                    run_on(cpus)
                 src_t, ids_t, counts_t = args
                 fn(int(gather), self.dtype.itemsize, len(ids_t),  # type: ignore[operator]
                    src_t.data_ptr(), ids_t.data_ptr(), counts_t.data_ptr(), layers.data_ptr(),
@@ -359,7 +383,8 @@ class PagedCache:
                 run(0, self.num_layers)
             else:
                 pool = _thread_pool()
-                futures = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+                futures = [pool.submit(run, bounds[i], bounds[i + 1], pooled=True)
+                           for i in range(1, threads)]
                 run(bounds[0], bounds[1])
                 for f in futures:
                     f.result()

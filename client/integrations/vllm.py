@@ -145,7 +145,9 @@ from kvstore.client.integrations.paged import (
     VLLM_CPU_ISAS,
     PagedCache,
     View,
+    caller_cpus,
     native_copy,
+    run_on,
     token_pages,
 )
 from kvstore.client.integrations.settings import read_extra
@@ -658,16 +660,6 @@ def _side_cpus() -> set[int] | None:
     return side or None
 
 
-def _run_on(cpus: set[int] | None) -> None:
-    """Bind the calling thread to `cpus` (no-op for None, or where that is refused)."""
-    if cpus:
-        try:
-            if os.sched_getaffinity(0) != cpus:
-                os.sched_setaffinity(0, cpus)
-        except (AttributeError, OSError):
-            pass
-
-
 class _Saver:
     """A background thread that runs saves in order, with a bounded queue, counting the
     saves pending per request."""
@@ -816,6 +808,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._pp_sends: list[Any] = []  # PP: this stage's load results in flight to the next
         self._step_began: float | None = None
         self._side_cpus: set[int] | None = None  # CPUs off vLLM's compute threads: saves
+        # Synchronous loads stall the forward: they copy on its CPUs and the side ones.
+        self._load_cpus: set[int] | None = None
         self.dropped_saves = 0  # saves not queued (queue full); the client counts its own
         self._drops_logged_at: float | None = None
         self._drops_unlogged = 0
@@ -1131,8 +1125,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if any(c.engine is None for c in caches):
             native_copy()  # build (or load) the C copy routine now, not in the first request
         self._side_cpus = _side_cpus()
-        log.info("kvstore: background saves copy on CPUs %s", sorted(self._side_cpus or ())
-                 or "any (vLLM's compute threads are not bound)")
+        bound = caller_cpus()
+        self._load_cpus = bound | self._side_cpus if bound and self._side_cpus else None
+        log.info("kvstore: background saves copy on CPUs %s, loads on %s",
+                 sorted(self._side_cpus or ()) or "any (vLLM's compute threads are not bound)",
+                 sorted(self._load_cpus or ()) or "the worker's CPUs")
         self._caches = caches
         self._cache = caches[0]
         # The heads of each shard this rank holds: a slice of the group's cache where shards
@@ -1223,7 +1220,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for spec in loads:
             began = time.perf_counter()
             try:
-                loaded = self._load(spec)
+                loaded = self._load(spec, self._load_cpus)
             except Exception:  # a cache must never take the engine down: recompute instead
                 log.exception("kvstore load failed for request %s", spec.req_id)
                 loaded = spec.start
@@ -1315,7 +1312,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load_in_background(self, loads: list[LoadSpec]) -> None:
         """`async_load`: one step's loads, in the loader thread, off vLLM's compute CPUs."""
-        _run_on(self._side_cpus)
+        run_on(self._side_cpus)
         try:
             self._load_groups(loads, background=True)
         except BaseException:  # never leave a request waiting for a report
@@ -1341,7 +1338,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 if spec.start >= spec.end:
                     continue  # this group needs nothing vLLM does not hold already
                 try:
-                    loaded = self._load(spec)
+                    loaded = self._load(spec, self._side_cpus if background
+                                        else self._load_cpus)
                 except Exception:  # a cache must never take the engine down: recompute
                     log.exception("kvstore load failed for request %s", req_id)
                     loaded = spec.start
@@ -1389,9 +1387,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise TypeError(f"expected KVStoreConnectorMetadata, got {type(meta).__name__}")
         return meta
 
-    def _load(self, spec: LoadSpec) -> int:
-        """Copy blocks from the daemon's memory into vLLM's pages; returns the end of the
-        tokens now in vLLM's cache."""
+    def _load(self, spec: LoadSpec, cpus: set[int] | None = None) -> int:
+        """Copy blocks from the daemon's memory into vLLM's pages, on `cpus` (None: where the
+        client's thread runs); returns the end of the tokens now in vLLM's cache."""
         if not self._caches:
             return spec.start
         cache = self._shard_caches[spec.group, spec.shard]
@@ -1402,6 +1400,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
                     ) -> int:
+            run_on(cpus)
             items: list[View] = []
             owners: list[int] = []  # the position in `blocks` of each item
             for i, (b, view) in enumerate(zip(blocks, views, strict=True)):
@@ -1487,7 +1486,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
                     ) -> int:
-            _run_on(self._side_cpus)  # off vLLM's compute threads, which decode meanwhile
+            run_on(self._side_cpus)  # off vLLM's compute threads, which decode meanwhile
             items: list[View] = []
             for b, view in zip(blocks, views, strict=True):
                 if not all(live[b * vllm_per_block : (b + 1) * vllm_per_block]):
