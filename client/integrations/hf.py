@@ -76,6 +76,7 @@ class KVBuffers:
         shape = (layout.num_layers, 2, 1, layout.num_kv_heads, tokens, layout.head_dim)
         self._memory = torch.zeros(shape, dtype=layout.torch_dtype)  # zeros: touched now
         self._idle = _storage_uses(self._memory)
+        self._lock = threading.Lock()  # two threads never both find it idle
 
     @property
     def nbytes(self) -> int:
@@ -84,11 +85,12 @@ class KVBuffers:
     def take(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Each layer's `[1, heads, self.tokens, head_dim]` keys and values, if the buffers
         hold `tokens` and nothing uses them; else None."""
-        if tokens > self.tokens or self._idle is None \
-                or _storage_uses(self._memory) != self._idle:
-            return None
         layers = range(self.layout.num_layers)
-        return [self._memory[i, 0] for i in layers], [self._memory[i, 1] for i in layers]
+        with self._lock:  # the views made here are what makes it busy for the next caller
+            if tokens > self.tokens or self._idle is None \
+                    or _storage_uses(self._memory) != self._idle:
+                return None
+            return [self._memory[i, 0] for i in layers], [self._memory[i, 1] for i in layers]
 
 
 def fetch_cache(client: KVClient, tokens: torch.Tensor,

@@ -40,3 +40,33 @@ def test_a_larger_request_or_a_bad_size_is_refused() -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="positive number of tokens"):
             KVBuffers(LAYOUT, bad)  # type: ignore[arg-type]
+
+
+def test_threads_taking_at_once_never_share_the_memory(monkeypatch) -> None:
+    import threading
+    import time
+
+    from kvstore.client.integrations import hf
+
+    buffers = KVBuffers(LAYOUT, tokens=8)
+    count = hf._storage_uses
+
+    def slow_count(t: torch.Tensor) -> int | None:  # widens the check-then-take window
+        n = count(t)
+        time.sleep(0.05)
+        return n
+
+    monkeypatch.setattr(hf, "_storage_uses", slow_count)
+    start = threading.Barrier(8)
+    got: list[object] = []
+
+    def take() -> None:
+        start.wait()
+        got.append(buffers.take(8))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert sum(g is not None for g in got) == 1
