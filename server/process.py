@@ -62,13 +62,15 @@ class DaemonProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self) -> int:
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s` (give it the daemon's flush budget and
+        more: a shutdown flush longer than that is cut short)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(20)
+                return self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
                 return -9
