@@ -113,7 +113,9 @@ class ServerConfig:
                                 unit="seconds", lo=0, hi=600)
     shutdown_flush_s: float = _opt(10.0, "On SIGTERM, seconds spent writing the blocks only "
                                    "memory holds (host, gpu) to disk (recent prompts first, each "
-                                   "from its start) so a restart keeps them; 0 disables.",
+                                   "from its start) so a restart keeps them; 0 disables. "
+                                   "What does not fit is lost (oldest first): allow host_bytes "
+                                   "at the disk's write rate, and as long before SIGKILL.",
                                    unit="seconds", lo=0, hi=3600)
     remote: str = _opt("", "Shared remote tier: `redis://HOST:PORT/DB` or `redis+cluster://HOST:"
                        "PORT,HOST:PORT` (`rediss` for TLS, `redis://:PASSWORD@...`). Empty: none.")
