@@ -110,8 +110,9 @@ def _shared_arena(path: str, size: int) -> Arena:
 class _CopyGate:
     """The copies between an arena and a tensor running in this process. The prefault touches
     pages only while none runs: at the lowest CPU priority it still slowed the copy it exists
-    to speed up (a 512 MiB warm fetch right after the client mapped a 2.3 GiB arena: copy
-    0.16-0.50 s against 0.09 s once the prefault had finished; docs/PERFORMANCE.md)."""
+    to speed up (profiled by hand: a warm fetch right after the client mapped a 2.3 GiB arena
+    counted the prefault's page faults inside its copy and took several times the next one's
+    time)."""
 
     def __init__(self) -> None:
         self._running = 0
