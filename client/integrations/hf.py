@@ -63,11 +63,11 @@ class KVBuffers:
     engine reserves its KV cache when it starts (vLLM allocates its pages at start-up).
 
     A prefix loaded into fresh tensors pays the kernel's first-touch page faults inside the
-    TTFT: on this repository's VM 0.2-0.4 s per 512 MiB, two to four times the copy itself
-    (docs/PERFORMANCE.md). A `KVBuffers` pays them here, once. Its memory is handed out again
-    only when nothing references it any more (its storage's use count is back to its own), so
-    a cache the caller still holds, or any view of one, is never overwritten: while it is
-    taken, a load allocates fresh tensors as before."""
+    TTFT: on this repository's VM ~0.3 s per 512 MiB, about four times the copy itself
+    (`python -m benchmarks.copy_costs`). A `KVBuffers` pays them here, once. Its memory is
+    handed out again only when nothing references it any more (its storage's use count is
+    back to its own), so a cache the caller still holds, or any view of one, is never
+    overwritten: while it is taken, a load allocates fresh tensors as before."""
 
     def __init__(self, layout: KVLayout, tokens: int) -> None:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
