@@ -141,11 +141,11 @@ def run_on(cpus: set[int] | None) -> None:
             pass
 
 
-def copy_threads() -> int:
-    """Threads one copy spreads its layers over: the CPUs its caller may run on, at most 4
-    (memory bandwidth, not compute, bounds a copy). A caller chooses them by binding itself:
-    vLLM's synchronous load runs on the compute CPUs it stalls and the idle side ones."""
-    cpus = caller_cpus()
+def copy_threads(cpus: set[int] | None) -> int:
+    """Threads one copy spreads its layers over: the CPUs its caller may run on (`cpus`,
+    `caller_cpus()`), at most 4 (memory bandwidth, not compute, bounds a copy). A caller
+    chooses them by binding itself: vLLM's synchronous load runs on the compute CPUs it
+    stalls and the idle side ones."""
     return max(1, min(4, len(cpus) if cpus else torch.get_num_threads()))
 
 
@@ -361,8 +361,8 @@ class PagedCache:
             ids.extend(int(p) for p in pages)
             counts.extend(min(ps, count - j * ps) for j in range(len(pages)))
         layers = torch.tensor([t.data_ptr() for t in self.layers], dtype=torch.int64)
-        threads = min(copy_threads(), self.num_layers)
         cpus = caller_cpus()  # the pool's threads copy where the caller may
+        threads = min(copy_threads(cpus), self.num_layers)
         bounds = [self.num_layers * i // threads for i in range(threads + 1)]
         for (layer_stride, kv_stride), (src, ids, counts) in groups.items():
             args = (torch.tensor(src, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),

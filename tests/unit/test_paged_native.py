@@ -4,6 +4,9 @@ take its element-by-element path, partial pages, block views with arena strides,
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -170,3 +173,50 @@ def test_head_slices_of_a_kernels_cache_keep_the_other_heads() -> None:
     one = torch.zeros(layers, 2, 2 * ps, 1, dim)
     cache.head_slice(1, 1).gather_views([(one, 0, [3, 1])])
     assert torch.equal(one, kv[:, :, :, 1:2])
+
+
+@needs_native
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to bind to")
+def test_a_copy_spreads_over_its_callers_cpus(monkeypatch) -> None:
+    """The layers split over one thread per CPU the caller is bound to (vLLM's synchronous
+    load binds itself to the compute and side CPUs), and the pool's threads copy there too,
+    wherever they were started: bound to one CPU, one thread; to two, two threads, each bound
+    to those two."""
+    real = paged.native_copy()
+    seen: list[tuple[int, frozenset[int]]] = []
+
+    def recording(*args):  # the C routine, recording which thread ran it, bound where
+        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        return real(*args)
+
+    monkeypatch.setattr(paged, "_native_fn", recording)
+    layers, heads, dim, ps = 4, 2, 16, 8
+    kv = random((layers, 2, 2 * ps, heads, dim), torch.float32, seed=5)
+    want = reference_pages(kv, [1, 0], 3, ps)
+    two = set(sorted(os.sched_getaffinity(0))[:2])
+
+    def start_pool_on_one_cpu() -> None:  # its threads inherit this binding
+        os.sched_setaffinity(0, {min(two)})
+        started = threading.Barrier(5)
+        futures = [paged._thread_pool().submit(started.wait, 10) for _ in range(4)]
+        started.wait(10)
+        for f in futures:
+            f.result()
+
+    starter = threading.Thread(target=start_pool_on_one_cpu)
+    starter.start()
+    starter.join(30)
+    for cpus in ({min(two)}, two):
+        seen.clear()
+
+        def copy(cpus=cpus) -> None:
+            os.sched_setaffinity(0, cpus)
+            got = [torch.full_like(t, 7.0) for t in want]
+            PagedCache.vllm_cpu(got, "vec").scatter(kv, [1, 0], 0)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+        caller = threading.Thread(target=copy)
+        caller.start()
+        caller.join(30)
+        assert len({tid for tid, _ in seen}) == len(cpus)
+        assert {bound for _, bound in seen} == {frozenset(cpus)}
