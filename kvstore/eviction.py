@@ -9,7 +9,9 @@ Every policy gets the same calls:
   as whole prefixes, so `keys[i - 1]` is the parent of `keys[i]`;
 - `remove(key)`: the block left the tier (evicted, deleted, corrupt);
 - `victim()`: the block to evict next, left in place (the caller demotes it, then removes it);
-- `unpinned(key)`: the last pin of a block was released.
+- `unpinned(key)`: the last pin of a block was released;
+- `end_session(keys)`: a client's hint that the conversation whose prompt was `keys` is over
+  (`prefix` then evicts its own blocks first; the other policies ignore it).
 
 **Pins.** The policy reads the tier's pin table and never names a pinned block. A pinned block
 met at the head of a queue is *parked* (taken out of the queue, its place remembered) and put
@@ -74,6 +76,12 @@ class EvictionPolicy(ABC):
 
     def unpinned(self, key: bytes) -> None:  # noqa: B027 - policies that park blocks override it
         """The last pin of `key` was released."""
+
+    def end_session(self, keys: Sequence[bytes]) -> int:
+        """A client says the conversation that sent the prompt `keys` (root first) has ended;
+        returns how many blocks this policy now evicts first. Only a hint: the default ignores
+        it (0), and a later use of a block cancels it."""
+        return 0
 
     def order(self) -> Iterator[bytes]:
         """Every unpinned block, in the order they would be evicted if nothing else happened.
@@ -571,6 +579,11 @@ class PrefixPolicy(EvictionPolicy):
       too; keeping the blocks already waiting then beats taking in every new one (LRU's loss
       on loops longer than the cache). An eviction is O(log n); a touch updates heaps for its
       chain's leaf only.
+    - **Ended sessions first.** `end_session(keys)` marks the conversation's own blocks: from
+      its leaf up to, not including, the first block another chain also hangs from (a system
+      prompt, a shared document). Marked leaves are evicted before any other, in the order
+      they were marked; a later use of a marked block unmarks it. What no online signal tells
+      (SCALE.md): whether a conversation goes on. A client that knows it ended says so.
     """
 
     name = "prefix"
@@ -591,6 +604,12 @@ class PrefixPolicy(EvictionPolicy):
         self._ghost: OrderedDict[bytes, tuple[_Block, int]] = OrderedDict()
         self._ghost_bytes = 0
         self._stamp = 0
+        # `end_session`: marked blocks (key -> the mark's number), and a heap of the marked
+        # leaves, first marked first (entries whose key left `_ended_leaves` are stale).
+        self._ended: dict[bytes, int] = {}
+        self._ended_leaves: set[bytes] = set()
+        self._ended_heap: list[tuple[int, bytes]] = []
+        self._marks = 0
 
     @classmethod
     def class_of(cls, uses: int, tail: bool = False) -> int:
@@ -606,7 +625,15 @@ class PrefixPolicy(EvictionPolicy):
         if b.q >= 0:
             self._count[b.q] -= 1
             b.q = -1
+        self._ended_leaves.discard(b.key)
         if b.parked or b.key in self._kids:
+            return
+        if b.key in self._ended:
+            self._ended_leaves.add(b.key)
+            heapq.heappush(self._ended_heap, (self._ended[b.key], b.key))
+            if len(self._ended_heap) > 2 * len(self._ended_leaves) + 64:  # amortised O(1)
+                self._ended_heap = [(self._ended[k], k) for k in self._ended_leaves]
+                heapq.heapify(self._ended_heap)
             return
         c = b.q = b.cls
         self._count[c] += 1
@@ -622,6 +649,7 @@ class PrefixPolicy(EvictionPolicy):
             heapq.heapify(self._young[c])
 
     def _unqueue(self, b: _Block) -> None:
+        self._ended_leaves.discard(b.key)
         if b.q >= 0:
             self._count[b.q] -= 1
             b.q = -1
@@ -680,11 +708,15 @@ class PrefixPolicy(EvictionPolicy):
         prev: _Block | None = None
         run_cls, run_last, run_n = -1, 0.0, 0  # used blocks alike in a row: one model update
         once = more = 0  # observations starting now, per class
+        ended = self._ended
         for key in keys:
             b = blocks.get(key)
             if b is None:
                 prev = None
                 continue
+            if ended and key in ended:  # used again: the session goes on after all
+                del ended[key]
+                self._queue(b)
             if prev is not None and b.parent != prev.key:
                 self._link(b, prev, now)
             prev = b
@@ -736,6 +768,7 @@ class PrefixPolicy(EvictionPolicy):
         b = self.blocks.pop(key)
         nbytes = self._size.pop(key)
         self._unqueue(b)
+        self._ended.pop(key, None)
         self._parked.pop(key, None)
         if b.parent is not None:
             self._unkid(b.parent)  # the ghost keeps its parent's key, for its return
@@ -753,7 +786,39 @@ class PrefixPolicy(EvictionPolicy):
             b.parked = False
             self._queue(b)
 
+    def end_session(self, keys: Sequence[bytes]) -> int:
+        marked = 0
+        for key in reversed(keys):
+            b = self.blocks.get(key)
+            if b is None:
+                continue  # evicted already; the blocks above it are still the session's
+            if self._kids.get(key, 0) > 1:
+                break  # a branch point: shared with another conversation from here up
+            if key not in self._ended:
+                self._marks += 1
+                self._ended[key] = self._marks
+                self._queue(b)
+                marked += 1
+        return marked
+
+    def _ended_victim(self) -> bytes | None:
+        """The first-marked unpinned leaf of an ended session; pinned ones are parked."""
+        heap, leaves, pinned = self._ended_heap, self._ended_leaves, self._pinned
+        while heap:
+            mark, key = heap[0]
+            if key in leaves and self._ended.get(key) == mark:
+                if key not in pinned:
+                    return key
+                leaves.discard(key)
+                b = self.blocks[key]
+                b.parked = True
+                self._parked[key] = b
+            heapq.heappop(heap)
+        return None
+
     def victim(self) -> bytes | None:
+        if self._ended_leaves and (key := self._ended_victim()) is not None:
+            return key
         now, value = self.clock(), self.model.value
         best: _Block | None = None
         best_rank = (0.0, 0.0, 0)

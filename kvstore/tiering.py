@@ -98,6 +98,11 @@ class TierPolicy:
         """Mark a prefix chain used, root first (the policy ranks parents after children)."""
         self.eviction.touch_chain(keys)
 
+    def end_session(self, keys: Sequence[bytes]) -> int:
+        """A client's hint that the conversation of prompt `keys` ended: its own blocks go
+        first (`EvictionPolicy.end_session`); returns how many blocks that marked."""
+        return self.eviction.end_session(keys)
+
     def pin(self, key: bytes) -> None:
         if key not in self._sizes:
             raise InvalidArgumentError(f"{self.name}: cannot pin a block the tier does not hold")

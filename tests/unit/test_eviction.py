@@ -250,6 +250,77 @@ def test_prefix_classes() -> None:
                        "a3": pol.TAIL, "a4": pol.TAIL}
 
 
+def conversations(p: TierPolicy, clock: Clock) -> None:
+    """A shared system prompt `s` and two conversations under it, `a` used after `b`."""
+    add(p, "s", "b1", "b2")
+    p.touch_chain([k("s"), k("b1"), k("b2")])
+    clock.now = 5
+    add(p, "a1", "a2")
+    p.touch_chain([k("s"), k("a1"), k("a2")])
+
+
+def test_prefix_ended_session_goes_first_and_not_its_shared_prefix() -> None:
+    clock = Clock()
+    p = tier("prefix", 10, clock)
+    conversations(p, clock)
+    # Marked from its leaf up to the branch point: a2, a1, not the shared s.
+    assert p.end_session([k("s"), k("a1"), k("a2")]) == 2
+    assert drain(p) == ["a2", "a1", "b2", "b1", "s"]
+
+
+def test_prefix_without_the_hint_keeps_the_recent_conversation() -> None:
+    clock = Clock()
+    p = tier("prefix", 10, clock)
+    conversations(p, clock)
+    assert drain(p) == ["b2", "b1", "a2", "a1", "s"]
+
+
+def test_prefix_a_later_use_cancels_the_hint() -> None:
+    clock = Clock()
+    p = tier("prefix", 10, clock)
+    conversations(p, clock)
+    p.end_session([k("s"), k("a1"), k("a2")])
+    clock.now = 10
+    p.touch_chain([k("s"), k("a1"), k("a2")])  # the conversation went on after all
+    assert drain(p) == ["b2", "b1", "a2", "a1", "s"]
+
+
+def test_prefix_ended_leaves_go_in_the_order_they_were_marked() -> None:
+    clock = Clock()
+    p = tier("prefix", 10, clock)
+    conversations(p, clock)
+    p.end_session([k("s"), k("b1"), k("b2")])
+    p.end_session([k("s"), k("a1"), k("a2")])
+    # b first (marked first); once b is gone, s has one child left, which a's marks
+    # did not pass: s stays unmarked, the last to go.
+    assert drain(p) == ["b2", "b1", "a2", "a1", "s"]
+
+
+def test_prefix_a_pinned_ended_leaf_waits_and_comes_back_first() -> None:
+    clock = Clock()
+    p = tier("prefix", 10, clock)
+    conversations(p, clock)
+    p.end_session([k("s"), k("a1"), k("a2")])
+    p.pin(k("a2"))  # a fetch lease holds it
+    assert drain_one(p) == "b2"  # a1 has a child: not a leaf; a2 is pinned
+    # victims() sets chosen blocks aside as pins: the mark order survives it.
+    with pytest.raises(CapacityError):
+        p.victims(20 * SIZE)
+    p.unpin(k("a2"))
+    assert drain(p) == ["a2", "a1", "b1", "s"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_other_policies_ignore_the_hint(policy: str) -> None:
+    clock = Clock()
+    p, q = tier(policy, 10, clock), tier(policy, 10, clock)
+    conversations(p, clock)
+    clock.now = 0
+    conversations(q, clock)
+    assert p.end_session([k("s"), k("a1"), k("a2")]) == 0
+    assert drain(p) == drain(q)
+
+
 def test_reuse_model_kaplan_meier() -> None:
     """Half the observations come back in the bin of ages [1, 1.25) s, the other half are
     censored there: S drops from 1 to 0.5 across that bin and stays."""
@@ -269,7 +340,7 @@ def test_reuse_model_kaplan_meier() -> None:
 
 # Operations on three trees of chains c<t>/0 -> c<t>/1 -> c<t>/2 -> c<t>/3 in a 5-block tier.
 OPS = st.lists(st.tuples(st.sampled_from(["use", "use", "use", "pin", "unpin", "remove",
-                                          "tick"]),
+                                          "tick", "end"]),
                          st.integers(0, 2), st.integers(1, 4)), max_size=100)
 
 
@@ -317,6 +388,8 @@ def replay(p: TierPolicy, clock: Clock, ops: list[tuple[str, int, int]],
             p.remove(keys[-1])
         elif op == "tick":
             clock.now += 7 * n
+        elif op == "end":
+            p.end_session(keys)
         assert p.used_bytes <= p.capacity_bytes
         held = {key for key in ALL if key in p}
         assert p.used_bytes == SIZE * len(held)
