@@ -404,6 +404,21 @@ class AsyncKVClient:
         return plan_prefix([], _count(tokens), self.layout.block_tokens, bpt,
                            prefill_tokens_per_s)
 
+    async def end_session(self, tokens: Tokens) -> int:
+        """Say that the conversation whose last prompt was `tokens` has ended: the daemon then
+        evicts that conversation's own blocks first (not a prefix other conversations share,
+        such as a system prompt), keeping room for conversations that go on. A hint only: a
+        later use of a block cancels it, nothing is deleted, and a daemon that is down or
+        older than this call is a no-op. Returns the blocks marked (once per tier holding
+        one). Send it as soon as the conversation is known to be over: docs/SCALE.md measures
+        how the hit rate falls as the hint comes later."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        reply: pb.EndSessionReply | None = await self._guard(
+            lambda: self._unary("EndSession", pb.EndSessionRequest(keys=keys)), None)
+        return 0 if reply is None else int(reply.marked)
+
     async def stats(self) -> pb.StatsReply | None:
         return await self._guard(lambda: self._unary("Stats", pb.StatsRequest()), None)
 

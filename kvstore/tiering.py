@@ -196,6 +196,13 @@ class RecentChains:
         while self._keys > self.max_keys and len(self._chains) > 1:
             self._keys -= len(self._chains.popitem(last=False)[1])
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """The chain `keys` is no longer worth writing first (its conversation ended)."""
+        if keys:
+            old = self._chains.pop(keys[-1], None)
+            if old is not None:
+                self._keys -= len(old)
+
     def newest_first(self) -> Iterator[Sequence[bytes]]:
         return reversed(self._chains.values())
 

@@ -37,6 +37,10 @@ class StoreCollector(Collector):
              "Leases reclaimed by lease_timeout_s because their client never ended them."),
             ("kvstore_lifts_skipped", c.lifts_skipped,
              "Promotions into the gpu tier not started: another prompt's was running."),
+            ("kvstore_sessions_ended", c.sessions_ended,
+             "EndSession hints: conversations their clients said had ended."),
+            ("kvstore_session_blocks_marked", c.session_blocks_marked,
+             "Blocks those hints marked to be evicted first (once per tier holding one)."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         hits = CounterMetricFamily("kvstore_tier_hits", "Fetched blocks by the tier that held "

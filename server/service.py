@@ -469,6 +469,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.ClearReply(removed=removed)
 
     @rpc
+    async def EndSession(self, request: pb.EndSessionRequest,
+                         context: Any) -> pb.EndSessionReply:
+        # A tenant's keys are rewritten into its own key space (tenancy.py): it can mark only
+        # its own blocks, never another tenant's.
+        keys = current_scope().keys(self._keys(request.keys))
+        return pb.EndSessionReply(marked=self.store.end_session(keys))
+
+    @rpc
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectReply:
         return inspect_reply(self.store, self.namespaces, current_scope())
 
@@ -548,4 +556,6 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
         remote=remote, inflight_rpcs=max(0, inflight_rpcs), expired_leases=c.expired_leases,
         shed_rpcs=shed_rpcs,
         kv_events_published=store.events.publisher.published if store.events else 0,
-        kv_events_dropped=store.events.publisher.dropped if store.events else 0)
+        kv_events_dropped=store.events.publisher.dropped if store.events else 0,
+        lifts_skipped=c.lifts_skipped, sessions_ended=c.sessions_ended,
+        session_blocks_marked=c.session_blocks_marked)

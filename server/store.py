@@ -182,6 +182,8 @@ class StoreCounters:
     scratch_reads: int = 0  # blocks a fetch read into scratch space, not promoted (`_Room`)
     expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
     lifts_skipped: int = 0  # promotions into gpu not started: another prompt's was running
+    sessions_ended: int = 0  # EndSession hints
+    session_blocks_marked: int = 0  # blocks they marked to go first (once per tier)
     tier_hits: dict[str, int] = field(default_factory=dict)
     bytes_read: dict[str, int] = field(default_factory=dict)
     bytes_written: dict[str, int] = field(default_factory=dict)
@@ -287,6 +289,14 @@ class TieredStore:
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
         self.placement.touch(keys)
+
+    def end_session(self, keys: Sequence[bytes]) -> int:
+        """The client's hint that the conversation of prompt `keys` ended
+        (`Hierarchy.end_session`); returns the blocks marked, once per tier holding one."""
+        marked = self.placement.end_session(keys)
+        self.counters.sessions_ended += 1
+        self.counters.session_blocks_marked += marked
+        return marked
 
     async def lookup_through(self, keys: Sequence[bytes], namespace: bytes) -> list[str]:
         """`lookup`, continued in the remote tier past the local prefix (one batched EXISTS).

@@ -130,6 +130,14 @@ class Hierarchy:
         if self.recent is not None:
             self.recent.add(keys)
 
+    def end_session(self, keys: Sequence[bytes]) -> int:
+        """A client says the conversation of prompt `keys` ended: each level's policy marks
+        its own blocks to go first, and the flush no longer writes its chain first. Returns
+        the blocks marked, counted once per level."""
+        if self.recent is not None:
+            self.recent.forget(keys)
+        return sum(level.policy.end_session(keys) for level in self.levels)
+
     # ---- room
     def below(self, level: int, key: bytes) -> int | None:
         """Where a victim of `level` goes: the next level down, unless it holds the block

@@ -242,7 +242,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs", "kv_events_published", "kv_events_dropped")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs", "kv_events_published", "kv_events_dropped", "lifts_skipped", "sessions_ended", "session_blocks_marked")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,9 @@ class StatsReply(_message.Message):
     SHED_RPCS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LIFTS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BLOCKS_MARKED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -277,7 +280,10 @@ class StatsReply(_message.Message):
     shed_rpcs: int
     kv_events_published: int
     kv_events_dropped: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ...) -> None: ...
+    lifts_skipped: int
+    sessions_ended: int
+    session_blocks_marked: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ..., lifts_skipped: _Optional[int] = ..., sessions_ended: _Optional[int] = ..., session_blocks_marked: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits", "dropped_writes")
@@ -314,6 +320,18 @@ class RemoteStats(_message.Message):
     lookup_hits: int
     dropped_writes: int
     def __init__(self, url: _Optional[str] = ..., available: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., queued_writes: _Optional[int] = ..., shed_writes: _Optional[int] = ..., written_blocks: _Optional[int] = ..., failed_writes: _Optional[int] = ..., lost_writes: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., breaker_opens: _Optional[int] = ..., skipped_calls: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., dropped_writes: _Optional[int] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EndSessionReply(_message.Message):
+    __slots__ = ("marked",)
+    MARKED_FIELD_NUMBER: _ClassVar[int]
+    marked: int
+    def __init__(self, marked: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "all")

@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.FromString,
                 _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/kvstore.v1.KVStore/EndSession',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EndSessionReply.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -170,6 +175,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """A hint: the conversation whose prompt was `keys` has ended, so its own blocks are
+        evicted first (eviction policy `prefix`; a later use of a block cancels it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +240,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.DescribeBlocks,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EndSessionRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.EndSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +544,33 @@ class KVStore:
             '/kvstore.v1.KVStore/DescribeBlocks',
             kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.DescribeBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/EndSession',
+            kvstore_dot_proto_dot_kvstore__pb2.EndSessionRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.EndSessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -144,6 +144,32 @@ def test_second_request_runs_only_its_suffix(daemon):
     assert torch.allclose(r.logits, full, atol=1e-5, rtol=0)
 
 
+def test_end_session_marks_the_conversations_own_blocks(daemon):
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(0, 512, (1, 128), generator=g)  # 4 blocks both conversations share
+    a = torch.cat([system, torch.randint(0, 512, (1, 50), generator=g)], dim=1)  # 5 full
+    b = torch.cat([system, torch.randint(0, 512, (1, 70), generator=g)], dim=1)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        engine.prefill(a)
+        engine.prefill(b)
+        # a's own block only: the system prompt's blocks are b's too. Counted once in host,
+        # and once more if the disk tier holds a copy by then (written in the background).
+        marked = engine.end_session(a)
+        stats = c.stats()
+        assert stats is not None
+        assert marked == stats.session_blocks_marked and marked in (1, 2), marked
+        with pytest.raises(ValueError, match=r"\[1, n\]"):
+            engine.end_session(a[0])
+        # The hint changes no output: the conversation's blocks still load, identically.
+        r = engine.prefill(a, publish=False)
+        assert r.cached_tokens == 160
+        expected, _ = reference(model, a, 0)
+        assert torch.allclose(r.logits, expected, atol=1e-5, rtol=0)
+
+
 def test_other_weights_are_a_miss(daemon):
     """Blocks of one model revision are never served to another."""
     a, b = tiny_llama(torch.float32, seed=0), tiny_llama(torch.float32, seed=1)
