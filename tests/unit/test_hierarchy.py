@@ -128,6 +128,21 @@ def test_flush_order_puts_recent_chains_head_first_then_the_rest_hottest_first()
     assert flushed(h, 1) == [key(0), key(1), key(5), key(4), key(3), key(2)]
 
 
+def test_an_ended_session_loses_its_flush_rank_and_goes_first_on_every_level() -> None:
+    h = chain(8, 8, "prefix", RecentChains(100))
+    for i in range(6):
+        assert h.place(0, key(i), B)
+    h.touch([key(4)])
+    h.touch([key(5)])
+    h.touch([key(0), key(1)])  # the newest chain: flushed first ...
+    assert h.place(1, key(1), B)  # (disk holds its leaf too)
+    # ... until its client says the conversation ended: both levels mark their blocks.
+    assert h.end_session([key(0), key(1)]) == 3
+    assert next(h.levels[0].policy.eviction_order()) == key(1)
+    assert next(h.levels[1].policy.eviction_order()) == key(1)
+    assert flushed(h, 1)[:2] == [key(5), key(4)]
+
+
 def test_flush_skips_what_lies_past_a_hole() -> None:
     # A chain stops at a block no level holds: past it nothing can be reached, so its rest is
     # not written at all (it used to come back with the rest of the level, hottest first).
