@@ -35,7 +35,9 @@ and disk lost; a joiner starts empty); each row also reports the window of the t
 each churn event. Separately, each eviction policy of `--policies` on a single tier is compared
 with Belady's optimal (MIN) at the same capacities (`--belady-capacities`), written under
 "policies" in the JSON: `{"default": NAME, "capacity_blocks": [...], "hit_rate": {"belady":
-[...], "lru": [...], ...}}`.
+[...], "lru": [...], ...}}`. With `--end-sessions D[,D...]` those replays run again for each
+delay D with a client that says a conversation ended (`end_session`) D seconds after its last
+turn, known from the trace in hindsight (`session_ends`), under "policies" / "end_sessions".
 
 What it does not model (see docs/SCALE.md): the cache is looked up and published at arrival
 (no in-flight prefixes, no write-through lag: the queue delays a request's first token, not its
@@ -147,6 +149,45 @@ def load_trace(path: Path, limit: int | None = None) -> list[Request]:
                 break
     out.sort(key=lambda r: r.timestamp_ms)  # stable: same-millisecond requests keep file order
     return out
+
+
+# ---------------------------------------------------------------- client hints
+
+
+SessionEnd: TypeAlias = tuple[float, int]  # (trace seconds, index of the request that ended)
+
+
+def session_ends(requests: Sequence[Request], delay_s: float = 0.0) -> list[SessionEnd]:
+    """When a client that knows its conversation ended says so: `(arrival + delay_s, i)` for
+    each request `i` that is its conversation's last turn, in time order (ties by index).
+
+    A last turn is a request whose full blocks (at least 2: one block is only the shared system
+    prompt) are a prefix of the full blocks of no later request, so no later request continues
+    it, branches from its end or repeats it. This is hindsight from the trace (`requests` in
+    arrival order, as `load_trace` returns them): it models a client that knows its
+    conversation is over (the user closed it) and tells the store `delay_s` seconds after
+    sending the last prompt. `ClusterSim.run(..., hints=...)` delivers them.
+    """
+    if not delay_s >= 0.0 or math.isinf(delay_s):
+        raise ValueError(f"delay_s must be finite and >= 0, not {delay_s}")
+    # A trie of full-block chains: node -> the last request whose full blocks pass through it.
+    child: dict[tuple[int, int], int] = {}
+    last: list[int] = [-1]  # node 0 is the empty chain
+    ends: list[tuple[int, int]] = []  # (request, the node of its full blocks)
+    for i, r in enumerate(requests):
+        node = 0
+        for h in r.hash_ids[: r.full_blocks]:
+            nxt = child.get((node, h))
+            if nxt is None:
+                nxt = child[(node, h)] = len(last)
+                last.append(i)
+            else:
+                last[nxt] = i
+            node = nxt
+        if r.full_blocks >= 2:
+            ends.append((i, node))
+    return sorted((requests[i].timestamp_ms / 1e3 + delay_s, i)
+                  for i, node in ends if last[node] == i)
 
 
 # ---------------------------------------------------------------- KV events
@@ -567,6 +608,8 @@ class SimResult:
     spilled: int = 0  # requests not sent to the router's first choice (over the bound)
     block_events: int = 0  # blocks named in BlockStored / BlockRemoved events
     lost_in_flight: int = 0  # requests queued or in prefill on a machine when it failed
+    session_ends: int = 0  # end-of-conversation hints delivered (`ClusterSim.end_session`)
+    ended_blocks: int = 0  # blocks those hints marked, summed over the tiers
     churn_log: list[dict[str, Any]] = field(default_factory=list)
 
     def fractions(self) -> dict[str, float]:
@@ -800,6 +843,19 @@ class ClusterSim:
         self._seq += 1
         return out
 
+    # -- client hints
+
+    def end_session(self, machine: int, keys: Sequence[bytes]) -> int:
+        """A client's hint that the conversation whose prompt was `keys` (full blocks, root
+        first) ended, sent to `machine`, which served it, as the daemon takes it
+        (`Hierarchy.end_session`): each of its tiers' policies then evicts that conversation's
+        own blocks first (`TierPolicy.end_session`; only `prefix` acts on it). Returns the
+        blocks marked, summed over its tiers."""
+        marked = self.machines[machine].placement.end_session(keys)
+        self.result.session_ends += 1
+        self.result.ended_blocks += marked
+        return marked
+
     # -- churn
 
     def fail(self, machine: int) -> None:
@@ -851,17 +907,33 @@ class ClusterSim:
 
     def run(self, requests: Iterable[Request],
             progress: Callable[[int], object] | None = None,
-            churn: Sequence[ChurnEvent] = ()) -> SimResult:
+            churn: Sequence[ChurnEvent] = (),
+            hints: Iterable[SessionEnd] = ()) -> SimResult:
         """Replay `requests` in order; `progress(n)` is called every few hundred requests.
-        Each churn event happens just before the request at its fraction of the trace."""
-        reqs = list(requests) if churn else requests
-        n = len(reqs) if isinstance(reqs, Sequence) else 0
+        Each churn event happens just before the request at its fraction of the trace.
+
+        `hints` (`session_ends`): `(time, j)` says at trace time `time` that the conversation
+        of request `j` (an index into `requests`) ended; it goes to the machine that served `j`
+        (`end_session`), after `j` was processed and before the first later request arriving
+        at or after `time`. Hints due after the last request are never sent."""
+        ends = deque(sorted(hints))
+        listed = list(requests) if churn or ends else []
+        reqs = listed if churn or ends else requests
+        n = len(listed)
         todo = deque(sorted(churn, key=lambda e: e.at))
+        base = len(self.result.machine_of)  # requests this simulator served before this run
         pending = 0
         for i, req in enumerate(reqs):
             while todo and todo[0].at * n <= i:
                 self.now = req.timestamp_ms / 1e3
                 self.apply(todo.popleft())
+            arrival = req.timestamp_ms / 1e3
+            while ends and ends[0][0] <= arrival and ends[0][1] < i:
+                at, j = ends.popleft()
+                self.now = max(self.now, at)
+                ended = listed[j]
+                self.end_session(self.result.machine_of[base + j],
+                                 ended.keys[: ended.full_blocks])
             self.process(req)
             pending += 1
             if progress is not None and pending == 256:
@@ -1016,12 +1088,14 @@ def belady_hit_rate(requests: Sequence[Request], capacity_blocks: int, bypass: b
 
 def policy_hit_rate(requests: Sequence[Request], capacity_blocks: int, eviction: str = "lru",
                     block_bytes: int = 1,
-                    progress: Callable[[int], object] | None = None) -> float:
+                    progress: Callable[[int], object] | None = None,
+                    hints: Iterable[SessionEnd] = ()) -> float:
     """Prefix hit rate of one machine's host tier alone (no disk, no remote), under the
-    daemon's eviction policy `eviction`."""
+    daemon's eviction policy `eviction`; with `hints` (`session_ends`), a client says when
+    each conversation ended."""
     cfg = ClusterConfig(machines=1, host_bytes=capacity_blocks * block_bytes, disk_bytes=0,
                         remote_bytes=0, block_bytes=block_bytes)
-    res = ClusterSim(cfg, RandomRouter(1), eviction).run(requests, progress)
+    res = ClusterSim(cfg, RandomRouter(1), eviction).run(requests, progress, hints=hints)
     return res.tier_blocks[HOST] / max(res.total_blocks, 1)
 
 
@@ -1108,6 +1182,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated eviction policies compared with Belady on one tier: "
                         f"{', '.join(POLICIES)}, or default (= {DEFAULT_POLICY}); LRU is "
                         "always run (default: all)")
+    p.add_argument("--end-sessions", type=_floats, default=[], metavar="SECONDS[,SECONDS...]",
+                   help="run the --policies replays again with a client that says a "
+                        "conversation ended (end_session) this many seconds after its last "
+                        "turn, known from the trace in hindsight; one run per delay "
+                        "(default: none)")
     p.add_argument("--eviction", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="eviction policy of the machines' tiers in the cluster sweep "
                         "(default: the daemon's, %(default)s)")
@@ -1321,6 +1400,43 @@ def belady_compare(requests: Sequence[Request], capacities: Sequence[int], block
     section = {"default": DEFAULT_POLICY, "capacity_blocks": list(capacities),
                "hit_rate": rate, "over_belady": over, "over_lru": over_lru}
     return rows, section
+
+
+def end_session_compare(requests: Sequence[Request], capacities: Sequence[int],
+                        block_bytes: int, delays: Sequence[float],
+                        policies: Sequence[str] = ("lru",),
+                        belady: Sequence[float] | None = None,
+                        bar: tqdm | None = None) -> dict[str, Any]:
+    """The single-tier replays of `belady_compare` again, with a client that says each
+    conversation ended `delay` seconds after its last turn (`session_ends`), for each of
+    `delays`: the "end_sessions" section of the JSON, keyed by the delay (`f"{d:g}"`), each
+    with its hit rates per policy and capacity, their ratios to `belady` (Belady MIN's rates
+    at the same capacities, hints or not: it knows the future anyway) and to LRU's."""
+    names = {p: DEFAULT_POLICY if p == "default" else p for p in policies}
+    runs = list(dict.fromkeys(["lru", *names.values()]))
+    upd = bar.update if bar is not None else None
+    out: dict[str, Any] = {}
+    for delay in delays:
+        hints = session_ends(requests, delay)
+        rate: dict[str, list[float]] = {p: [] for p in runs}
+        for cap in capacities:
+            for p in runs:
+                if bar is not None:
+                    bar.set_postfix_str(f"{p} @ {cap} blocks, hints +{delay:g} s")
+                rate[p].append(policy_hit_rate(requests, cap, p, block_bytes, upd, hints))
+        for alias, name in names.items():
+            rate[alias] = rate[name]
+        entry: dict[str, Any] = {"delay_s": delay, "session_ends": len(hints),
+                                 "hit_rate": rate}
+        if belady is not None:
+            entry["over_belady"] = {
+                p: [h / b if b else 1.0 for h, b in zip(rate[p], belady, strict=True)]
+                for p in rate}
+        entry["over_lru"] = {
+            p: [h / b if b else 1.0 for h, b in zip(rate[p], rate["lru"], strict=True)]
+            for p in rate}
+        out[f"{delay:g}"] = entry
+    return out
 
 
 def policy_cost(policies: Sequence[str], chain: int = 512, blocks: int = 4096,
@@ -1599,6 +1715,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                  f"{min(args.machines)}-machine cluster at that point")
         if not ids:
             raise SystemExit(f"--churn: {','.join(map(str, sched))} leaves no machine")
+    for d in args.end_sessions:
+        if not 0.0 <= d < math.inf:
+            raise SystemExit(f"--end-sessions: {d:g} is not a delay in seconds (finite, >= 0)")
     requests = load_trace(args.trace, args.limit)
     if not requests:
         raise SystemExit(f"{args.trace}: no requests")
@@ -1633,6 +1752,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               desc="policies vs Belady", unit="req", mininterval=0.5) as bar:
         belady, compared = belady_compare(requests, args.belady_capacities, block_bytes, bar,
                                           policies)
+    if args.end_sessions and args.belady_capacities:
+        with tqdm(total=len(args.end_sessions) * (replays - 2) * len(args.belady_capacities)
+                  * len(requests), desc="policies with end-session hints", unit="req",
+                  mininterval=0.5) as bar:
+            compared["end_sessions"] = end_session_compare(
+                requests, args.belady_capacities, block_bytes, args.end_sessions, policies,
+                compared["hit_rate"]["belady"], bar)
 
     varied = [c for c, values in (("remote_gib", remotes), ("churn", churns),
                                   ("spill_bound_s", args.spill_bound_s))
@@ -1671,6 +1797,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "belady": compared["hit_rate"]["belady"][i]}
             for i, cap in enumerate(compared["capacity_blocks"])],
             ["capacity_blocks", *names, "belady"]))
+        unhinted = [f"{p}, no hint" for p in names if p not in ("lru", "default")]
+        for key, hinted in compared.get("end_sessions", {}).items():
+            rates = hinted["hit_rate"]
+            print(f"\nThe same with a client saying each conversation ended {key} s after its "
+                  f"last turn ({hinted['session_ends']} hints; hit rate / over Belady MIN / "
+                  "over LRU; 'no hint' as in the table above):")
+            print(table([{"capacity_blocks": cap, **{
+                p: f"{rates[p][i]:.4f} / {hinted['over_belady'][p][i]:.2f} / "
+                   f"{hinted['over_lru'][p][i]:.2f}" for p in names},
+                **{u: f"{compared['hit_rate'][u.split(',')[0]][i]:.4f}" for u in unhinted},
+                "belady": compared["hit_rate"]["belady"][i]}
+                for i, cap in enumerate(compared["capacity_blocks"])],
+                ["capacity_blocks", *names, *unhinted, "belady"]))
     runtime = time.perf_counter() - t0
     payload: dict[str, Any] = {
         "command": "python -m benchmarks.simulate " + shlex.join(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +27,7 @@ from benchmarks.simulate import (
     TTFTModel,
     belady_hit_rate,
     infinite_hit_rate,
+    load_trace,
     lru_hit_rate,
     main,
     make_request,
@@ -30,6 +35,7 @@ from benchmarks.simulate import (
     parse_capacity,
     policy_hit_rate,
     policy_names,
+    session_ends,
 )
 from benchmarks.workloads import agent, docqa
 from kvstore.eviction import DEFAULT_POLICY, POLICIES, PrefixPolicy
@@ -329,3 +335,145 @@ def test_prompt_larger_than_host_is_promoted_up_to_its_share_as_the_daemon_does(
     assert [k in host for k in req.keys[:blocks]] == [True] * 6 + [False] * 14  # 8 - 2 windows
     assert s.result.unpromoted - before == 14
     assert s.process(req) == bytes([HOST] * 6 + [DISK] * 14)  # the same share, no thrashing
+
+
+# ---------------------------------------------------------------- end-of-conversation hints
+
+
+def timed_chats(n: int, seed: int = 0) -> list[Request]:
+    """Chats over time: a new one about every second (a shared system-prompt block, then 2-6
+    blocks), 1-4 turns each (half end after one), the next turn 10-120 s later, 1-4 blocks
+    longer."""
+    rng = random.Random(seed)
+    km = KeyMaker()
+    ids = itertools.count(1)
+    due: list[tuple[float, int, list[int], int]] = []  # (time, tie-break, chain, turns left)
+    out: list[Request] = []
+    t = 0.0
+    while len(out) < n:
+        t += rng.uniform(0.5, 1.5)
+        while due and due[0][0] <= t and len(out) < n:
+            at, tie, chain, left = heapq.heappop(due)
+            chain = chain + [next(ids) for _ in range(rng.randint(1, 4))]
+            out.append(make_request(chain, timestamp_ms=int(at * 1000), keys=km))
+            if left > 1:
+                heapq.heappush(due, (at + rng.uniform(10, 120), tie, chain, left - 1))
+        if len(out) < n:
+            chain = [0] + [next(ids) for _ in range(rng.randint(2, 6))]
+            out.append(make_request(chain, timestamp_ms=int(t * 1000), keys=km))
+            if (left := rng.choice([1, 1, 2, 3, 4])) > 1:
+                heapq.heappush(due, (t + rng.uniform(10, 120), len(out), chain, left - 1))
+    return out
+
+
+def test_session_ends_are_the_last_turns() -> None:
+    km = KeyMaker()
+
+    def req(t_s: int, ids: list[int], length: int | None = None) -> Request:
+        return make_request(ids, length, timestamp_ms=1000 * t_s, keys=km)
+
+    trace = [
+        req(0, [0, 1, 2]),  # 0: a one-turn conversation: its last turn
+        req(1, [0, 3]),  # 1: B's first turn, continued by 2
+        req(2, [0, 3, 4, 5]),  # 2: continued by 5, and branched from by 6
+        req(3, [0, 7, 8]),  # 3: C's first turn
+        req(4, [0, 7, 8, 9, 99], 4 * 512 + 10),  # 4: C's last turn (block 99 is partial)
+        req(5, [0, 3, 4, 5, 6]),  # 5: B's last turn
+        req(6, [0, 3, 4, 5, 10, 11]),  # 6: the branch from B's second turn: its last
+        req(7, [0, 12], 512 + 100),  # 7: one full block, the shared one: never a last turn
+        req(8, [0, 13, 14]),  # 8: repeated by 9, so not its last turn
+        req(9, [0, 13, 14]),  # 9: ... the repeat is
+        req(10, [0]),  # 10: the system prompt alone, nothing after it: still not a last turn
+    ]
+    assert session_ends(trace, 30.0) == [(30.0, 0), (34.0, 4), (35.0, 5), (36.0, 6), (39.0, 9)]
+    assert session_ends(trace) == [(0.0, 0), (4.0, 4), (5.0, 5), (6.0, 6), (9.0, 9)]
+    with pytest.raises(ValueError, match="delay_s"):
+        session_ends(trace, -1.0)
+
+
+class HintLog(ClusterSim):
+    """Records each hint with the requests processed before it and the clock."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[int, float, int, tuple[bytes, ...]]] = []
+
+    def end_session(self, machine: int, keys: Sequence[bytes]) -> int:
+        self.log.append((len(self.result.served), self.now, machine, tuple(keys)))
+        return super().end_session(machine, keys)
+
+
+def test_hints_reach_the_machine_that_served_the_request_when_due() -> None:
+    km = KeyMaker()
+    trace = [make_request([0, 1, 2], 2 * 512 + 7, timestamp_ms=0, keys=km),  # ends, machine 1
+             make_request([0, 5, 6], timestamp_ms=0, keys=km),  # ends at once: machine 0
+             make_request([0, 8], timestamp_ms=30_000, keys=km),
+             make_request([0, 9], timestamp_ms=61_000, keys=km)]
+    s = HintLog(ClusterConfig(2, 100, 100, 0, BLOCK), FixedRouter([1, 0, 0, 1]), "prefix")
+    hints = [(60.0, 0), (0.0, 1)]
+    res = s.run(trace, hints=hints)
+    # The one due at 0 s waits until its request was processed; the other goes before the
+    # first request arriving at or after 60 s; none is sent after the last request.
+    assert s.log == [(2, 0.0, 0, tuple(km(h) for h in (0, 5, 6))),
+                     (3, 60.0, 1, (km(0), km(1)))]
+    assert res.session_ends == 2
+    # Each marks its conversation's blocks on that machine's tiers (all on host): the root
+    # too, as each machine held one conversation then; the later use of the root cancels its
+    # mark, and the rest is evicted first, leaf first.
+    assert res.ended_blocks == 3 + 2
+    assert next(s.machines[1].host.eviction_order()) == km(1)
+    assert list(s.machines[0].host.eviction_order())[:2] == [km(6), km(5)]
+
+
+def test_hints_raise_prefixs_hit_rate_and_never_lower_it() -> None:
+    trace = timed_chats(600)
+    raised = []
+    for cap in (32, 64, 128, 256):
+        plain = policy_hit_rate(trace, cap, "prefix")
+        for delay in (0.0, 10.0):
+            hinted = policy_hit_rate(trace, cap, "prefix", hints=session_ends(trace, delay))
+            assert hinted >= plain, (cap, delay)
+            raised.append(hinted / plain)
+    assert max(raised) > 1.3  # 0.16 -> 0.22 at 128 blocks, hints at once
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo"])
+def test_other_policies_ignore_hints(policy: str) -> None:
+    trace = timed_chats(400, seed=1)
+    hints = session_ends(trace)
+    assert len(hints) > 100
+    cfg = ClusterConfig(1, 64, 0, 0, BLOCK)
+    plain = ClusterSim(cfg, RandomRouter(1), policy).run(trace)
+    hinted = ClusterSim(cfg, RandomRouter(1), policy).run(trace, hints=hints)
+    assert hinted.session_ends == len(hints) - 1  # the last request's comes after the trace
+    assert hinted.ended_blocks == 0
+    assert hinted.served == plain.served
+    assert 0.0 < policy_hit_rate(trace, 64, policy) == policy_hit_rate(trace, 64, policy,
+                                                                        hints=hints)
+
+
+def test_end_sessions_option(tmp_path: Path) -> None:
+    """--end-sessions adds "end_sessions" to the "policies" section and keeps the rest."""
+    trace = tmp_path / "t.jsonl"
+    with trace.open("w") as f:
+        for r in timed_chats(300, seed=2):
+            f.write(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                                "output_length": 10, "hash_ids": list(r.hash_ids)}) + "\n")
+    out = tmp_path / "out.json"
+    main(["--trace", str(trace), "--policies", "lru,default", "--belady-capacities", "32,128",
+          "--machines", "1", "--no-plots", "--json", str(out), "--end-sessions", "0,60"])
+    got = json.loads(out.read_text())["policies"]
+    assert got["default"] == DEFAULT_POLICY and got["capacity_blocks"] == [32, 128]
+    assert {"belady", "belady_admit_all", "lru", "default", DEFAULT_POLICY} <= set(
+        got["hit_rate"])
+    assert set(got["end_sessions"]) == {"0", "60"}
+    for key, hinted in got["end_sessions"].items():
+        assert hinted["delay_s"] == float(key)
+        assert hinted["session_ends"] == len(session_ends(load_trace(trace)))
+        rates = hinted["hit_rate"]
+        assert set(rates) == {"lru", "default", DEFAULT_POLICY}
+        assert rates["lru"] == got["hit_rate"]["lru"]  # LRU ignores the hint
+        for i, b in enumerate(got["hit_rate"]["belady"]):
+            assert hinted["over_belady"]["default"][i] == pytest.approx(rates["default"][i] / b)
+            assert rates["default"][i] <= b + 1e-12
+    assert got["end_sessions"]["0"]["hit_rate"]["default"][1] > got["hit_rate"]["default"][1]
