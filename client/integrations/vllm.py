@@ -62,6 +62,12 @@ producer's daemon still writing through to the remote tier) stays waiting, unsch
 looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM computes what is
 missing: a slow or dead producer costs time, never a wrong answer.
 
+A conversation's last turn can say so: `{"kvstore_end_session": true}` in its
+`kv_transfer_params` (`extra_body` of an OpenAI request, `SamplingParams.extra_args` offline).
+Once that request's blocks are saved, the scheduler sends the daemon `EndSession` for its
+prompt (`KVClient.end_session`): the conversation's own blocks are then evicted first, never
+a prefix other conversations share (docs/SCALE.md measures what that buys).
+
 MLA models (DeepSeek-V2/V3-shaped) store their latent cache, one plane per layer
 (`kv_kind="mla"`: one "head" of kv_lora_rank + rope dims, 576 for DeepSeek), copied by the
 kernels in the layout read from vLLM's source for the running version and backend
@@ -177,6 +183,8 @@ _DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary 
 PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 """The `kv_transfer_params` key a producer returns and a consumer reads (disaggregated
 prefill): the tokens of the prompt's full blocks the producer published."""
+END_SESSION = "kvstore_end_session"
+"""The `kv_transfer_params` key (true) of a conversation's last turn: its blocks go first."""
 _WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
 _NULL_BLOCK = 0  # vLLM's null block (BlockPool's first, never handed out): a dropped block
 _PP_LOAD_TAG = 0x6B76  # tags the stages' load agreement apart from vLLM's own sends
@@ -776,6 +784,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # lookup to request_finished
         self._chains: dict[tuple[str, int], tuple[tuple[str, str], list[KeyChain]]] = {}
         self._async_loads: list[str] = []  # asynchronous: requests whose load goes out next
+        # Last turns (`END_SESSION`) whose saves are still running: req_id -> (namespace,
+        # keys); their hint goes out, from one background thread, when the save is done.
+        self._ending: dict[str, tuple[tuple[str, str], list[list[PrefixKeys]]]] = {}
+        self._hinter: ThreadPoolExecutor | None = None
         self._load_failed: set[str] = set()  # asynchronous: loads that failed: recompute
         # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
         # (its answer must not reach the proxy before its blocks are committed) and tells
@@ -1084,6 +1096,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         worker reports the save done (`get_finished`). A producer's requests return the
         tokens it published (`kvstore_prefilled_tokens`: its saves are synchronous, so they
         are committed by now) for the proxy to hand to the consumer."""
+        ending = self._ends_session(request)
         state = self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
         for g in self._groups:
@@ -1096,12 +1109,47 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # waits for these tokens' blocks. Not "do_remote_prefill": vLLM would then report
             # the producer's cache hits as the consumer's.
             params = {PREFILLED_TOKENS: state.save_end}
-        return bool(self._async_save and state is not None and state.save_issued), params
+        saving = bool(self._async_save and state is not None and state.save_issued)
+        if ending is not None:
+            if saving:  # its blocks are not all in the store yet: hint once they are
+                self._ending[request.request_id] = ending
+            else:
+                self._end_session(*ending)
+        return saving, params
+
+    def _ends_session(self, request: Request,
+                      ) -> tuple[tuple[str, str], list[list[PrefixKeys]]] | None:
+        """`(namespace, keys)` of a request whose `kv_transfer_params` end its conversation
+        (`END_SESSION`), else None."""
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or params.get(END_SESSION) is not True:
+            return None
+        ns, tokens = _namespace_of(request), request.prompt_token_ids
+        if ns is None or not tokens:
+            return None
+        return ns, self._prompt_keys(request, ns, tokens)
+
+    def _end_session(self, ns: tuple[str, str], keys: list[list[PrefixKeys]]) -> None:
+        """Send `EndSession` for each (group, shard) chain of a prompt, off the scheduler's
+        thread (a daemon that is down costs the client's deadline, not a scheduler step)."""
+        def send() -> None:
+            for g in self._groups:
+                for s in g.all_shards:
+                    self._client(*ns, g.index, s.index).end_session(keys[g.index][s.index])
+
+        if self._hinter is None:
+            self._hinter = ThreadPoolExecutor(1, thread_name_prefix="kvstore-hint")
+        self._hinter.submit(send)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side: note asynchronous loads that failed (see
-        `get_num_new_matched_tokens`)."""
+        `get_num_new_matched_tokens`), and send the hints of last turns whose saves are done
+        (`END_SESSION`)."""
         self._load_failed |= set(connector_output.failed_recving or ())
+        for rid in connector_output.finished_sending or ():
+            ending = self._ending.pop(rid, None)
+            if ending is not None:  # a last turn's save is done: its hint goes out now
+                self._end_session(*ending)
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -1550,6 +1598,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def shutdown(self) -> None:
+        if self._hinter is not None:  # hints end by their client's deadline
+            self._hinter.shutdown(wait=True)
+            self._hinter = None
         if self._loader is not None:  # loads end by their deadlines: wait for them
             self._loader.shutdown(wait=True, cancel_futures=True)
             self._loader = None

@@ -8,6 +8,7 @@ which hands the connector a NaN view for the prompt's last block), the outputs w
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -97,3 +98,25 @@ class SlowLoadKVStoreConnector(KVStoreConnector):
 
         time.sleep(SLOW_LOAD_S)
         super()._load_in_background(loads)
+
+
+class _SlowSave:
+    """Wraps a `KVClient`: every save (`publish_with`) starts `delay_s` late."""
+
+    def __init__(self, client: KVClient, delay_s: float = 1.5) -> None:
+        self._client = client
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def publish_with(self, tokens: Any, produce: Any) -> int:
+        time.sleep(self._delay_s)
+        return self._client.publish_with(tokens, produce)
+
+
+class SlowSaveKVStoreConnector(KVStoreConnector):
+    """Saves that take 1.5 s longer: a request finishes long before its blocks are stored."""
+
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
+        return _SlowSave(super()._client(salt, lora, group, shard))

@@ -65,8 +65,11 @@ class Engine(JsonLineWorker):
             raise RuntimeError("engine did not start:\n" + self.tail())
         require_varied_output(self.generate([" ".join(corpus(4, seed=424242))]))
 
-    def generate(self, prompts: list[Any]) -> dict[str, Any]:
-        return self.call(op="generate", prompts=prompts, max_tokens=MAX_TOKENS)
+    def generate(self, prompts: list[Any],
+                 kv_transfer_params: list[dict[str, Any] | None] | None = None,
+                 max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens,
+                         kv_transfer_params=kv_transfer_params)
 
     def reset(self) -> None:
         assert self.call(op="reset")["reset"], "vLLM's prefix cache did not reset"
@@ -206,6 +209,43 @@ def test_prompt_of_whole_blocks_loads_all_but_its_last_token(engine: Engine,
     warm = engine.generate([ids])
     assert warm["cached"] == [len(ids) - 1], engine.tail()
     assert_same_generation(warm, cold)
+
+
+@pytest.mark.timeout(600)
+def test_last_turn_ends_its_session_after_its_save(model_dir: Path, tmp_path: Path) -> None:
+    """`{"kvstore_end_session": true}` on a request: once its blocks are saved, the daemon
+    hears that the conversation ended and marks them. Saves here start 1.5 s late
+    (tests/vllm/flaky_connector.py), long after the one-token request finished: a hint sent
+    at request_finished would find none of this new prompt's blocks to mark."""
+    from kvstore.client import KVClient
+    from tests.conftest import small_layout
+
+    daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB").start()
+    engine = Engine(model_dir, daemon.target, connector="SlowSaveKVStoreConnector",
+                    module="tests.vllm.flaky_connector")
+
+    def stats() -> Any:
+        with KVClient(daemon.target, small_layout()) as c:
+            got = c.stats()
+        assert got is not None, "daemon did not answer Stats"
+        return got
+
+    try:
+        before = stats()
+        out = engine.generate(prompts(seed=12), [{"kvstore_end_session": True}, None],
+                              max_tokens=1)
+        full = out["prompt_tokens"][0] // BLOCK  # the first prompt's blocks, all new
+        assert full >= 4
+        deadline = time.monotonic() + 30
+        while (now := stats()).sessions_ended == before.sessions_ended \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert now.sessions_ended == before.sessions_ended + 1, engine.tail()
+        # Each of its blocks in host (and on disk for those written through by then).
+        assert full <= now.session_blocks_marked - before.session_blocks_marked <= 2 * full
+    finally:
+        engine.close()
+        daemon.kill()
 
 
 @pytest.mark.timeout(300)

@@ -104,6 +104,12 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     # "cache_salt").
     prompts = [{"prompt": p} if isinstance(p, str) else p if isinstance(p, dict)
                else {"prompt_token_ids": p} for p in cmd["prompts"]]
+    # Per-prompt `kv_transfer_params` (None: none), e.g. {"kvstore_end_session": True}.
+    transfer = cmd.get("kv_transfer_params")
+    if transfer:
+        params = [params.clone() if t is None else SamplingParams(
+            temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True,
+            logprobs=TOP_K, extra_args={"kv_transfer_params": t}) for t in transfer]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return {"seconds": time.perf_counter() - start,
