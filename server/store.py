@@ -156,7 +156,9 @@ class _Room:
 @dataclass
 class _Lift:
     """A promotion into the gpu tier, run after its fetch answered (`TieredStore._lift`) under
-    its own pins, so no lease it outlives can free or demote a block it reads."""
+    its own pins, so no lease it outlives can free or demote a block it reads. It copies only
+    once every lease of its fetch has ended: until then the client is copying the same bytes
+    out, and the lift's copy would take turns with it on the same cores."""
 
     prompt: list[bytes]  # root first, the earlier windows' keys included
     todo: list[bytes] = field(default_factory=list)  # to copy up, in order
@@ -165,6 +167,8 @@ class _Lift:
     in_gpu: list[BlockEntry] = field(default_factory=list)
     writing: BlockEntry | None = None  # the gpu reservation being copied into
     task: asyncio.Task[None] | None = None
+    leases: set[int] = field(default_factory=set)  # its fetch's leases not ended yet
+    clients_done: asyncio.Event = field(default_factory=asyncio.Event)  # set: `leases` empty
 
 
 @dataclass
@@ -445,6 +449,8 @@ class TieredStore:
         lift = run if run is not None else _Lift(prompt=[])
         lift.prompt = prompt
         lift.todo += todo
+        lift.leases.add(lease.id)  # ended by `release`, the reaper's too
+        lift.clients_done.clear()
         # The prompt's blocks in host and gpu, lifted or not, as its leases pinned them when
         # the lift ran before the reply: neither gpu's victims going down into host nor room in
         # gpu pushes the prompt out. A joining window's only: the lift holds the earlier ones.
@@ -466,6 +472,8 @@ class TieredStore:
         lifted = 0
         try:
             while lift.todo:  # may grow while it runs: the prompt's next window joins
+                if not lift.clients_done.is_set():  # a window's client still copies
+                    await lift.clients_done.wait()
                 key = lift.todo.pop(0)
                 src = lift.in_host[key]
                 try:
@@ -991,6 +999,10 @@ class TieredStore:
         if lease is None or (owner is not None and lease.owner != owner):
             return False
         del self.leases[lease_id]
+        if (lift := self._lifting) is not None and lease_id in lift.leases:
+            lift.leases.discard(lease_id)
+            if not lift.leases:
+                lift.clients_done.set()  # its fetch's clients are done: the lift may copy
         if isinstance(lease, FetchLease):
             for entry in lease.entries:
                 self.host.complete_load(entry)  # a no-op for scratch space (under no key)

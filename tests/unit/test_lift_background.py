@@ -1,4 +1,5 @@
-"""The promotion into the gpu level (the lift) runs after its fetch answered, under its own pins.
+"""The promotion into the gpu level (the lift) runs after its fetch answered, under its own pins,
+and copies only once the fetch's leases ended (its client copies the same bytes until then).
 
 A real `TieredStore` (gpu on cpu over host over disk, as `test_store.py` builds it). The lift's
 block copies (`GpuTier.write_from`, in a worker) are held at a gate, so each test acts while a
@@ -84,9 +85,9 @@ def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 @pytest.mark.parametrize("ending", ["release", "reap"])
 def test_lease_ended_during_the_lift_frees_nothing_it_reads(
         tmp_path: Path, ending: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The client's lease ends (released, or reaped) right after the reply, while the lift
-    copies; another publish then wants the whole host tier. The lift's own pins keep its
-    source blocks in place, so gpu gets their bytes (not the publish's), and every pin ends."""
+    """The client's lease ends (released, or reaped), which lets the lift copy; while it
+    copies, another publish wants the whole host tier. The lift's own pins keep its source
+    blocks in place, so gpu gets their bytes (not the publish's), and every pin ends."""
     store = make_store(tmp_path, host_blocks=4)
     now = [1000.0]
     store.clock = lambda: now[0]
@@ -97,12 +98,12 @@ def test_lease_ended_during_the_lift_frees_nothing_it_reads(
         gate = Gate(gpu_of(store))
         lease = await store.fetch(p, LAYOUT)
         assert fetched_bytes(store, lease) == [payload(k) for k in p]
-        await gate.reached()  # the lift copies p[0]: the reply did not wait for it
         if ending == "release":
             assert store.release(lease.id)
         else:
             now[0] += 1.0
             assert store.reap_expired() == 1
+        await gate.reached()  # the lift copies p[0]: the reply did not wait for it
         assert not store.leases
         # Host holds 4 blocks: without the lift's pins p would be demoted and q written over it.
         q_lease = await publish(store, q)
@@ -131,12 +132,11 @@ def test_another_prompts_fetch_during_a_lift_is_skipped_and_counted(tmp_path: Pa
     async def main() -> None:
         await publish(store, p + r)
         gate = Gate(gpu_of(store))
-        lease_p = await store.fetch(p, LAYOUT)
+        store.release((await store.fetch(p, LAYOUT)).id)
         await gate.reached()
         lease_r = await store.fetch(r, LAYOUT)  # one lift at a time: r's is skipped
         assert fetched_bytes(store, lease_r) == [payload(k) for k in r]
         assert store.counters.lifts_skipped == 1
-        store.release(lease_p.id)
         store.release(lease_r.id)
         gate.open.set()
         await store.lifts_idle()
@@ -158,9 +158,10 @@ def test_another_prompts_fetch_during_a_lift_is_skipped_and_counted(tmp_path: Pa
 
 
 def test_the_prompts_next_window_joins_the_running_lift(tmp_path: Path) -> None:
-    """A prompt fetched in windows (each call names the keys before it, `prior`): the next
-    window asks while the first window's lift still copies, and its blocks join that lift, so
-    the whole prompt is lifted, ranked root first (the root is gpu's last victim)."""
+    """A prompt fetched in windows (each call names the keys before it, `prior`): the client
+    asks for the next window before it copies (and releases) the first, its blocks join the
+    first window's lift, which copies once both leases ended; the whole prompt is lifted,
+    ranked root first (the root is gpu's last victim)."""
     store = make_store(tmp_path)
     p = [key(i) for i in range(4)]
 
@@ -168,16 +169,50 @@ def test_the_prompts_next_window_joins_the_running_lift(tmp_path: Path) -> None:
         await publish(store, p)
         gate = Gate(gpu_of(store))
         first = await store.fetch(p[:2], LAYOUT)
-        await gate.reached()
         second = await store.fetch(p[2:], LAYOUT, prior=p[:2])
         store.release(first.id)
+        await asyncio.sleep(0.05)
+        assert not gate.entered.is_set()  # the second window's client still copies
         store.release(second.id)
+        await gate.reached()
         gate.open.set()
         await store.lifts_idle()
         assert gpu_bytes(store, p) == [payload(k) for k in p]
         assert store.counters.promotions == 4 and store.counters.lifts_skipped == 0
         assert pins(store) == (0, 0)
         assert list(gpu_of(store).policy.eviction_order()) == p[::-1]  # leaf first
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("ending", ["release", "reap"])
+def test_the_lift_waits_for_its_client_to_finish_copying(tmp_path: Path, ending: str) -> None:
+    """No lift copy while the fetch's lease is held (the client copies the same blocks out on
+    the same cores); the lease's end, by the client or by the reaper, starts it."""
+    store = make_store(tmp_path)
+    now = [1000.0]
+    store.clock = lambda: now[0]
+    p = [key(0), key(1)]
+
+    async def main() -> None:
+        await publish(store, p)
+        gate = Gate(gpu_of(store))
+        gate.open.set()
+        lease = await store.fetch(p, LAYOUT)
+        await asyncio.sleep(0.1)
+        assert not gate.entered.is_set() and store.counters.promotions == 0
+        assert store._lifting is not None  # planned and pinned, waiting
+        if ending == "release":
+            store.release(lease.id)
+        else:
+            now[0] += 1.0
+            assert store.reap_expired() == 1
+        await store.lifts_idle()
+        assert gpu_bytes(store, p) == [payload(k) for k in p]
+        assert store.counters.promotions == 2 and pins(store) == (0, 0)
 
     try:
         asyncio.run(main())

@@ -813,8 +813,9 @@ def test_flush_writes_blocks_only_the_gpu_tier_holds(tmp_path: Path) -> None:
 
 
 def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
-    # Host (2 blocks) is pinned full by the fetch that lifts B: gpu's victims (A, only in gpu)
-    # have nowhere to go, so they stay and the lift stops; nothing is dropped.
+    # Host (2 blocks) is pinned full by the lift of B (its own pins, past the fetch's lease):
+    # gpu's victims (A, only in gpu) have nowhere to go, so they stay and the lift stops;
+    # nothing is dropped.
     store = gpu_store(tmp_path, gpu_blocks=2, host_blocks=2, disk_blocks=None)
     a, b = [key(0), key(1)], [key(2), key(3)]
 
@@ -827,10 +828,10 @@ def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
             assert store.host.remove(k)
         await publish(store, b)
         lease = await store.fetch(b, LAYOUT)
-        await store.lifts_idle()
         assert fetched_bytes(store, lease) == [payload(k) for k in b]
+        store.release(lease.id)  # the lift copies once its fetch's client is done
+        await store.lifts_idle()
         assert [store.gpu.contains(k) for k in a + b] == [True, True, False, False]
-        store.release(lease.id)
         # A later fetch reads A from gpu through scratch space, byte-identical.
         lease = await store.fetch(a, LAYOUT)
         assert lease.tiers == ["gpu", "gpu"] and fetched_bytes(store, lease) == [
