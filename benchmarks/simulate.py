@@ -98,6 +98,7 @@ class Request:
     output_length: int
     hash_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
+    shared_tokens: int = 0  # its first tokens other conversations share (`end_session`)
 
     @property
     def full_blocks(self) -> int:
@@ -126,16 +127,19 @@ class KeyMaker:
 
 def make_request(hash_ids: Sequence[int], input_length: int | None = None,
                  timestamp_ms: int = 0, output_length: int = 0,
-                 keys: KeyMaker | None = None) -> Request:
+                 keys: KeyMaker | None = None, shared_tokens: int = 0) -> Request:
     """A `Request` from block ids; `input_length` defaults to full blocks."""
     km = keys or KeyMaker()
     ids = tuple(int(h) for h in hash_ids)
     length = len(ids) * TRACE_BLOCK_TOKENS if input_length is None else input_length
-    return Request(timestamp_ms, length, output_length, ids, tuple(km(h) for h in ids))
+    return Request(timestamp_ms, length, output_length, ids, tuple(km(h) for h in ids),
+                   shared_tokens)
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[Request]:
-    """Read a Mooncake-format JSONL trace, sorted by arrival time."""
+    """Read a Mooncake-format JSONL trace, sorted by arrival time. An optional
+    `shared_tokens` per line (`benchmarks.workloads` writes it) says how much of the prompt's
+    start other conversations share; the client's end-of-conversation hints skip it."""
     km = KeyMaker()
     out: list[Request] = []
     with path.open() as f:
@@ -144,7 +148,8 @@ def load_trace(path: Path, limit: int | None = None) -> list[Request]:
                 continue
             d = json.loads(line)
             out.append(make_request(d["hash_ids"], d["input_length"], d["timestamp"],
-                                    d.get("output_length", 0), km))
+                                    d.get("output_length", 0), km,
+                                    int(d.get("shared_tokens", 0))))
             if limit is not None and len(out) >= limit:
                 break
     out.sort(key=lambda r: r.timestamp_ms)  # stable: same-millisecond requests keep file order
@@ -932,8 +937,10 @@ class ClusterSim:
                 at, j = ends.popleft()
                 self.now = max(self.now, at)
                 ended = listed[j]
-                self.end_session(self.result.machine_of[base + j],
-                                 ended.keys[: ended.full_blocks])
+                # As a client names it (`end_session(tokens, shared_tokens)`): the blocks
+                # other conversations share are not its own to end.
+                self.end_session(self.result.machine_of[base + j], ended.keys[
+                    ended.shared_tokens // TRACE_BLOCK_TOKENS: ended.full_blocks])
             self.process(req)
             pending += 1
             if progress is not None and pending == 256:

@@ -4,10 +4,15 @@
     python -m benchmarks.workloads --kind agent --out benchmarks/results/trace_agent.jsonl
 
 Each line is `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
-"hash_ids": [...]}` with one id per 512-token block (the last one partial unless the prompt is
-a multiple of 512 tokens), as in the conversation trace: two prompts that share their first k
-ids share their first 512*k tokens. A context that grows keeps the ids of its full blocks; the
-block that was partial gets a new id once more tokens fill it, as its content changed.
+"hash_ids": [...], "shared_tokens": tokens}` with one id per 512-token block (the last one
+partial unless the prompt is a multiple of 512 tokens), as in the conversation trace: two
+prompts that share their first k ids share their first 512*k tokens. A context that grows keeps
+the ids of its full blocks; the block that was partial gets a new id once more tokens fill it,
+as its content changed.
+`shared_tokens` (not in the Mooncake format; readers ignore it) is how much of the prompt's
+start other conversations share: the system prompt and the document (`docqa`), the system
+prompt and tool descriptions (`agent`). A client ending a conversation names it
+(`end_session(tokens, shared_tokens)`), and `benchmarks.simulate --end-sessions` does too.
 
 - `docqa`: document Q&A. A library of long documents (8k-64k tokens) whose popularity is Zipf
   and drifts (new documents arrive, old ones fade); each request is a short system prompt, one
@@ -45,6 +50,7 @@ class Context:
 
     ids: list[int] = field(default_factory=list)
     tokens: int = 0
+    shared: int = 0  # its first tokens other conversations share (system prompt, document)
 
     def extend(self, tokens: int, new_id: Iterator[int]) -> None:
         """Append `tokens` tokens: full blocks keep their ids, the partial one is replaced."""
@@ -57,7 +63,7 @@ class Context:
             self.ids.append(next(new_id))
 
     def copy(self) -> Context:
-        return Context(list(self.ids), self.tokens)
+        return Context(list(self.ids), self.tokens, self.shared)
 
 
 def _ids() -> Iterator[int]:
@@ -69,7 +75,7 @@ def _ids() -> Iterator[int]:
 
 def _line(t_s: float, ctx: Context, output: int) -> dict[str, Any]:
     return {"timestamp": int(t_s * 1000), "input_length": ctx.tokens, "output_length": output,
-            "hash_ids": list(ctx.ids)}
+            "hash_ids": list(ctx.ids), "shared_tokens": ctx.shared}
 
 
 def docqa(seed: int = 0, requests: int = 6_000, rate_per_s: float = 3.3,
@@ -82,6 +88,7 @@ def docqa(seed: int = 0, requests: int = 6_000, rate_per_s: float = 3.3,
     def new_doc() -> Context:
         d = system.copy()
         d.extend(int(math.exp(rng.uniform(math.log(8_000), math.log(64_000)))), new_id)
+        d.shared = d.tokens
         return d
 
     docs = [new_doc() for _ in range(documents)]
@@ -118,6 +125,7 @@ def agent(seed: int = 0, requests: int = 6_000, sessions_per_s: float = 0.12,
     new_id = _ids()
     system = Context()
     system.extend(system_tokens, new_id)
+    system.shared = system.tokens
     events: list[tuple[float, int, Context, int]] = []  # (time, tie, context, steps left)
     tie = 0
     t = 0.0

@@ -404,15 +404,25 @@ class AsyncKVClient:
         return plan_prefix([], _count(tokens), self.layout.block_tokens, bpt,
                            prefill_tokens_per_s)
 
-    async def end_session(self, tokens: Tokens) -> int:
+    async def end_session(self, tokens: Tokens, shared_tokens: int = 0) -> int:
         """Say that the conversation whose last prompt was `tokens` has ended: the daemon then
-        evicts that conversation's own blocks first (not a prefix other conversations share,
-        such as a system prompt), keeping room for conversations that go on. A hint only: a
-        later use of a block cancels it, nothing is deleted, and a daemon that is down or
-        older than this call is a no-op. Returns the blocks marked (once per tier holding
-        one). Send it as soon as the conversation is known to be over: docs/SCALE.md measures
-        how the hit rate falls as the hint comes later."""
+        evicts that conversation's own blocks first, keeping room for conversations that go
+        on. A hint only: a later use of a block cancels it, nothing is deleted, and a daemon
+        that is down or older than this call is a no-op. Returns the blocks marked (once per
+        tier holding one). Send it as soon as the conversation is known to be over:
+        docs/SCALE.md measures how the hit rate falls as the hint comes later.
+
+        `shared_tokens`: the prompt's first tokens that other conversations share (a system
+        prompt, a document several users ask about): their blocks are never marked. The
+        daemon stops by itself at a block other conversations' blocks hang from, but it cannot
+        see a prefix that others reach with only a partial last block (a short question after
+        a shared document): name it here, or the document is evicted first."""
         keys = self.keys(tokens)
+        if isinstance(shared_tokens, bool) or not isinstance(shared_tokens, int) \
+                or not 0 <= shared_tokens <= _count(tokens):
+            raise InvalidArgumentError(f"shared_tokens must be an int in [0, {_count(tokens)}] "
+                                       f"(the prompt's tokens), got {shared_tokens!r}")
+        keys = keys[shared_tokens // self.layout.block_tokens:]
         if not keys:
             return 0
         reply: pb.EndSessionReply | None = await self._guard(

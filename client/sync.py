@@ -107,10 +107,10 @@ class KVClient:
         the daemon lacks straight into its memory; returns the prompt tokens now cached."""
         return self._run(self._aio.publish_with(tokens, produce), 0, self._transfer_s(tokens))
 
-    def end_session(self, tokens: Tokens) -> int:
+    def end_session(self, tokens: Tokens, shared_tokens: int = 0) -> int:
         """See `AsyncKVClient.end_session`: the conversation whose last prompt was `tokens`
-        has ended; its own blocks are evicted first."""
-        return self._run(self._aio.end_session(tokens), 0)
+        has ended; its own blocks (past `shared_tokens`) are evicted first."""
+        return self._run(self._aio.end_session(tokens, shared_tokens), 0)
 
     def stats(self) -> pb.StatsReply | None:
         return self._run(self._aio.stats(), None)

@@ -330,13 +330,14 @@ class CachedPrefill:
                                     self.event_hash_algo)
         return result
 
-    def end_session(self, input_ids: torch.Tensor) -> int:
+    def end_session(self, input_ids: torch.Tensor, shared_tokens: int = 0) -> int:
         """The conversation whose last prompt was `input_ids` (`[1, n]`, as given to
-        `prefill`) has ended: its own blocks are evicted first (`KVClient.end_session`).
-        Returns the blocks marked; 0 when the daemon is down."""
+        `prefill`) has ended: its own blocks, past its first `shared_tokens` (a system prompt
+        or documents other conversations use too), are evicted first
+        (`KVClient.end_session`). Returns the blocks marked; 0 when the daemon is down."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
-        return self.client.end_session(input_ids[0])
+        return self.client.end_session(input_ids[0], shared_tokens)
 
     def plan(self, tokens: torch.Tensor) -> Plan | None:
         """The planner's decision for a prompt (`[n]` token ids), or None when the planner is

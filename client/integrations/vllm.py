@@ -63,10 +63,11 @@ looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM compu
 missing: a slow or dead producer costs time, never a wrong answer.
 
 A conversation's last turn can say so: `{"kvstore_end_session": true}` in its
-`kv_transfer_params` (`extra_body` of an OpenAI request, `SamplingParams.extra_args` offline).
-Once that request's blocks are saved, the scheduler sends the daemon `EndSession` for its
-prompt (`KVClient.end_session`): the conversation's own blocks are then evicted first, never
-a prefix other conversations share (docs/SCALE.md measures what that buys).
+`kv_transfer_params` (`extra_body` of an OpenAI request, `SamplingParams.extra_args` offline),
+with `"kvstore_shared_tokens": N` when its first N tokens are shared with other conversations
+(a system prompt, a document). Once that request's blocks are saved, the scheduler sends the
+daemon `EndSession` for its prompt (`KVClient.end_session`): the conversation's own blocks are
+then evicted first (docs/SCALE.md measures what that buys).
 
 MLA models (DeepSeek-V2/V3-shaped) store their latent cache, one plane per layer
 (`kv_kind="mla"`: one "head" of kv_lora_rank + rope dims, 576 for DeepSeek), copied by the
@@ -185,6 +186,8 @@ PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 prefill): the tokens of the prompt's full blocks the producer published."""
 END_SESSION = "kvstore_end_session"
 """The `kv_transfer_params` key (true) of a conversation's last turn: its blocks go first."""
+SHARED_TOKENS = "kvstore_shared_tokens"
+"""With `END_SESSION`: the prompt's first tokens other conversations share (never marked)."""
 _WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
 _NULL_BLOCK = 0  # vLLM's null block (BlockPool's first, never handed out): a dropped block
 _PP_LOAD_TAG = 0x6B76  # tags the stages' load agreement apart from vLLM's own sends
@@ -786,7 +789,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_loads: list[str] = []  # asynchronous: requests whose load goes out next
         # Last turns (`END_SESSION`) whose saves are still running: req_id -> (namespace,
         # keys); their hint goes out, from one background thread, when the save is done.
-        self._ending: dict[str, tuple[tuple[str, str], list[list[PrefixKeys]]]] = {}
+        self._ending: dict[str, tuple[tuple[str, str], list[list[PrefixKeys]], int]] = {}
         self._hinter: ThreadPoolExecutor | None = None
         self._load_failed: set[str] = set()  # asynchronous: loads that failed: recompute
         # Disaggregated prefill (docs/ENGINES.md): a producer saves before the step returns
@@ -1118,24 +1121,33 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return saving, params
 
     def _ends_session(self, request: Request,
-                      ) -> tuple[tuple[str, str], list[list[PrefixKeys]]] | None:
-        """`(namespace, keys)` of a request whose `kv_transfer_params` end its conversation
-        (`END_SESSION`), else None."""
+                      ) -> tuple[tuple[str, str], list[list[PrefixKeys]], int] | None:
+        """`(namespace, keys, shared tokens)` of a request whose `kv_transfer_params` end its
+        conversation (`END_SESSION`), else None (a malformed `SHARED_TOKENS` is logged and
+        the hint not sent: a hint that marked shared blocks would cost other users)."""
         params = request.kv_transfer_params
         if not isinstance(params, dict) or params.get(END_SESSION) is not True:
             return None
         ns, tokens = _namespace_of(request), request.prompt_token_ids
         if ns is None or not tokens:
             return None
-        return ns, self._prompt_keys(request, ns, tokens)
+        shared = params.get(SHARED_TOKENS, 0)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            log.warning("kvstore: request %s: %s must be an int >= 0, got %r; its end of "
+                        "session is not sent", request.request_id, SHARED_TOKENS, shared)
+            return None
+        return ns, self._prompt_keys(request, ns, tokens), min(shared, len(tokens))
 
-    def _end_session(self, ns: tuple[str, str], keys: list[list[PrefixKeys]]) -> None:
+    def _end_session(self, ns: tuple[str, str], keys: list[list[PrefixKeys]],
+                     shared: int) -> None:
         """Send `EndSession` for each (group, shard) chain of a prompt, off the scheduler's
         thread (a daemon that is down costs the client's deadline, not a scheduler step)."""
         def send() -> None:
             for g in self._groups:
                 for s in g.all_shards:
-                    self._client(*ns, g.index, s.index).end_session(keys[g.index][s.index])
+                    chain = keys[g.index][s.index]
+                    self._client(*ns, g.index, s.index).end_session(
+                        chain, min(shared, chain.num_tokens))
 
         if self._hinter is None:
             self._hinter = ThreadPoolExecutor(1, thread_name_prefix="kvstore-hint")

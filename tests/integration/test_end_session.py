@@ -78,6 +78,34 @@ def test_a_conversation_that_goes_on_cancels_the_hint(daemon_factory):
         assert cl.lookup(b) == 2 * BLOCK
 
 
+def test_shared_tokens_keep_a_document_other_readers_use(daemon_factory):
+    """Two readers of one document, each with a question shorter than a block: their stored
+    chains are the same 3 blocks, so the daemon sees no branch to stop at. A reader's hint
+    without `shared_tokens` would mark the document; with it, nothing, and the document
+    outlives an older conversation when room is needed."""
+    d = daemon_factory("--host-bytes", "64KiB", "--disk-bytes", "0").start()
+    layout = small_layout()
+    old = [7000 + t for t in range(3 * BLOCK)]
+    doc = [5000 + t for t in range(3 * BLOCK)]
+    r1, r2 = [*doc, 1, 2, 3], [*doc, 4, 5, 6]
+    with KVClient(d.target, layout) as cl:
+        cl.publish(old, random_kv(layout, len(old), seed=7))
+        time.sleep(0.05)
+        assert cl.publish(r1, random_kv(layout, len(r1), seed=5)) == len(doc)
+        assert cl.lookup(r2) == len(doc)
+        assert cl.end_session(r1, shared_tokens=len(doc)) == 0
+        new = [9000 + t for t in range(4 * BLOCK)]  # 4 more blocks in a host of 8: 2 must go
+        cl.publish(new, random_kv(layout, len(new), seed=9))
+        assert cl.lookup(r2) == len(doc)
+        assert cl.lookup(old) == BLOCK
+        # The pitfall the parameter exists for: the same hint without it marks the document.
+        assert cl.end_session(r1) == 3
+        with pytest.raises(InvalidArgumentError, match="shared_tokens"):
+            cl.end_session(r1, shared_tokens=len(r1) + 1)
+        with pytest.raises(InvalidArgumentError, match="shared_tokens"):
+            cl.end_session(r1, shared_tokens=-1)
+
+
 def test_end_session_names_only_the_callers_own_blocks(tenant_daemon):  # noqa: F811
     _, tcp = tenant_daemon
     layout = small_layout()

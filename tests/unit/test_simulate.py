@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import json
@@ -477,3 +478,52 @@ def test_end_sessions_option(tmp_path: Path) -> None:
             assert hinted["over_belady"]["default"][i] == pytest.approx(rates["default"][i] / b)
             assert rates["default"][i] <= b + 1e-12
     assert got["end_sessions"]["0"]["hit_rate"]["default"][1] > got["hit_rate"]["default"][1]
+
+
+def test_generated_workloads_name_their_shared_prefix() -> None:
+    """`shared_tokens`: docqa's system prompt and document (the same for every question on a
+    document), agent's system prompt and tools; never past the prompt."""
+    qa = docqa(seed=0, requests=300)
+    assert all(900 <= d["shared_tokens"] < d["input_length"] for d in qa)
+    by_doc: dict[int, set[int]] = {}
+    for d in qa:
+        doc_block = d["hash_ids"][d["shared_tokens"] // 512 - 1]  # inside the document
+        by_doc.setdefault(doc_block, set()).add(d["shared_tokens"])
+    assert all(len(v) == 1 for v in by_doc.values()) and len(by_doc) > 10
+    assert {d["shared_tokens"] for d in agent(seed=0, requests=300)} == {4000}
+
+
+def test_hints_skip_the_shared_tokens_the_trace_names(tmp_path: Path) -> None:
+    """A document read by several users (their questions shorter than a block): the stored
+    chains are the document alone, so the daemon sees no branch in it. One reader's thread
+    ends; without `shared_tokens` its hint marks the document and a third reader misses it."""
+    km = KeyMaker()
+    doc = list(range(100, 104))  # 4 blocks every reader shares
+    lines = [
+        make_request([*doc, 1], 4 * 512 + 100, 0, keys=km, shared_tokens=4 * 512),
+        # two one-block prompts (never a conversation's end: one block is a system prompt)
+        make_request([800], timestamp_ms=3000, keys=km),
+        make_request([801], timestamp_ms=3000, keys=km),
+        # a reader whose question is a full block (its own, 200), then its thread ends
+        make_request([*doc, 200, 2], 5 * 512 + 50, 5000, keys=km, shared_tokens=4 * 512),
+        # other work needs 3 blocks of the 7
+        make_request([900, 901, 902], timestamp_ms=70_000, keys=km),
+        make_request([*doc, 3], 4 * 512 + 100, 80_000, keys=km, shared_tokens=4 * 512),
+    ]
+    hints = session_ends(lines, 60.0)
+    assert hints[0] == (65.0, 3)  # the only one due before the last request
+    named = policy_hit_rate(lines, 7, "prefix", hints=hints)
+    unnamed = policy_hit_rate([dataclasses.replace(r, shared_tokens=0) for r in lines], 7,
+                              "prefix", hints=hints)
+    plain = policy_hit_rate(lines, 7, "prefix")
+    # The second and the last reader find the 4 document blocks, unless the hint marked them:
+    # then the other work takes the thread's block and two of the document's.
+    total = sum(len(r.hash_ids) for r in lines)
+    assert named == plain == (4 + 4) / total
+    assert unnamed == (4 + 2) / total
+    # And the trace field round-trips through load_trace.
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": r.timestamp_ms, "input_length":
+                                          r.input_length, "hash_ids": list(r.hash_ids),
+                                          "shared_tokens": r.shared_tokens}) for r in lines))
+    assert [r.shared_tokens for r in load_trace(path)] == [2048, 0, 0, 2048, 0, 2048]
