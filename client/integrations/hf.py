@@ -15,6 +15,7 @@ never costs more than recomputing.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -23,10 +24,13 @@ from typing import Any, Literal
 
 import torch
 
+from kvstore.client.aio import prefault_paused
 from kvstore.client.sync import KVClient
 from kvstore.engine_blocks import spans_for, vllm_block_hashes
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan, PrefillModel
+
+log = logging.getLogger("kvstore.hf")
 
 
 def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
@@ -111,15 +115,7 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
     if blocks <= 0:
         return 0, None
-    capacity = max(blocks * bt, len(tokens) + room)
-    taken = None if buffers is None else buffers.take(capacity)
-    if taken is not None:
-        keys, values = taken
-    else:  # allocated for the whole prompt, filled for the hit: untouched pages cost nothing
-        shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
-        keys = [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
-        values = [torch.empty(shape, dtype=layout.torch_dtype)
-                  for _ in range(layout.num_layers)]
+    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers)
 
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
@@ -139,14 +135,92 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     return end, roomy_cache(keys, values, end)
 
 
-def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> Any:
+class Loading:
+    """A fetch copying a cached prefix into a cache's tensors in the background, layer by
+    layer (`start_fetch_cache`): `ready[l]` is set once layer l's K/V are in place (or the
+    fetch is over, whatever it brought), `done` once the fetch returned; `end` is then the
+    tokens it brought intact, and `error` what it raised."""
+
+    def __init__(self, layers: int) -> None:
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.done = threading.Event()
+        self.end = 0
+        self.error: BaseException | None = None
+
+    def finish(self, timeout: float | None = None) -> int:
+        """Wait for the fetch; the tokens it brought intact (0 if it failed)."""
+        self.done.wait(timeout)
+        return self.end if self.error is None and self.done.is_set() else 0
+
+
+def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
+                      buffers: KVBuffers | None = None) -> tuple[Any, Loading]:
+    """`fetch_cache`'s copy, started in the background for the `blocks` blocks a lookup
+    found, layer by layer: the returned cache's layer l waits (in its first `update`, i.e.
+    in the forward, at layer l's attention) only for layer l's K/V, so the forward of the
+    first layers runs while the later ones are still copied. The caller must check
+    `Loading.finish() == blocks * block_tokens` after its forward: a fetch that brought less
+    (a block evicted since the lookup, a deadline) leaves layers partly stale, and that
+    forward must be thrown away."""
+    layout = client.layout
+    bt = layout.block_tokens
+    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers)
+    loading = Loading(layout.num_layers)
+    inference = torch.is_inference_mode_enabled()
+
+    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+        # Layer by layer over the blocks of this call: when it covers the whole prefix (a
+        # host hit is one call), each layer is released as soon as it is complete.
+        whole = list(indices) == list(range(blocks))
+        with torch.inference_mode(inference):
+            for layer in range(layout.num_layers):
+                for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
+                    if stop.is_set():
+                        return
+                    span = slice(i * bt, (i + 1) * bt)
+                    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
+                    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+                if whole:
+                    loading.ready[layer].set()
+
+    def run() -> None:
+        try:
+            loading.end = client.fetch_with(tokens, consume, max_blocks=blocks)
+        except BaseException as e:  # handed to the caller through `finish`
+            loading.error = e
+        finally:
+            for event in loading.ready:  # whatever came: the forward must not wait forever
+                event.set()
+            loading.done.set()
+
+    threading.Thread(target=run, name="kvstore-load", daemon=True).start()
+    return roomy_cache(keys, values, blocks * bt, loading.ready), loading
+
+
+def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's `[1, heads, capacity, head_dim]` K and V: the reserved buffers when they
+    are idle and large enough, else new ones (untouched pages cost nothing until filled)."""
+    taken = None if buffers is None else buffers.take(capacity)
+    if taken is not None:
+        return taken
+    shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
+    return ([torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)],
+            [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)])
+
+
+def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
+                ready: list[threading.Event] | None = None) -> Any:
     """A `DynamicCache` holding the first `length` tokens of each layer's `[1, heads, capacity,
     head_dim]` `keys` and `values` without copying them, whose forwards write the tokens they
-    add into the room past `length` (`_RoomyLayer`)."""
+    add into the room past `length` (`_RoomyLayer`). With `ready`, layer l's first `update`
+    waits for `ready[l]` (its K/V still being copied in: `start_fetch_cache`)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()  # no layers yet: the forward would add plain DynamicLayers
-    cache.layers.extend(_roomy_layer()(k, v, length) for k, v in zip(keys, values, strict=True))
+    gates = ready if ready is not None else [None] * len(keys)
+    cache.layers.extend(_roomy_layer()(k, v, length, g)
+                        for k, v, g in zip(keys, values, gates, strict=True))
     return cache
 
 
@@ -163,8 +237,10 @@ def _roomy_layer() -> type:
         reordering, offloading) is a plain `DynamicLayer` from then on; a crop keeps its
         buffers (a shorter view of them)."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                     ready: threading.Event | None = None) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
+            self._ready = ready  # set once the loaded K/V are in place (None: they are)
             self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
             self.dtype, self.device = keys.dtype, keys.device
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
@@ -186,6 +262,9 @@ def _roomy_layer() -> type:
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._ready is not None:  # the loaded prefix is still being copied in
+                self._ready.wait()
+                self._ready = None
             cached = self._cached()
             if cached is None or key_states.shape[0] != 1:
                 return super().update(key_states, value_states, *args, **kwargs)
@@ -294,12 +373,21 @@ class CachedPrefill:
         if expected != client.layout:
             raise ValueError(f"client layout {client.layout} does not match the model's "
                              f"KV cache {expected}")
+        # Map the daemon's arena now, as vLLM's connector does at engine start: its prefault
+        # then runs between requests, not inside the first prefill after the first publish.
+        client.prepare()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
                 decode_tokens: int = 0) -> PrefillResult:
         """`decode_tokens`: tokens the caller will decode after it; a cache loaded from
-        kvstore is allocated with room for them, so decoding appends in place."""
+        kvstore is allocated with room for them, so decoding appends in place. The arena's
+        background prefault waits meanwhile (`prefault_paused`)."""
+        with prefault_paused():
+            return self._prefill(input_ids, publish, decode_tokens)
+
+    def _prefill(self, input_ids: torch.Tensor, publish: bool,
+                 decode_tokens: int) -> PrefillResult:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
         tokens = input_ids[0]
@@ -307,14 +395,33 @@ class CachedPrefill:
         start = time.perf_counter()
         plan = self.plan(tokens) if n > 1 else None
         limit = None if plan is None else plan.load_blocks  # None: the whole cached prefix
-        cached, cache = (0, None) if n <= 1 or limit == 0 else fetch_cache(
-            self.client, tokens[: n - 1], limit, room=1 + decode_tokens, buffers=self.buffers)
-        if cache is None:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
+        bt = self.client.layout.block_tokens
+        blocks = 0 if n <= 1 or limit == 0 else self.client.lookup(tokens[: n - 1]) // bt
+        blocks = blocks if limit is None else min(blocks, limit)
+        out, cached, cache = None, 0, None
         began = time.perf_counter()
-        out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache, use_cache=True)
+        if blocks:
+            # The copy runs beside the forward, layer by layer (`start_fetch_cache`).
+            cached = blocks * bt
+            cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
+                                               room=1 + decode_tokens, buffers=self.buffers)
+            out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
+                             use_cache=True)
+            if loading.finish() != cached:
+                # Less came than the lookup found (evicted since, or a deadline): that forward
+                # saw stale K/V. Throw it away; load what is there now, then compute.
+                log.info("kvstore: a load brought less than its lookup found; loading again")
+                out = cache = None
+                cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
+                                            room=1 + decode_tokens, buffers=self.buffers)
+        if out is None:
+            if cache is None:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=self.model.config)
+            began = time.perf_counter()
+            out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
+                             use_cache=True)
         logits = out.logits[0, -1].float()
         ttft = time.perf_counter() - start
         if cached == 0 and n >= self.client.layout.block_tokens:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -75,6 +77,60 @@ def test_cached_prefill_matches_recompute(daemon, dtype):
         assert (r.logits - want_logits).abs().max().item() == 0.0
     assert cold_tokens == want_tokens
     assert warm_tokens == want_tokens
+
+
+class SlowCopies:
+    """Wraps a `KVClient`: each `fetch_with` copy starts `delay_s` late, and the first
+    `short` fetches report one block fewer than they copied, its bytes NaN (a block evicted
+    between the lookup and the fetch)."""
+
+    def __init__(self, client: KVClient, delay_s: float = 0.0, short: int = 0) -> None:
+        self._client, self._delay_s, self._short = client, delay_s, short
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def fetch_with(self, tokens, consume, **kwargs) -> int:
+        short = self._short > 0
+        self._short -= 1
+
+        def slow(indices, views, stop):
+            time.sleep(self._delay_s)
+            if short:
+                views = [*views[:-1], torch.full_like(views[-1], float("nan"))]
+            return consume(indices, views, stop)
+
+        end = self._client.fetch_with(tokens, slow, **kwargs)
+        return end - self._client.layout.block_tokens if short and end else end
+
+
+def test_forward_waits_for_each_layer_of_a_load_still_copying(daemon):
+    """The load runs beside the forward, layer by layer: a copy that starts 0.3 s late must
+    hold each layer's attention until its K/V are in (else it reads empty memory)."""
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(9))
+    want, _ = reference(model, ids, 0)
+    with KVClient(daemon.target, layout) as c:
+        CachedPrefill(model, c).prefill(ids)
+        r = CachedPrefill(model, SlowCopies(c, delay_s=0.3)).prefill(ids)  # type: ignore[arg-type]
+    assert r.cached_tokens == 192 and r.ttft_s >= 0.3
+    assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
+
+
+def test_a_load_that_brings_less_than_its_lookup_is_redone(daemon):
+    """The fetch reports a block fewer than the lookup found (its bytes NaN): the forward that
+    ran beside it is thrown away, the prefix loaded again, and the logits are right."""
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(10))
+    want, _ = reference(model, ids, 0)
+    with KVClient(daemon.target, layout) as c:
+        CachedPrefill(model, c).prefill(ids)
+        r = CachedPrefill(model, SlowCopies(c, short=1)).prefill(ids)  # type: ignore[arg-type]
+    assert r.cached_tokens == 192  # the second load brought it all
+    assert not torch.isnan(r.logits).any()
+    assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
 
 
 def test_reserved_buffers_serve_warm_prefills_and_never_a_held_cache(daemon):

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvstore.client.aio import _CopyGate
+from kvstore.client.aio import _copies, _CopyGate, prefault_paused
 
 
 def test_the_prefault_waits_for_running_copies_and_resumes_after() -> None:
@@ -47,3 +47,16 @@ def test_a_copy_that_raises_still_opens_the_gate() -> None:
     done = threading.Event()
     threading.Thread(target=lambda: (gate.wait_idle(), done.set())).start()
     assert done.wait(5)
+
+
+def test_an_engines_prefill_holds_the_prefault_off_too() -> None:
+    """`prefault_paused` (held by `CachedPrefill.prefill`): the prefault's page faults beside
+    a forward pass slowed it 4-5x; it waits until the last holder, copies included, is done."""
+    resumed = threading.Event()
+    with prefault_paused():
+        waiter = threading.Thread(target=lambda: (_copies.wait_idle(), resumed.set()))
+        waiter.start()
+        assert _copies.run(lambda: 7) == 7  # a copy inside the prefill ends: still held
+        assert not resumed.wait(0.2)
+    assert resumed.wait(5)
+    waiter.join(5)
