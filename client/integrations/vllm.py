@@ -1125,7 +1125,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """`(namespace, keys, shared tokens)` of a request whose `kv_transfer_params` end its
         conversation (`END_SESSION`), else None (a malformed `SHARED_TOKENS` is logged and
         the hint not sent: a hint that marked shared blocks would cost other users)."""
-        params = request.kv_transfer_params
+        params = getattr(request, "kv_transfer_params", None)  # vLLM's own Request has it
         if not isinstance(params, dict) or params.get(END_SESSION) is not True:
             return None
         ns, tokens = _namespace_of(request), request.prompt_token_ids

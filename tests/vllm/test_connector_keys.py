@@ -111,3 +111,36 @@ def test_prompt_is_hashed_once_and_dropped_when_finished(model_dir: Path, daemon
         assert not conn._chains and not conn._requests and not conn._matched
     finally:
         conn.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_request_finished_sends_the_end_of_session_hint(model_dir: Path, daemon: DaemonProcess,
+                                                        caplog: pytest.LogCaptureFixture,
+                                                        ) -> None:
+    """A finished request whose `kv_transfer_params` end its conversation, nothing left to
+    save: the scheduler sends EndSession at once, past `kvstore_shared_tokens`; a malformed
+    count is logged and no hint is sent (marking a shared prefix would cost other users)."""
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048)
+    try:
+        rng = random.Random(1)
+        tokens = [rng.randrange(3, 900) for _ in range(8 * BLOCK + 5)]
+        with KVClient(daemon.target, conn._layout, deadline_s=10) as c:
+            assert c.publish(tokens, random_kv(conn._layout, len(tokens))) == 8 * BLOCK
+
+            def ended(params: object) -> tuple[int, int]:
+                req = request(f"r{rng.random()}", tokens)
+                req.kv_transfer_params = params
+                conn.request_finished(req, [])
+                conn.shutdown()  # waits for the hint's thread
+                stats = c.stats()
+                assert stats is not None
+                return int(stats.sessions_ended), int(stats.session_blocks_marked)
+
+            assert ended(None) == (0, 0)
+            assert ended({"kvstore_end_session": True, "kvstore_shared_tokens": "3"}) == (0, 0)
+            assert "kvstore_shared_tokens must be an int" in caplog.text
+            # Host only holds the blocks (disk is written at eviction or shutdown).
+            assert ended({"kvstore_end_session": True, "kvstore_shared_tokens": 3 * BLOCK}) \
+                == (1, 5)
+    finally:
+        conn.shutdown()
