@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.integration
@@ -104,16 +104,23 @@ class SlowCopies:
         return end - self._client.layout.block_tokens if short and end else end
 
 
-def test_forward_waits_for_each_layer_of_a_load_still_copying(daemon):
-    """The load runs beside the forward, layer by layer: a copy that starts 0.3 s late must
-    hold each layer's attention until its K/V are in (else it reads empty memory)."""
+def warm_through(daemon, seed: int, **copies: float) -> tuple[PrefillResult, torch.Tensor]:
+    """A 200-token prompt published, then prefilled again through `SlowCopies(**copies)`;
+    returns that prefill and the recomputed logits."""
     model = tiny_llama(torch.float32)
     layout = layout_for_model(model, block_tokens=32)
-    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(9))
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(seed))
     want, _ = reference(model, ids, 0)
     with KVClient(daemon.target, layout) as c:
         CachedPrefill(model, c).prefill(ids)
-        r = CachedPrefill(model, SlowCopies(c, delay_s=0.3)).prefill(ids)  # type: ignore[arg-type]
+        slow = SlowCopies(c, **copies)  # type: ignore[arg-type]
+        return CachedPrefill(model, slow).prefill(ids), want  # type: ignore[arg-type]
+
+
+def test_forward_waits_for_each_layer_of_a_load_still_copying(daemon):
+    """The load runs beside the forward, layer by layer: a copy that starts 0.3 s late must
+    hold each layer's attention until its K/V are in (else it reads empty memory)."""
+    r, want = warm_through(daemon, 9, delay_s=0.3)
     assert r.cached_tokens == 192 and r.ttft_s >= 0.3
     assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
 
@@ -121,13 +128,7 @@ def test_forward_waits_for_each_layer_of_a_load_still_copying(daemon):
 def test_a_load_that_brings_less_than_its_lookup_is_redone(daemon):
     """The fetch reports a block fewer than the lookup found (its bytes NaN): the forward that
     ran beside it is thrown away, the prefix loaded again, and the logits are right."""
-    model = tiny_llama(torch.float32)
-    layout = layout_for_model(model, block_tokens=32)
-    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(10))
-    want, _ = reference(model, ids, 0)
-    with KVClient(daemon.target, layout) as c:
-        CachedPrefill(model, c).prefill(ids)
-        r = CachedPrefill(model, SlowCopies(c, short=1)).prefill(ids)  # type: ignore[arg-type]
+    r, want = warm_through(daemon, 10, short=1)
     assert r.cached_tokens == 192  # the second load brought it all
     assert not torch.isnan(r.logits).any()
     assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
