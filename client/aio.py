@@ -749,6 +749,11 @@ class AsyncKVClient:
         finally:
             if timer is not None:
                 timer.cancel()
+        if done is None and stop.is_set():
+            # Told to stop, and it did not say how far it got ("None: all"): a callback that
+            # returns early without counting would have its unwritten blocks taken as copied
+            # (garbage K/V loaded, or committed and served to others). Trust none of them.
+            return 0
         return blocks if done is None else max(0, min(int(done), blocks))
 
     async def _leased(self, call: Awaitable[R], lease_of: Callable[[R], int]) -> R:

@@ -119,15 +119,16 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
 
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
-    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference):
-            for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
-                if stop.is_set():
-                    return
+            for done, (i, view) in enumerate(zip(indices, views, strict=True)):
+                if stop.is_set():  # [layers, 2, bt, heads, dim] each
+                    return done  # the blocks copied in full: the prefix kept
                 span = slice(i * bt, (i + 1) * bt)
                 for layer in range(layout.num_layers):
                     keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
                     values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+        return len(indices)
 
     end = client.fetch_with(tokens, consume, max_blocks=blocks)
     if end <= 0:
@@ -168,7 +169,7 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
     loading = Loading(layout.num_layers)
     inference = torch.is_inference_mode_enabled()
 
-    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+    def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         # Layer by layer over the blocks of this call: when it covers the whole prefix (a
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
@@ -176,12 +177,13 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
             for layer in range(layout.num_layers):
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
-                        return
+                        return 0  # stopped between layers: no block is whole in all of them
                     span = slice(i * bt, (i + 1) * bt)
                     keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
                     values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
                 if whole:
                     loading.ready[layer].set()
+        return len(indices)
 
     def run() -> None:
         try:
@@ -300,15 +302,16 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
     bt = layout.block_tokens
     inference = torch.is_inference_mode_enabled()
 
-    def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+    def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference):
-            for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
-                if stop.is_set():
-                    return
+            for done, (i, view) in enumerate(zip(indices, views, strict=True)):
+                if stop.is_set():  # [layers, 2, bt, heads, dim] each
+                    return done  # the blocks written in full: only they are committed
                 span = slice(i * bt, (i + 1) * bt)
                 for layer, lc in enumerate(cache.layers):
                     view[layer, 0].copy_(lc.keys[0, :, span].transpose(0, 1))
                     view[layer, 1].copy_(lc.values[0, :, span].transpose(0, 1))
+        return len(indices)
 
     return client.publish_with(tokens, produce)
 
@@ -407,13 +410,17 @@ class CachedPrefill:
                                                room=1 + decode_tokens, buffers=self.buffers)
             out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
                              use_cache=True)
-            if loading.finish() != cached:
-                # Less came than the lookup found (evicted since, or a deadline): that forward
-                # saw stale K/V. Throw it away; load what is there now, then compute.
-                log.info("kvstore: a load brought less than its lookup found; loading again")
-                out = cache = None
-                cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
-                                            room=1 + decode_tokens, buffers=self.buffers)
+            got = loading.finish()
+            if got != cached:
+                # Less came than the lookup found (evicted since, a deadline, the daemon gone):
+                # that forward saw stale K/V. Throw it away; load what is there now if part
+                # came, else compute it all (the daemon just failed this load: no second wait).
+                log.info("kvstore: a load brought %d of the %d tokens its lookup found; %s",
+                         got, cached, "loading again" if got else "recomputing")
+                out, cache, cached = None, None, 0
+                if got:
+                    cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
+                                                room=1 + decode_tokens, buffers=self.buffers)
         if out is None:
             if cache is None:
                 from transformers import DynamicCache

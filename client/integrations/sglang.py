@@ -307,11 +307,12 @@ class KVStoreHiCache(HiCacheStorage):
         client, fmt = ready
         starts = fmt.starts(pages, host_indices)
 
-        def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
-            for block, view in zip(blocks, views, strict=True):
+        def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+            for done, (block, view) in enumerate(zip(blocks, views, strict=True)):
                 if stop.is_set():
-                    return
+                    return done  # the pages copied in full
                 fmt.page(starts[block]).copy_(view)
+            return len(blocks)
 
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [i < loaded for i in range(len(pages))]
@@ -330,11 +331,12 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(pages)
 
-        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
-            for block, view in zip(blocks, views, strict=True):
+        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+            for done, (block, view) in enumerate(zip(blocks, views, strict=True)):
                 if stop.is_set():
-                    return
+                    return done  # the pages copied in full
                 view.copy_(fmt.page(starts[block]))
+            return len(blocks)
 
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return [i < stored for i in range(len(pages))]
@@ -366,11 +368,12 @@ class KVStoreHiCache(HiCacheStorage):
             raise InvalidArgumentError(f"{len(pages)} keys but {len(targets)} target pages")
         views = [fmt.flat(t, writable=True) for t in targets]
 
-        def consume(blocks: list[int], src: list[torch.Tensor], stop: threading.Event) -> None:
-            for block, view in zip(blocks, src, strict=True):
+        def consume(blocks: list[int], src: list[torch.Tensor], stop: threading.Event) -> int:
+            for done, (block, view) in enumerate(zip(blocks, src, strict=True)):
                 if stop.is_set():
-                    return
+                    return done  # the pages copied in full
                 views[block].copy_(view)
+            return len(blocks)
 
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [t if i < loaded else None for i, t in enumerate(targets)]
@@ -393,11 +396,12 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return True
 
-        def produce(blocks: list[int], dst: list[torch.Tensor], stop: threading.Event) -> None:
-            for block, view in zip(blocks, dst, strict=True):
+        def produce(blocks: list[int], dst: list[torch.Tensor], stop: threading.Event) -> int:
+            for done, (block, view) in enumerate(zip(blocks, dst, strict=True)):
                 if stop.is_set():
-                    return
+                    return done  # the pages copied in full
                 view.copy_(views[block])
+            return len(blocks)
 
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return stored == len(pages)

@@ -85,3 +85,30 @@ def test_load_goes_on_while_it_beats_recomputing(daemon_factory):
     with KVClient(d.target, LAYOUT, deadline_s=1.2) as c:
         assert c.fetch_with(tokens, _into(out), budget_s=30.0) == len(tokens)
         assert same_bytes(out, kv)
+
+
+@pytest.mark.integration
+def test_a_copy_stopped_without_saying_how_far_it_got_is_trusted_with_nothing(daemon_factory):
+    """Hostile callbacks: each copies one block, waits past its deadline, then returns None
+    ("all of them") though it stopped. A publish must not commit the unwritten blocks (they
+    would be served to every later reader), a fetch must not report them loaded."""
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "0").start()
+    tokens = list(range(4 * BT))
+    kv = random_kv(LAYOUT, len(tokens))
+    out = torch.zeros_like(kv)
+
+    def lazy(copy_first):
+        def callback(blocks: list[int], views: list[torch.Tensor],
+                     stop: threading.Event) -> None:
+            copy_first(views[0])
+            stop.wait(10)  # until the transfer's deadline tells it to stop
+
+        return callback
+
+    with KVClient(d.target, LAYOUT, deadline_s=0.3) as c:
+        assert c.publish_with(tokens, lazy(lambda v: v.copy_(kv[:, :, :BT]))) == 0
+        assert c.lookup(tokens) == 0  # nothing committed
+        assert c.publish(tokens, kv) == len(tokens)
+        assert c.fetch_with(tokens, lazy(lambda v: out[:, :, :BT].copy_(v))) == 0
+        n, got = c.fetch(tokens)  # the blocks are fine: the next fetch gets them all
+        assert n == len(tokens) and same_bytes(got, kv)
