@@ -188,9 +188,7 @@ class RecentChains:
         """`keys` (root first) was used now: O(1) amortised, the list is kept, not copied."""
         if not keys:
             return
-        old = self._chains.pop(keys[-1], None)
-        if old is not None:
-            self._keys -= len(old)
+        self.forget(keys)
         self._chains[keys[-1]] = keys
         self._keys += len(keys)
         while self._keys > self.max_keys and len(self._chains) > 1:

@@ -124,10 +124,8 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks copied in full: the prefix kept
-                span = slice(i * bt, (i + 1) * bt)
                 for layer in range(layout.num_layers):
-                    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
-                    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
         return len(indices)
 
     end = client.fetch_with(tokens, consume, max_blocks=blocks)
@@ -148,10 +146,10 @@ class Loading:
         self.end = 0
         self.error: BaseException | None = None
 
-    def finish(self, timeout: float | None = None) -> int:
+    def finish(self) -> int:
         """Wait for the fetch; the tokens it brought intact (0 if it failed)."""
-        self.done.wait(timeout)
-        return self.end if self.error is None and self.done.is_set() else 0
+        self.done.wait()
+        return self.end if self.error is None else 0
 
 
 def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
@@ -178,9 +176,7 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
                         return 0  # stopped between layers: no block is whole in all of them
-                    span = slice(i * bt, (i + 1) * bt)
-                    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
-                    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
                 if whole:
                     loading.ready[layer].set()
         return len(indices)
@@ -197,6 +193,14 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
 
     threading.Thread(target=run, name="kvstore-load", daemon=True).start()
     return roomy_cache(keys, values, blocks * bt, loading.ready), loading
+
+
+def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
+             view: torch.Tensor) -> None:
+    """One layer of one stored block (`view`: `[layers, 2, bt, heads, dim]`) into the cache's
+    `[1, heads, tokens, dim]` K and V at `span`."""
+    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
+    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
 
 
 def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
@@ -399,8 +403,9 @@ class CachedPrefill:
         plan = self.plan(tokens) if n > 1 else None
         limit = None if plan is None else plan.load_blocks  # None: the whole cached prefix
         bt = self.client.layout.block_tokens
-        blocks = 0 if n <= 1 or limit == 0 else self.client.lookup(tokens[: n - 1]) // bt
-        blocks = blocks if limit is None else min(blocks, limit)
+        # The plan was made from a lookup already (its blocks to load); else look up now.
+        blocks = 0 if n <= 1 else limit if limit is not None \
+            else self.client.lookup(tokens[: n - 1]) // bt
         out, cached, cache = None, 0, None
         began = time.perf_counter()
         if blocks:

@@ -787,8 +787,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # lookup to request_finished
         self._chains: dict[tuple[str, int], tuple[tuple[str, str], list[KeyChain]]] = {}
         self._async_loads: list[str] = []  # asynchronous: requests whose load goes out next
-        # Last turns (`END_SESSION`) whose saves are still running: req_id -> (namespace,
-        # keys); their hint goes out, from one background thread, when the save is done.
+        # Last turns (`END_SESSION`) whose saves are still running: req_id -> (namespace, keys,
+        # shared tokens); their hint goes out, from one background thread, when the save is done.
         self._ending: dict[str, tuple[tuple[str, str], list[list[PrefixKeys]], int]] = {}
         self._hinter: ThreadPoolExecutor | None = None
         self._load_failed: set[str] = set()  # asynchronous: loads that failed: recompute
