@@ -276,6 +276,10 @@ def main() -> None:
                    help="also a kvstore engine that loads in the connector's background thread "
                         "(kvstore.async_load), on the same daemon after the synchronous one: "
                         "rows 'kvstore async host'")
+    p.add_argument("--whole-load", action="store_true",
+                   help="also a kvstore engine that copies each load whole before the forward "
+                        "(kvstore.layerwise_load=false), on the same daemon after the default "
+                        "one: rows 'kvstore whole host'")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
@@ -395,13 +399,17 @@ def run(args: argparse.Namespace) -> None:
             measure(engine, "kvstore cold", n, reset=True)
             for _ in range(args.repeats):
                 measure(engine, "kvstore host", n, reset=True)
-        if args.async_load:  # the same prompts in the host tier, loaded in the background
+        for flag, name, more in (
+                (args.async_load, "async", {"kvstore.async_load": True}),  # in the background
+                (args.whole_load, "whole", {"kvstore.layerwise_load": False})):  # before it
+            if not flag:  # the same prompts in the host tier, loaded another way
+                continue
             engine.close()
-            engine = kvstore_engine("kvstore-async", {"kvstore.async_load": True})
+            engine = kvstore_engine(f"kvstore-{name}", more)
             warm_up(engine)
             for n in lengths:
                 for _ in range(args.repeats):
-                    measure(engine, "kvstore async host", n, reset=True)
+                    measure(engine, f"kvstore {name} host", n, reset=True)
         for _ in range(0 if args.no_disk else args.repeats):
             daemon.stop(flush_s + 30)  # SIGTERM: the host tier is flushed to disk
             daemon.start()  # a new, empty host tier: every hit below is read from disk
@@ -469,7 +477,8 @@ def summarize(samples: dict[tuple[int, str], list[dict[str, Any]]], lengths: lis
               repeats: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     order = ["recompute", "vLLM prefix cache", "kvstore cold", "kvstore host",
-             "kvstore async host", "kvstore disk", "LMCache cold", "LMCache warm"]
+             "kvstore whole host", "kvstore async host", "kvstore disk", "LMCache cold",
+             "LMCache warm"]
     for n in lengths:
         base = samples.get((n, "recompute"), [])
         hit = samples.get((n, "vLLM prefix cache"), [])
@@ -521,7 +530,8 @@ def plot(rows: list[dict[str, Any]], lengths: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [("recompute", "#999999"), ("vLLM prefix cache", "#cccccc"),
-            ("kvstore host", "#22aa77"), ("kvstore async host", "#88cc44"),
+            ("kvstore host", "#22aa77"), ("kvstore whole host", "#55bb99"),
+            ("kvstore async host", "#88cc44"),
             ("kvstore disk", "#2277aa"), ("LMCache warm", "#aa5522")]
     present = [(r, c) for r, c in runs if any(row["run"] == r for row in rows)]
     width = 0.8 / max(1, len(present))

@@ -273,25 +273,33 @@ class PagedCache:
             self.gather_views([(out, 0, page_ids)])
         return out
 
-    def scatter_views(self, views: Sequence[View]) -> None:
+    def scatter_views(self, views: Sequence[View], layers: tuple[int, int] | None = None,
+                      ) -> None:
         """Write each `(kv, first, page_ids[, count])`: `count` tokens of the token-major `kv`
         (`[layers, kv, tokens, heads, head_dim]`, any layer and kv strides, e.g. a block in the
         daemon's shared memory) from token `first` on, into `page_ids` (only the first `count -
-        (len(page_ids) - 1) * page_size` slots of a partial last page)."""
-        self._copy_views(views, gather=False)
+        (len(page_ids) - 1) * page_size` slots of a partial last page). `layers`: only the
+        layers `[start, end)` (a layer-by-layer load; not for the kernels' engine caches)."""
+        self._copy_views(views, gather=False, layers=layers)
 
     def gather_views(self, views: Sequence[View]) -> None:
         """Read `page_ids` into `count` tokens of each `(kv, first, page_ids[, count])` from
         token `first` on (the inverse of `scatter_views`)."""
         self._copy_views(views, gather=True)
 
-    def _copy_views(self, views: Sequence[View], gather: bool) -> None:
+    def _copy_views(self, views: Sequence[View], gather: bool,
+                    layers: tuple[int, int] | None = None) -> None:
         """Both directions of `scatter_views` / `gather_views`: the copy kernels for an engine
-        cache, else the native routine, else torch."""
+        cache, else the native routine, else torch; `layers` `[start, end)` (None: all)."""
         checked = self._check_views(views)
-        if not checked:
+        span = (0, self.num_layers) if layers is None else layers
+        if not 0 <= span[0] <= span[1] <= self.num_layers:
+            raise ValueError(f"layers {span} outside the cache's {self.num_layers}")
+        if not checked or span[0] == span[1]:
             return
         if self.engine is not None:
+            if span != (0, self.num_layers):
+                raise ValueError("the kernels copy every layer of an engine cache at once")
             for kv, first, pages, count in checked:
                 whole = len(pages) * self.page_size
                 # The kernels copy whole pages. A load may end inside its last page (a prompt
@@ -310,9 +318,9 @@ class PagedCache:
                     self._engine_scatter(self.engine, whole_kv, pages, 0)
                 else:
                     self._engine_scatter(self.engine, kv, pages, first)
-        elif not self._native(checked, gather=gather):
+        elif not self._native(checked, gather=gather, span=span):
             for item in checked:
-                self._torch_copy(*item, gather=gather)
+                self._torch_copy(*item, gather=gather, layers=span)
 
     # ---- copies
     def _check_views(self, views: Sequence[View]) -> list[_View]:
@@ -343,7 +351,7 @@ class PagedCache:
             out.append((kv, first, pages, count))
         return out
 
-    def _native(self, views: list[_View], *, gather: bool) -> bool:
+    def _native(self, views: list[_View], *, gather: bool, span: tuple[int, int]) -> bool:
         """Copy with the C routine; False where it is unavailable or a view's strides are not
         the token-major ones it walks (the caller then copies with torch)."""
         fn = native_copy()
@@ -362,8 +370,9 @@ class PagedCache:
             counts.extend(min(ps, count - j * ps) for j in range(len(pages)))
         layers = torch.tensor([t.data_ptr() for t in self.layers], dtype=torch.int64)
         cpus = caller_cpus()  # the pool's threads copy where the caller may
-        threads = min(copy_threads(cpus), self.num_layers)
-        bounds = [self.num_layers * i // threads for i in range(threads + 1)]
+        first, count = span[0], span[1] - span[0]
+        threads = min(copy_threads(cpus), count)
+        bounds = [first + count * i // threads for i in range(threads + 1)]
         for (layer_stride, kv_stride), (src, ids, counts) in groups.items():
             args = (torch.tensor(src, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
                     torch.tensor(counts, dtype=torch.int32))
@@ -380,7 +389,7 @@ class PagedCache:
                    self.page_heads, self.head0)
 
             if threads == 1:
-                run(0, self.num_layers)
+                run(*span)
             else:
                 pool = _thread_pool()
                 futures = [pool.submit(run, bounds[i], bounds[i + 1], pooled=True)
@@ -391,20 +400,20 @@ class PagedCache:
         return True
 
     def _torch_copy(self, kv: torch.Tensor, first: int, page_ids: Sequence[int], count: int,
-                    *, gather: bool) -> None:
+                    *, gather: bool, layers: tuple[int, int]) -> None:
         """The torch twin of the C routine: whole pages at once, then a partial last page."""
         ps = self.page_size
         full = count // ps
         if full:
             copy = self._torch_gather if gather else self._torch_scatter
-            copy(kv, page_ids[:full], first)
+            copy(kv, page_ids[:full], first, layers)
         rest = count - full * ps
         if not rest:
             return
         page, at = int(page_ids[full]), first + full * ps
         heads, dim = self.heads, self.head_dim
-        for layer, t in enumerate(self.layers):
-            halves = self._halves(t[page])
+        for layer in range(*layers):
+            halves = self._halves(self.layers[layer][page])
             k = halves[:, 0].view(heads, dim, ps)[:, :, :rest].permute(2, 0, 1)
             v = halves[:, 1].view(heads, ps, dim)[:, :rest].permute(1, 0, 2)
             src_k, src_v = kv[layer, 0, at : at + rest], kv[layer, 1, at : at + rest]
@@ -421,13 +430,14 @@ class PagedCache:
         whole = t.view(*t.shape[:-3], self.page_heads, 2, -1)
         return whole[..., self.head0 : self.head0 + self.heads, :, :]
 
-    def _torch_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
+    def _torch_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int,
+                       layers: tuple[int, int]) -> None:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         heads, dim = self.heads, self.head_dim
-        for layer, t in enumerate(self.layers):
-            halves = self._halves(t)
+        for layer in range(*layers):
+            halves = self._halves(self.layers[layer])
             k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
             v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # index_put_ through the strided views writes the engine's storage in place; on a
@@ -436,13 +446,14 @@ class PagedCache:
             k[index] = torch.unflatten(part[layer, 0], 0, (n, ps))
             v[index] = torch.unflatten(part[layer, 1], 0, (n, ps))
 
-    def _torch_gather(self, kv: torch.Tensor, page_ids: Sequence[int], first: int) -> None:
+    def _torch_gather(self, kv: torch.Tensor, page_ids: Sequence[int], first: int,
+                       layers: tuple[int, int]) -> None:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         heads, dim = self.heads, self.head_dim
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
-        for layer, t in enumerate(self.layers):
-            halves = self._halves(t)
+        for layer in range(*layers):
+            halves = self._halves(self.layers[layer])
             k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
             v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # One pass, from the pages' strided views straight into the destination (any

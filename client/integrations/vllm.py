@@ -10,7 +10,7 @@ Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.bl
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
 `kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`,
-`kvstore.shared_model`, `kvstore.async_load`.
+`kvstore.shared_model`, `kvstore.async_load`, `kvstore.layerwise_load`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -25,9 +25,13 @@ but the prompt's last token (vLLM computes at least one token: a prompt whose bl
 stored loads all but its last token, the last vLLM block partly), `update_state_after_alloc`
 records what to load and
 `build_connector_meta` hands the worker one `LoadSpec` per request with a hit and one `SaveSpec`
-per request whose prefill completes this step. Worker side: `start_load_kv` loads synchronously
-before the forward, copying each block once, from the daemon's shared memory straight into
-vLLM's pages (`KVClient.fetch_with`, under the fetch's lease). `wait_for_save` hands the
+per request whose prefill completes this step. Worker side: `start_load_kv` starts the step's
+loads, copying each block once, from the daemon's shared memory straight into vLLM's pages
+(`KVClient.fetch_with`, under the fetch's lease): layer by layer in a thread beside the
+forward, each attention layer waiting (`wait_for_layer_load`) only for its own layer, the
+forward's thread copying unclaimed layers while it waits (`kvstore.layerwise_load`, the
+default on CPU caches; the result is settled after the forward, in `wait_for_save`);
+otherwise whole, before the forward. `wait_for_save` hands the
 prompt's full blocks to a background thread, which copies them from vLLM's pages straight into
 blocks reserved in the daemon's memory (`KVClient.publish_with`) and commits them: the step that
 returns the first token does not wait for the store. Until that thread is done with a request,
@@ -132,7 +136,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -148,6 +152,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, Slid
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.client.cli import DEFAULT_TARGET
+from kvstore.client.integrations.layerwise import LayerwiseLoad
 from kvstore.client.integrations.paged import (
     VLLM_CPU_ISAS,
     PagedCache,
@@ -179,6 +184,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.vllm")
 _MAX_CLIENTS = 16  # one client per (salt, LoRA) namespace; salts are few in practice
 _COPY_PIECE_BYTES = 64 << 20  # a load checks its deadline between copies of about this size
+_LAYER_PIECE_BYTES = 8 << 20  # a layer-by-layer load's pieces: one layer of several blocks
 _SHUTDOWN_SAVE_S = 10.0  # at shutdown, pending saves get this long to finish
 _DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary this often
 PREFILLED_TOKENS = "kvstore_prefilled_tokens"
@@ -234,6 +240,11 @@ class ConnectorConfig:
     recomputed whole. False: loads run in the step that schedules the request, before its
     forward (a load cut short keeps the prefix that arrived). Hybrid models always report
     their loads asynchronously (synchronously carried out unless this is set)."""
+    layerwise_load: bool = True
+    """Synchronous loads copy layer by layer beside the forward: each attention layer waits
+    (`wait_for_layer_load`) only for its own layer's K/V, and the forward's thread copies
+    while it waits. False: the whole load is copied before the forward starts. CPU caches
+    only (the kernels' engine caches copy every layer at once)."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
@@ -624,24 +635,32 @@ class _CopyGuard:
 
     The client runs the callback in a worker thread and, on a deadline, stops it between
     pieces; but a caller that gave up on a wedged client could otherwise race a late piece
-    against vLLM reusing the pages. Each piece runs under the lock and only while open;
-    `close` waits for a running piece.
+    against vLLM reusing the pages. A piece starts only while open (several may run at
+    once: a layer-by-layer load's helpers); `close` waits for the running ones.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._open = True
+        self._running = 0
 
     def run(self, stop: threading.Event, piece: Callable[[], None]) -> bool:
-        with self._lock:
+        with self._cond:
             if not self._open or stop.is_set():
                 return False
+            self._running += 1
+        try:
             piece()
-            return True
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+        return True
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._open = False
+            self._cond.wait_for(lambda: self._running == 0)
 
 
 def _pieces(items: list[View], bytes_per_page: int) -> Iterable[list[View]]:
@@ -810,6 +829,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._recv_failed: set[str] = set()  # of those, the ones that failed
         self._recv_lock = threading.Lock()  # the loader thread adds to both
         self._loader: ThreadPoolExecutor | None = None  # `async_load`: one thread, in order
+        # `layerwise_load`: the thread that fetches a step's loads while its forward runs,
+        # the step's loads in flight, the layers whose attention waited for them, and the
+        # kvstore layer of each of vLLM's attention layers
+        self._layerwise: ThreadPoolExecutor | None = None
+        self._layerwise_step: tuple[list[tuple[LoadSpec, LayerwiseLoad]],
+                                    Future[list[tuple[int, float]]]] | None = None
+        self._layers_waited: set[int] = set()
+        self._layer_of: dict[str, int] = {}
+        self.pieces_helped = 0  # load pieces the forward's threads copied while they waited
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._saver: _Saver | None = None  # started with the cache, in the worker
@@ -1205,6 +1233,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._saver = _Saver(self._save, self._cfg.save_queue)
         if self._cfg.async_load and self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        # Layer by layer: one KV-cache group on the CPU, loads in the step (not async_load),
+        # one pipeline stage (a stage's loads are agreed on with the next before its forward).
+        if (self._cfg.layerwise_load and not self._async_load and self._pp == 1
+                and caches[0].engine is None and self._layerwise is None):
+            self._layer_of = {name: i for i, name in enumerate(
+                sorted(kv_caches, key=_layer_index))}
+            self._layerwise = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layerwise")
 
     def _group_cache(self, lay: KVLayout, names: list[str], tensors: list[torch.Tensor],
                      ) -> PagedCache:
@@ -1259,6 +1294,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_began = time.perf_counter()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._settle_layerwise()  # a step that never reached its end (nothing should remain)
         self._failed_reqs.clear()
         # Each rank loads the shards its cache holds (the scheduler sends one spec per shard).
         loads = [spec for spec in self._metadata().loads if self._holds(spec)]
@@ -1274,18 +1310,78 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # fails it when any rank does: all ranks then recompute it from its first token.
             self._load_groups(loads)
             return
+        if loads and self._layerwise is not None:
+            # Copied beside this step's forward: each attention layer waits for its own K/V
+            # (`wait_for_layer_load`); settled after the forward (`_settle_layerwise`).
+            step = [(spec, LayerwiseLoad(self._layout.num_layers)) for spec in loads]
+            self._layerwise_step = (step, self._layerwise.submit(self._load_layerwise, step))
+            self._layers_waited.clear()
+            return
+        self._settle([(spec, *self._timed_load(spec, self._load_cpus)) for spec in loads])
+
+    def _timed_load(self, spec: LoadSpec, cpus: set[int] | None,
+                    layerwise: LayerwiseLoad | None = None) -> tuple[int, float]:
+        """`_load`, never raising (a cache must never take the engine down: recompute
+        instead): the end of the tokens it loaded, and its milliseconds."""
+        began = time.perf_counter()
+        try:
+            loaded = self._load(spec, cpus, layerwise)
+        except Exception:
+            log.exception("kvstore load failed for request %s", spec.req_id)
+            loaded = spec.start
+        finally:
+            if layerwise is not None:
+                layerwise.finish()
+        self.loaded_tokens += max(0, loaded - spec.start)
+        return loaded, (time.perf_counter() - began) * 1e3
+
+    def _load_layerwise(self, step: list[tuple[LoadSpec, LayerwiseLoad]],
+                        ) -> list[tuple[int, float]]:
+        """One step's loads, one after another, in the layer-by-layer loader thread (off
+        vLLM's compute CPUs, which help while they wait)."""
+        run_on(self._side_cpus)
+        return [self._timed_load(spec, self._side_cpus, layerwise) for spec, layerwise in step]
+
+    def _settle_layerwise(self) -> None:
+        """After the forward (from `wait_for_save`, or whichever of the step's closing calls
+        comes first): wait for the step's layer-by-layer loads and report them as a
+        synchronous load's are. A layer whose attention never waited for its load
+        (`wait_for_layer_load`: a backend that does not call it) may have been read while
+        being written: every load of the step then fails (vLLM recomputes them) and later
+        loads copy whole before the forward."""
+        if self._layerwise_step is None:
+            return
+        step, future = self._layerwise_step
+        self._layerwise_step = None
+        try:
+            timed = future.result()
+        except BaseException:  # `_timed_load` raises nothing; a dead thread fails them all
+            log.exception("kvstore: layer-by-layer loads failed")
+            timed = [(spec.start, 0.0) for spec, _ in step]
+        missed = set(range(self._layout.num_layers)) - self._layers_waited
+        if missed:
+            log.warning("kvstore: attention layers %s did not wait for their layer-by-layer "
+                        "load: this step's loads are recomputed, and loads copy whole before "
+                        "the forward from now on", sorted(missed))
+            timed = [(spec.start, ms) for (spec, _), (_, ms) in zip(step, timed, strict=True)]
+            self._layerwise.shutdown(wait=False)  # type: ignore[union-attr]
+            self._layerwise = None
+        helped = sum(layerwise.helped for _, layerwise in step)
+        self.pieces_helped += helped
+        log.info("kvstore: %d load(s) layer by layer beside the forward; %d of %d pieces "
+                 "copied by the forward while it waited", len(step), helped,
+                 sum(layerwise.pieces for _, layerwise in step))
+        self._settle([(spec, loaded, ms)
+                      for (spec, _), (loaded, ms) in zip(step, timed, strict=True)])
+
+    def _settle(self, timed: list[tuple[LoadSpec, int, float]]) -> None:
+        """Report one step's synchronous loads (`(spec, end of the tokens it loaded, ms)`, in
+        the scheduler's order): per request, what every rank's shards loaded; the blocks past
+        it go to vLLM as load errors (recomputed) and its saves of this step are skipped."""
         # Per request, in the scheduler's order (the same on every rank): the tokens all of
         # this rank's shards loaded.
         results: dict[str, tuple[LoadSpec, int, float]] = {}
-        for spec in loads:
-            began = time.perf_counter()
-            try:
-                loaded = self._load(spec, self._load_cpus)
-            except Exception:  # a cache must never take the engine down: recompute instead
-                log.exception("kvstore load failed for request %s", spec.req_id)
-                loaded = spec.start
-            self.loaded_tokens += max(0, loaded - spec.start)
-            ms = (time.perf_counter() - began) * 1e3
+        for spec, loaded, ms in timed:
             if spec.req_id in results:
                 _, before, before_ms = results[spec.req_id]
                 loaded, ms = min(loaded, before), ms + before_ms
@@ -1422,6 +1518,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                    for s in specs), (time.perf_counter() - began) * 1e3)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._settle_layerwise()  # before `wait_for_save` when vLLM defers it
         results = super().get_transfer_results(finished_req_ids)
         with self._recv_lock:
             if self._recving:  # asynchronous loads: done (and failed) since the last report
@@ -1447,9 +1544,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise TypeError(f"expected KVStoreConnectorMetadata, got {type(meta).__name__}")
         return meta
 
-    def _load(self, spec: LoadSpec, cpus: set[int] | None = None) -> int:
+    def _load(self, spec: LoadSpec, cpus: set[int] | None = None,
+              layerwise: LayerwiseLoad | None = None) -> int:
         """Copy blocks from the daemon's memory into vLLM's pages, on `cpus` (None: where the
-        client's thread runs); returns the end of the tokens now in vLLM's cache."""
+        client's thread runs), a layer at a time when `layerwise` (the forward's threads wait
+        for each layer, and help); returns the end of the tokens now in vLLM's cache."""
         if not self._caches:
             return spec.start
         cache = self._shard_caches[spec.group, spec.shard]
@@ -1457,6 +1556,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         bt, ps = lay.block_tokens, cache.page_size
         bytes_per_page = lay.bytes_per_token * ps
         guard = _CopyGuard()
+        every = list(range(spec.start // bt, -(-spec.end // bt)))  # the blocks to load
 
         def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
                     ) -> int:
@@ -1473,6 +1573,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                         -(-hi // ps) * ps)
                     items.append((view, lo - b * bt, pages, hi - lo))
                     owners.append(i)
+            if layerwise is not None:
+                # Layer-major, each layer in pieces of about _LAYER_PIECE_BYTES (a forward
+                # that helps goes back to its layers soon): a block is whole only once every
+                # layer is, so a copy stopped part-way keeps none of this call's blocks.
+                size = sum(len(item[2]) for item in items) * bytes_per_page // lay.num_layers
+                parts = max(1, min(len(items), -(-size // _LAYER_PIECE_BYTES)))
+                shares = [items[len(items) * p // parts : len(items) * (p + 1) // parts]
+                          for p in range(parts)]
+
+                def copy_part(layer: int, part: int) -> bool:
+                    return guard.run(stop, functools.partial(cache.scatter_views, shares[part],
+                                                             (layer, layer + 1)))
+
+                whole = layerwise.copy_all(copy_part, signal=list(blocks) == every, parts=parts)
+                return len(blocks) if whole else 0
             copied = 0
             for piece in _pieces(items, bytes_per_page):
                 if not guard.run(stop, functools.partial(cache.scatter_views, piece)):
@@ -1495,14 +1610,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return max(end, spec.start)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are done in `start_load_kv`, or in the loader thread for requests vLLM does
-        not schedule until they are done: nothing to wait for."""
+        """A layer-by-layer load (`kvstore.layerwise_load`): wait until this layer's K/V of
+        every load of the step are in place, copying unclaimed layers meanwhile. Otherwise
+        loads are done in `start_load_kv`, or in the loader thread for requests vLLM does not
+        schedule until they are done: nothing to wait for."""
+        if self._layerwise_step is None:
+            return
+        layer = self._layer_of.get(layer_name)
+        for _, layerwise in self._layerwise_step[0]:
+            layerwise.wait(layer)  # None (not a layer of ours): the whole load
+        if layer is not None:
+            self._layers_waited.add(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         """Blocks are saved whole, all layers at once, after the forward (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
+        self._settle_layerwise()
         meta = self._metadata()
         if meta.prefill is not None and self._step_began is not None and not meta.loads:
             self._prefill.observe_span(*meta.prefill, time.perf_counter() - self._step_began)
@@ -1606,6 +1731,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._drops_logged_at, self._drops_unlogged = now, 0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._settle_layerwise()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -1613,6 +1739,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hinter is not None:  # hints end by their client's deadline
             self._hinter.shutdown(wait=True)
             self._hinter = None
+        self._settle_layerwise()
+        if self._layerwise is not None:
+            self._layerwise.shutdown(wait=True)
+            self._layerwise = None
         if self._loader is not None:  # loads end by their deadlines: wait for them
             self._loader.shutdown(wait=True, cancel_futures=True)
             self._loader = None

@@ -220,3 +220,27 @@ def test_a_copy_spreads_over_its_callers_cpus(monkeypatch) -> None:
         caller.join(30)
         assert len({tid for tid, _ in seen}) == len(cpus)
         assert {bound for _, bound in seen} == {frozenset(cpus)}
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize(("dtype", "layers", "heads", "dim", "ps"), CASES[:2])
+def test_a_layer_range_copies_only_those_layers(dtype, layers, heads, dim, ps, native,
+                                                monkeypatch) -> None:
+    """A layer-by-layer load (`scatter_views(views, (l, l + 1))`, vLLM's `layerwise_load`)
+    writes exactly the layer it names, a partial last page included; one call per layer
+    builds the same cache as one call for all."""
+    monkeypatch.setenv(paged.NATIVE_ENV, native)
+    pages, count = [3, 1], ps + ps // 2
+    kv = random((layers + 1, 2, 2 * ps, heads, dim), dtype, seed=6)[:layers]
+    want = reference_pages(kv, pages, 4, ps, count=count)
+    got = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(got, "vec")
+    last = layers - 1
+    cache.scatter_views([(kv, 0, pages, count)], (last, last + 1))
+    assert torch.equal(got[last], want[last])
+    assert all(torch.equal(g, torch.full_like(g, 7.0)) for g in got[:last])
+    for layer in range(last):
+        cache.scatter_views([(kv, 0, pages, count)], (layer, layer + 1))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="outside the cache's"):
+        cache.scatter_views([(kv, 0, pages, count)], (0, layers + 1))

@@ -120,3 +120,52 @@ class SlowSaveKVStoreConnector(KVStoreConnector):
 
     def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
         return _SlowSave(super()._client(salt, lora, group, shard))
+
+
+LAYER_COPY_S = 0.05
+
+
+class _SlowLayers:
+    """Wraps a `PagedCache`: each `scatter_views` starts LAYER_COPY_S late."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def scatter_views(self, *args: Any) -> None:
+        time.sleep(LAYER_COPY_S)
+        self._cache.scatter_views(*args)
+
+
+class SlowLayerKVStoreConnector(KVStoreConnector):
+    """Loads whose every copy is LAYER_COPY_S late (a layer-by-layer load: each layer), into
+    pages filled with NaN when the step's loads start: a forward that read a layer before
+    its K/V were in place would give NaN log-probabilities, not the cold run's."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._shard_caches = {k: _SlowLayers(c) for k, c in self._shard_caches.items()}
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        from kvstore.client.integrations.paged import token_pages
+
+        for spec in self._metadata().loads:
+            cache = self._shard_caches[spec.group, spec.shard]
+            ps = cache.page_size
+            pages = token_pages(spec.block_ids, self._block_size, ps, spec.start,
+                                spec.end // ps * ps)
+            for layer in cache.layers:
+                layer[pages] = float("nan")
+        super().start_load_kv(forward_context, **kwargs)
+
+
+class SkippedLayerWaitKVStoreConnector(SlowLayerKVStoreConnector):
+    """The same slow copies into NaN pages, and an attention layer (the first) that never
+    waits for its load: a backend that does not call `wait_for_layer_load`. Its forward reads
+    NaN; the connector must see the missing wait and fail the step's loads."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layer_of.get(layer_name) != 0:
+            super().wait_for_layer_load(layer_name)

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -361,6 +362,62 @@ def test_chunked_prefill_saves_and_loads(model_dir: Path, tmp_path: Path) -> Non
         warm = engine.generate(batch)
         assert warm["cached"] == [expected_cached(n) for n in warm["prompt_tokens"]]
         assert_same_generation(warm, cold)
+    finally:
+        engine.close()
+        daemon.kill()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_each_layer_waits_for_its_load(model_dir: Path, tmp_path: Path, layerwise: bool) -> None:
+    """Every copy into vLLM's pages is 50 ms late, into pages filled with NaN when the step's
+    loads start (tests/vllm/flaky_connector.py): layer by layer (the default), each attention
+    layer waits for its own K/V and the forward's thread copies layers while it waits; whole
+    (`kvstore.layerwise_load=false`), the load is done before the forward. Either way the
+    output is the cold run's: no layer was read before its K/V were in place."""
+    daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB").start()
+    engine = Engine(model_dir, daemon.target, connector="SlowLayerKVStoreConnector",
+                    module="tests.vllm.flaky_connector", deadline_s=10.0,
+                    extra={"kvstore.layerwise_load": layerwise})
+    try:
+        batch = prompts(seed=7)
+        cold = engine.generate(batch)
+        engine.reset()
+        warm = engine.generate(batch)
+        assert warm["cached"] == [expected_cached(n) for n in warm["prompt_tokens"]]
+        assert_same_generation(warm, cold)
+        helped = [int(n) for n in re.findall(r"(\d+) of \d+ pieces copied by the forward",
+                                            engine.tail(400))]
+        if layerwise:
+            assert helped and max(helped) > 0, engine.tail(100)
+        else:
+            assert not helped
+    finally:
+        engine.close()
+        daemon.kill()
+
+
+@pytest.mark.timeout(900)
+def test_a_layer_that_never_waits_fails_the_load_and_turns_layerwise_off(
+        model_dir: Path, tmp_path: Path) -> None:
+    """An attention layer that does not call `wait_for_layer_load` reads its pages while they
+    are still NaN (tests/vllm/flaky_connector.py): the connector sees the missing wait after
+    the forward, reports the step's loads failed (vLLM recomputes them: the cold output), and
+    copies later loads whole before the forward (which then load and match)."""
+    daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB").start()
+    engine = Engine(model_dir, daemon.target, connector="SkippedLayerWaitKVStoreConnector",
+                    module="tests.vllm.flaky_connector", deadline_s=10.0)
+    try:
+        batch = prompts(seed=8)
+        cold = engine.generate(batch)
+        engine.reset()
+        first = engine.generate(batch)
+        assert_same_generation(first, cold)
+        assert "did not wait for their layer-by-layer load" in engine.tail(400)
+        engine.reset()
+        whole = engine.generate(batch)
+        assert whole["cached"] == [expected_cached(n) for n in whole["prompt_tokens"]]
+        assert_same_generation(whole, cold)
     finally:
         engine.close()
         daemon.kill()
