@@ -138,6 +138,16 @@ def assert_prefix_cache_bit_identical(warm: dict[str, Any], again: dict[str, Any
         assert (again["tokens"][i], again["top"][i]) == (warm["tokens"][i], warm["top"][i])
 
 
+def loads_as_computed(engine: Engine, batch: list[str]) -> None:
+    """`batch` computed, vLLM's prefix cache reset, then run again: every full block loads
+    from kvstore and the output is the computed run's."""
+    cold = engine.generate(batch)
+    engine.reset()
+    warm = engine.generate(batch)
+    assert warm["cached"] == [expected_cached(n) for n in warm["prompt_tokens"]]
+    assert_same_generation(warm, cold)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("vllm") / "tiny-llama")
@@ -356,12 +366,7 @@ def test_chunked_prefill_saves_and_loads(model_dir: Path, tmp_path: Path) -> Non
     engine = Engine(model_dir, daemon.target, llm_kwargs={"max_num_batched_tokens": 64,
                                                           "enable_chunked_prefill": True})
     try:
-        batch = prompts(seed=6)
-        cold = engine.generate(batch)
-        engine.reset()
-        warm = engine.generate(batch)
-        assert warm["cached"] == [expected_cached(n) for n in warm["prompt_tokens"]]
-        assert_same_generation(warm, cold)
+        loads_as_computed(engine, prompts(seed=6))
     finally:
         engine.close()
         daemon.kill()
@@ -380,12 +385,7 @@ def test_each_layer_waits_for_its_load(model_dir: Path, tmp_path: Path, layerwis
                     module="tests.vllm.flaky_connector", deadline_s=10.0,
                     extra={"kvstore.layerwise_load": layerwise})
     try:
-        batch = prompts(seed=7)
-        cold = engine.generate(batch)
-        engine.reset()
-        warm = engine.generate(batch)
-        assert warm["cached"] == [expected_cached(n) for n in warm["prompt_tokens"]]
-        assert_same_generation(warm, cold)
+        loads_as_computed(engine, prompts(seed=7))
         helped = [int(n) for n in re.findall(r"(\d+) of \d+ pieces copied by the forward",
                                             engine.tail(400))]
         if layerwise:
