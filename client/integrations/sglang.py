@@ -39,7 +39,7 @@ import hashlib
 import logging
 import math
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvstore.client.aio import AsyncKVClient, Tokens
+from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens
 from kvstore.client.cli import DEFAULT_TARGET
 from kvstore.client.integrations.settings import read_extra
 from kvstore.errors import InvalidArgumentError
@@ -201,6 +201,21 @@ class PageFormat:
         return starts
 
 
+def _page_by_page(copy_one: Callable[[int, torch.Tensor], object]) -> BlockCopy:
+    """A fetch or publish callback that copies block by block with `copy_one(block, view)`
+    (`view`: the block in the daemon's arena), stopping between blocks when told to; returns
+    how many it copied in full."""
+
+    def copy(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+        for done, (block, view) in enumerate(zip(blocks, views, strict=True)):
+            if stop.is_set():
+                return done
+            copy_one(block, view)
+        return len(blocks)
+
+    return copy
+
+
 def _check_keys(keys: Sequence[str]) -> PageKeys:
     if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
         raise InvalidArgumentError("keys must be a list of non-empty strings")
@@ -307,13 +322,7 @@ class KVStoreHiCache(HiCacheStorage):
         client, fmt = ready
         starts = fmt.starts(pages, host_indices)
 
-        def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
-            for done, (block, view) in enumerate(zip(blocks, views, strict=True)):
-                if stop.is_set():
-                    return done  # the pages copied in full
-                fmt.page(starts[block]).copy_(view)
-            return len(blocks)
-
+        consume = _page_by_page(lambda block, view: fmt.page(starts[block]).copy_(view))
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [i < loaded for i in range(len(pages))]
 
@@ -331,13 +340,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(pages)
 
-        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
-            for done, (block, view) in enumerate(zip(blocks, views, strict=True)):
-                if stop.is_set():
-                    return done  # the pages copied in full
-                view.copy_(fmt.page(starts[block]))
-            return len(blocks)
-
+        produce = _page_by_page(lambda block, view: view.copy_(fmt.page(starts[block])))
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return [i < stored for i in range(len(pages))]
 
@@ -368,13 +371,7 @@ class KVStoreHiCache(HiCacheStorage):
             raise InvalidArgumentError(f"{len(pages)} keys but {len(targets)} target pages")
         views = [fmt.flat(t, writable=True) for t in targets]
 
-        def consume(blocks: list[int], src: list[torch.Tensor], stop: threading.Event) -> int:
-            for done, (block, view) in enumerate(zip(blocks, src, strict=True)):
-                if stop.is_set():
-                    return done  # the pages copied in full
-                views[block].copy_(view)
-            return len(blocks)
-
+        consume = _page_by_page(lambda block, view: views[block].copy_(view))
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [t if i < loaded else None for i, t in enumerate(targets)]
 
@@ -396,13 +393,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return True
 
-        def produce(blocks: list[int], dst: list[torch.Tensor], stop: threading.Event) -> int:
-            for done, (block, view) in enumerate(zip(blocks, dst, strict=True)):
-                if stop.is_set():
-                    return done  # the pages copied in full
-                view.copy_(views[block])
-            return len(blocks)
-
+        produce = _page_by_page(lambda block, view: view.copy_(views[block]))
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return stored == len(pages)
 
