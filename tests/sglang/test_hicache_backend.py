@@ -474,3 +474,27 @@ def test_daemon_killed_or_stalled_is_a_miss_then_recovers(daemon, make_backend) 
         assert time.monotonic() < deadline, "the reader did not reconnect within 15 s"
         time.sleep(0.2)
     assert same_pages(pool, starts_of(src), other, starts_of(dst)) == [True] * 3
+
+
+@pytest.mark.sglang
+def test_page_by_page_stops_between_pages_and_says_how_many_it_copied():
+    """Every copy callback of the backend (get/set, zero-copy or not): told to stop, it stops
+    at the next page and reports the pages copied in full, so a fetch keeps exactly those and
+    a publish commits no page it did not write."""
+    import threading
+
+    from kvstore.client.integrations.sglang import _page_by_page
+
+    stop = threading.Event()
+    copied: list[int] = []
+
+    def copy_one(block: int, view: torch.Tensor) -> None:
+        copied.append(block)
+        if len(copied) == 2:
+            stop.set()  # a deadline passes during the second page
+
+    views = [torch.zeros(4) for _ in range(5)]
+    assert _page_by_page(copy_one)([3, 4, 5, 6, 7], views, stop) == 2
+    assert copied == [3, 4]
+    stop.clear()
+    assert _page_by_page(copy_one)([8, 9], views[:2], stop) == 2  # unstopped: all of them
