@@ -426,25 +426,32 @@ def run(args: argparse.Namespace) -> None:
             r["save_ms"] = saves.get(n, [])
 
     # 3. LMCache through its MP connector and server
+    # A failure here (its engine OOM-killed at 32k tokens on this 24 GiB machine) must not
+    # lose the rows measured above: it is reported with them instead.
+    lmcache_error = ""
     if lmcache:
-        port = free_port()
-        # Room for every prompt with LMCache's own overheads; 3x the host tier (13 GiB at
-        # 2k-16k) left its server idle and the engine waiting for it on this 24 GiB machine.
-        l1_gb = max(4, -(-3 * host // (2 << 30)))
-        with lmcache_server(port, data / "lmcache-server.log", l1_gb, args.chunk_size):
-            extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
-                     "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
-            engine = Engine(VENV_LMCACHE, {**base, "connector": "LMCacheMPConnector",
-                                           "extra": extra},
-                            data / "engine-lmcache.log", env={"LMCACHE_TRACK_USAGE": "false"})
-            try:
-                warm_up(engine)
-                for n in lengths:
-                    measure(engine, "LMCache cold", n, reset=True)
-                    for _ in range(args.repeats):
-                        measure(engine, "LMCache warm", n, reset=True)
-            finally:
-                engine.close()
+        try:
+            port = free_port()
+            # Room for every prompt with LMCache's own overheads; 3x the host tier (13 GiB at
+            # 2k-16k) left its server idle and the engine waiting for it on this 24 GiB machine.
+            l1_gb = max(4, -(-3 * host // (2 << 30)))
+            with lmcache_server(port, data / "lmcache-server.log", l1_gb, args.chunk_size):
+                extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+                engine = Engine(VENV_LMCACHE, {**base, "connector": "LMCacheMPConnector",
+                                               "extra": extra},
+                                data / "engine-lmcache.log", env={"LMCACHE_TRACK_USAGE": "false"})
+                try:
+                    warm_up(engine)
+                    for n in lengths:
+                        measure(engine, "LMCache cold", n, reset=True)
+                        for _ in range(args.repeats):
+                            measure(engine, "LMCache warm", n, reset=True)
+                finally:
+                    engine.close()
+        except RuntimeError as e:
+            lmcache_error = str(e).splitlines()[0][:300]
+            print(f"\nLMCache failed, its rows are missing: {lmcache_error}")
     bar.close()
 
     rows = summarize(samples, lengths, args.repeats)
@@ -466,6 +473,7 @@ def run(args: argparse.Namespace) -> None:
     payload = {"config": {k: v for k, v in vars(args).items() if k != "engine"},
                "vllm_settings": settings, "load_average": os.getloadavg(),
                "kv_block": kv_block, "bytes_per_token": bytes_per_token,
+               "lmcache_error": lmcache_error,
                "vllm": _vllm_version(), "rows": rows,
                "samples": {f"{n}/{name}": s for (n, name), s in samples.items()}}
     path = write_results(name, payload)
