@@ -353,6 +353,14 @@ def run(args: argparse.Namespace) -> None:
         engine.reset()
         engine.generate(warmup)
 
+    def cold_then_warm(engine: Engine, cold: str, warm: str) -> None:
+        """Each prompt computed (and saved) once, then recalled `args.repeats` times."""
+        warm_up(engine)
+        for n in lengths:
+            measure(engine, cold, n, reset=True)
+            for _ in range(args.repeats):
+                measure(engine, warm, n, reset=True)
+
     # 1. recompute: vLLM alone
     engine = Engine(VENV_VLLM, dict(base), data / "engine-recompute.log", env=env)
     settings["recompute"] = engine.settings
@@ -394,11 +402,7 @@ def run(args: argparse.Namespace) -> None:
 
     engine = kvstore_engine("kvstore", {})
     try:
-        warm_up(engine)
-        for n in lengths:
-            measure(engine, "kvstore cold", n, reset=True)
-            for _ in range(args.repeats):
-                measure(engine, "kvstore host", n, reset=True)
+        cold_then_warm(engine, "kvstore cold", "kvstore host")
         for flag, name, more in (
                 (args.async_load, "async", {"kvstore.async_load": True}),  # in the background
                 (args.whole_load, "whole", {"kvstore.layerwise_load": False})):  # before it
@@ -442,11 +446,7 @@ def run(args: argparse.Namespace) -> None:
                                                "extra": extra},
                                 data / "engine-lmcache.log", env={"LMCACHE_TRACK_USAGE": "false"})
                 try:
-                    warm_up(engine)
-                    for n in lengths:
-                        measure(engine, "LMCache cold", n, reset=True)
-                        for _ in range(args.repeats):
-                            measure(engine, "LMCache warm", n, reset=True)
+                    cold_then_warm(engine, "LMCache cold", "LMCache warm")
                 finally:
                     engine.close()
         except RuntimeError as e:
