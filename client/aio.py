@@ -878,9 +878,9 @@ class AsyncKVClient:
         overwritten meanwhile)."""
         # The prefault waits for the whole fetch, not only for its copies: the daemon reads a
         # disk or remote hit into arena pages that the prefault may be touching for the
-        # first time at that moment, and the read waited for it. A 2 GiB disk fetch right
-        # after a daemon restart (a fresh arena) took 2.4-4.9 s beside the prefault, 1.1-1.5 s
-        # without it.
+        # first time at that moment, and the read waited for it. The first fetch after a
+        # daemon restart (a fresh arena), 256 MiB from disk, took up to 2.16 s when only the
+        # copies held it, 0.14-0.27 s now (`benchmarks.restart_fetch`, PERFORMANCE.md).
         with _copies.held():
             ahead: asyncio.Future[pb.FetchChunk] | None = asyncio.ensure_future(
                 self._fetch_head(keys, progress.done, until=until))
