@@ -89,6 +89,13 @@ def barh(path: Path, labels: list[str], values: list[float], notes: list[str], c
     save(fig, path)
 
 
+def flush_budget_s(host_bytes: int) -> int:
+    """A `--shutdown-flush-s` that lets a restarted daemon's SIGTERM flush write a full host
+    tier of `host_bytes` (20 MiB/s at worst); the default 10 s cut the oldest prompts of a
+    4 GiB host tier here, and the disk rows after it recomputed."""
+    return 30 + host_bytes // (20 << 20)
+
+
 def drop_page_cache(path: Path | str) -> None:
     """Write a file's dirty pages, then drop its page cache: the next read comes from the disk,
     as a disk tier's file is read before each disk fetch. (Torch and the standard library

@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, drop_page_cache, figure, require, table, write_results
+from benchmarks.common import (
+    RESULTS,
+    drop_page_cache,
+    figure,
+    flush_budget_s,
+    require,
+    table,
+    write_results,
+)
 from kvstore import KVLayout
 from kvstore.client import KVClient
 from kvstore.client.aio import PREFAULT_ENV
@@ -50,7 +58,7 @@ def main() -> None:
     data = Path(args.data_dir)
     shutil.rmtree(data, ignore_errors=True)
     host = sum(lengths) * LAYOUT.bytes_per_token + (512 << 20)  # every prompt fits, as in vllm_ttft
-    flush_s = 30 + host // (20 << 20)
+    flush_s = flush_budget_s(host)
     daemon = DaemonProcess(data / "kvstore", "--host-bytes", str(host),
                            "--disk-bytes", str(2 * host), "--shutdown-flush-s", str(flush_s))
     prompts = {n: [n * 10_000 + t for t in range(n)] for n in lengths}

@@ -294,7 +294,7 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from benchmarks.common import RESULTS, table, write_results
+    from benchmarks.common import RESULTS, flush_budget_s, table, write_results
     from kvstore.server.process import DaemonProcess
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -377,9 +377,8 @@ def run(args: argparse.Namespace) -> None:
     # 2. kvstore: host tier, then disk tier after restarts
     kv_block = args.kv_block or args.block_size
     host = sum(lengths) * bytes_per_token + (512 << 20)
-    # The disk rows restart the daemon: its SIGTERM flush must write the whole host tier
-    # (the default budget, 10 s, cut the oldest prompts of a 4 GiB host tier here).
-    flush_s = 30 + host // (20 << 20)  # 20 MiB/s at worst
+    # The disk rows restart the daemon: its SIGTERM flush must write the whole host tier.
+    flush_s = flush_budget_s(host)
     daemon = DaemonProcess(data / "kvstore", "--host-bytes", str(host),
                            "--disk-bytes", str(2 * host), "--shutdown-flush-s", str(flush_s))
     extra = {"kvstore.target": daemon.target, "kvstore.deadline_s": args.deadline_s,

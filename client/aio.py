@@ -108,7 +108,8 @@ def _shared_arena(path: str, size: int) -> Arena:
 
 
 class _CopyGate:
-    """The copies between an arena and a tensor running in this process. The prefault touches
+    """The copies between an arena and a tensor running in this process, and the same-node
+    fetches they belong to (the daemon writes into the arena meanwhile). The prefault touches
     pages only while none runs: at the lowest CPU priority it still slowed the copy it exists
     to speed up (profiled by hand: a warm fetch right after the client mapped a 2.3 GiB arena
     counted the prefault's page faults inside its copy and took several times the next one's

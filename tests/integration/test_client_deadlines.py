@@ -120,7 +120,8 @@ def test_a_copy_stopped_without_saying_how_far_it_got_is_trusted_with_nothing(da
 def test_the_arena_prefault_waits_for_a_whole_fetch_not_only_its_copies(daemon_factory):
     """While the daemon reads a window of disk hits into the arena, no copy runs in the client,
     yet the prefault must still wait: it would be touching those fresh pages at the same moment
-    (a 2 GiB disk fetch right after a restart took 2.4-4.9 s beside it, 1.1-1.5 s without).
+    (`benchmarks.restart_fetch`: the first 256 MiB disk fetch after a restart took up to 2.16 s
+    when only copies held the prefault off, 0.14-0.27 s with this).
     Sampled across four stalled windows: the gate is held from the start of the fetch to its
     last copy."""
     d, tokens, kv = _on_stalled_disk(daemon_factory)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -481,8 +482,6 @@ def test_page_by_page_stops_between_pages_and_says_how_many_it_copied():
     """Every copy callback of the backend (get/set, zero-copy or not): told to stop, it stops
     at the next page and reports the pages copied in full, so a fetch keeps exactly those and
     a publish commits no page it did not write."""
-    import threading
-
     from kvstore.client.integrations.sglang import _page_by_page
 
     stop = threading.Event()
