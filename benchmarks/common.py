@@ -106,3 +106,23 @@ def drop_page_cache(path: Path | str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def wait_arena_prefaulted(target: str, timeout_s: float = 600.0) -> float:
+    """Wait until the daemon at `target` has backed its whole host arena (`host_prefault`):
+    the state of a daemon started ahead of its traffic. Returns the seconds waited."""
+    import grpc
+
+    from kvstore.proto import kvstore_pb2 as pb
+    from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+    began = time.monotonic()
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        size = stub.Info(pb.InfoRequest(), timeout=30).arena_bytes
+        while stub.Stats(pb.StatsRequest(), timeout=30).host_prefaulted_bytes < size:
+            if time.monotonic() - began > timeout_s:
+                raise RuntimeError(f"the daemon's arena was not prefaulted within {timeout_s} s "
+                                   "(is host_prefault off?)")
+            time.sleep(0.05)
+    return time.monotonic() - began

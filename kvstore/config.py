@@ -85,6 +85,12 @@ class ServerConfig:
                           "before the index entry), `never` (leave it to the OS).",
                           choices=("always", "never"))
     shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
+    host_prefault: str = _opt("background", "`background`: back the host arena's pages in a "
+                              "thread at the lowest CPU priority after start-up, so the "
+                              "kernel's first touch of each page (zeroing it) is not paid "
+                              "inside the first disk reads and saves into it (Stats "
+                              "`host_prefaulted_bytes`). `off`: pages are backed as they are "
+                              "first written.", choices=("background", "off"))
     eviction_policy: str = _opt(DEFAULT_POLICY, "Which blocks the host and disk tiers give up "
                                 "first: `prefix` (leaves first, valued by a reuse-gap model "
                                 "learned online per class of block), `lru`, `arc` or `s3fifo`. "

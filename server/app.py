@@ -170,6 +170,8 @@ class Daemon:
         self.store = TieredStore(host, disk, config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes, gpu=gpu)
+        if config.host_prefault == "background":
+            host.start_prefault()
         self._rates_file = self.data_dir / "read_bandwidth.json"
         self.store.saved_read_bandwidth = load_rates(self._rates_file)
         if config.kv_events:

@@ -83,6 +83,9 @@ class StoreCollector(Collector):
                                 value=len(self.store.leases))
         yield GaugeMetricFamily("kvstore_inflight_rpcs", "RPCs being served.",
                                 value=self.connected.get("inflight", 0))
+        yield GaugeMetricFamily("kvstore_host_prefaulted_bytes", "Bytes of the host arena "
+                                "backed so far by the background prefault (host_prefault).",
+                                value=self.store.host.prefaulted_bytes)
 
     def _kv_events(self) -> Iterator[Metric]:
         """KV events' batches, 0 while events are off (as Stats reports them), so an alert on

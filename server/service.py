@@ -558,4 +558,5 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
         kv_events_published=store.events.publisher.published if store.events else 0,
         kv_events_dropped=store.events.publisher.dropped if store.events else 0,
         lifts_skipped=c.lifts_skipped, sessions_ended=c.sessions_ended,
-        session_blocks_marked=c.session_blocks_marked)
+        session_blocks_marked=c.session_blocks_marked,
+        host_prefaulted_bytes=store.host.prefaulted_bytes)

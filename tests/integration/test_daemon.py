@@ -289,3 +289,24 @@ def test_new_client_after_restart_does_not_inherit_an_old_clients_backoff(daemon
     with KVClient(d.target, layout, deadline_s=2) as new:
         assert new.lookup(tokens) == 32  # the first call already reaches the daemon
     old.close()
+
+
+def test_the_daemon_prefaults_its_arena_unless_told_not_to(daemon_factory):
+    """`host_prefault`: by default the daemon backs its whole arena in the background (Stats
+    counts it), and a block published meanwhile reads back intact; `off` backs none."""
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = random_kv(layout, len(tokens))
+    on = daemon_factory("--host-bytes", "64MiB", "--disk-bytes", "0", name="on").start()
+    with KVClient(on.target, layout) as c:
+        assert c.publish(tokens, kv) == 64
+        wait_until(lambda: c.stats().host_prefaulted_bytes == 64 << 20, 60,
+                   "the arena prefaulted")
+        n, back = c.fetch(tokens)
+        assert n == 64 and same_bytes(back, kv)
+    off = daemon_factory("--host-bytes", "64MiB", "--disk-bytes", "0", "--host-prefault", "off",
+                         name="off").start()
+    with KVClient(off.target, layout) as c:
+        assert c.publish(tokens, kv) == 64
+        time.sleep(0.5)  # as long as the whole prefault above takes on this machine, at most
+        assert c.stats().host_prefaulted_bytes == 0

@@ -1,0 +1,115 @@
+"""The daemon's arena prefault (`host_prefault`): it backs the arena's pages ahead of the copies
+and disk reads into them, and never changes a byte stored there, even while they run."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstore.arena as arena_mod
+from kvstore.arena import Arena
+from kvstore.tiers.host import HostTier
+
+MIB = 1 << 20
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of this process's mappings of `path` backed by pages now (smaps `Rss`)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            ours = line.endswith(str(path))  # a mapping's header line names its file
+        elif ours and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.fixture(params=["madvise", "read-touch"])
+def populate_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways `Arena.populate` backs pages: MADV_POPULATE_WRITE, and reading one byte per
+    page where the kernel lacks it."""
+    monkeypatch.setattr(arena_mod, "_populate_unsupported", request.param == "read-touch")
+    return str(request.param)
+
+
+def test_populate_backs_every_page_and_changes_no_byte(tmp_path: Path, populate_path: str) -> None:
+    arena = Arena.create(tmp_path, 32 * MIB)
+    try:
+        rng = np.random.default_rng(0)
+        stored = rng.integers(0, 256, 4 * MIB, dtype=np.uint8)
+        arena.array[8 * MIB : 12 * MIB] = stored  # a block already written into the arena
+        before = resident_bytes(arena.path)
+        assert before < 8 * MIB, "a fresh arena is not backed until touched"
+        arena.populate(0, arena.size)
+        assert resident_bytes(arena.path) == arena.size
+        assert np.array_equal(arena.array[8 * MIB : 12 * MIB], stored)
+        assert not arena.array[: 8 * MIB].any()  # fresh pages read as zeros, as before
+    finally:
+        arena.unlink()
+
+
+def test_populate_beside_writers_loses_none_of_their_bytes(tmp_path: Path,
+                                                           populate_path: str) -> None:
+    """Copies into the arena (a client's save, the daemon's disk reads) run while the
+    prefault passes over the same pages: every byte they wrote is still there."""
+    arena = Arena.create(tmp_path, 64 * MIB)
+    stop = threading.Event()
+    written: list[tuple[int, int]] = []
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            off = (i * 257 * 4096) % (arena.size - 4096)
+            value = i % 255 + 1
+            arena.array[off : off + 4096] = value
+            written.append((off, value))
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(3):
+            for off in range(0, arena.size, 4 * MIB):
+                arena.populate(off, 4 * MIB)
+    finally:
+        stop.set()
+        t.join()
+    try:
+        assert written
+        last: dict[int, int] = {}
+        for off, value in written:
+            last[off] = value
+        for off, value in last.items():
+            assert (arena.array[off : off + 4096] == value).all(), f"bytes at {off} changed"
+    finally:
+        arena.unlink()
+
+
+def test_host_tier_prefaults_its_arena_in_the_background(tmp_path: Path) -> None:
+    tier = HostTier(48 * MIB, shm_dir=tmp_path)
+    try:
+        assert tier.prefaulted_bytes == 0
+        tier.start_prefault()
+        deadline = time.monotonic() + 60
+        while tier.prefaulted_bytes < tier.arena.size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.prefaulted_bytes == tier.arena.size
+        assert resident_bytes(tier.arena.path) == tier.arena.size
+    finally:
+        tier.close()
+
+
+def test_closing_a_host_tier_stops_its_prefault_before_the_arena_goes(tmp_path: Path) -> None:
+    tier = HostTier(512 * MIB, shm_dir=tmp_path)
+    tier.start_prefault()
+    thread = tier._prefault_thread
+    assert thread is not None
+    tier.close()
+    assert not thread.is_alive()
+    assert not tier.arena.path.exists()
+    assert tier.prefaulted_bytes % (32 * MIB) == 0 or tier.prefaulted_bytes == tier.arena.size
