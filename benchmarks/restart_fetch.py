@@ -71,6 +71,7 @@ def main() -> None:
     primer = list(range(2 * LAYOUT.block_tokens))
     seconds: dict[int, list[float]] = {n: [] for n in lengths}
     waited: list[float] = []  # seconds each restart's arena prefault took (--wait-prefault)
+    primed: list[float] = []  # seconds of each restart's primer fetch (2 blocks, a new arena)
     bar = tqdm(total=args.restarts * len(lengths), desc="restart fetch", unit="fetch")
     daemon.start()
     try:
@@ -85,7 +86,9 @@ def main() -> None:
             if args.wait_prefault:
                 waited.append(wait_arena_prefaulted(daemon.target))
             with KVClient(daemon.target, LAYOUT, deadline_s=120) as c:
+                t = time.perf_counter()
                 c.fetch(primer)  # maps the new arena (and starts the client's prefault)
+                primed.append(time.perf_counter() - t)
                 for n in lengths:
                     promoted = c.stats().promotions
                     t = time.perf_counter()
@@ -111,11 +114,14 @@ def main() -> None:
     print(f"\ndisk fetch right after a daemon restart, median of {args.restarts}; "
           f"{PREFAULT_ENV}={prefault}, page cache {'dropped' if args.drop_cache else 'kept'}\n")
     print(table(rows, ["tokens", "MiB", "median s", "GB/s", "each restart (s)"]))
+    print(f"\nthe primer fetch after each restart (2 blocks; the client maps the new arena): "
+          f"{', '.join(f'{s:.3f}' for s in primed)} s")
     if waited:
         print(f"\nthe daemon prefaulted its {host >> 20} MiB arena in "
               f"{', '.join(f'{s:.2f}' for s in waited)} s before the fetches")
     path = write_results(args.name, {"config": vars(args), "prefault": prefault, "rows": rows,
                                      "prefault_wait_s": waited,
+                                     "primer_s": primed,
                                      "seconds": {str(n): s for n, s in seconds.items()}})
     _plot(rows, seconds, RESULTS / f"{args.name}.png", prefault)
     print(f"\nresults: {path}")
