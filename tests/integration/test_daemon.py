@@ -308,5 +308,5 @@ def test_the_daemon_prefaults_its_arena_unless_told_not_to(daemon_factory):
                          name="off").start()
     with KVClient(off.target, layout) as c:
         assert c.publish(tokens, kv) == 64
-        time.sleep(0.5)  # as long as the whole prefault above takes on this machine, at most
+        time.sleep(0.5)  # longer than the whole 64 MiB prefault of the daemon above took
         assert c.stats().host_prefaulted_bytes == 0

@@ -1,5 +1,6 @@
-"""The daemon's arena prefault (`host_prefault`): it backs the arena's pages ahead of the copies
-and disk reads into them, and never changes a byte stored there, even while they run."""
+"""The arena's first and last touch. The daemon's prefault (`host_prefault`) backs the arena's
+pages ahead of the copies and disk reads into them, and never changes a byte stored there, even
+while they run; a client's last mapping of an arena is unmapped by a background thread."""
 
 from __future__ import annotations
 
