@@ -669,6 +669,11 @@ class TieredStore:
         share.used -= entry.units * PAGE
         return entry.key
 
+    def _read_into_host(self, disk: DiskTier, src: BlockEntry, dst: BlockEntry) -> None:
+        """In an I/O thread: back `dst`'s pages (fresh ones after a restart), then read."""
+        self.host.back(dst)
+        disk.read_into(src, self.host.memview(dst))
+
     async def _read_disk(self, s: _Staged) -> Exception | None:
         """Read one staged disk block into its host reservation (then commit it) or scratch
         space; give it back on failure. Returns the failure (integrity or I/O) instead of
@@ -677,7 +682,7 @@ class TieredStore:
         if disk is None or src is None:
             return None  # only staged disk hits are read
         try:
-            await self._run_io(disk.read_into, src, self.host.memview(s.dst))
+            await self._run_io(self._read_into_host, disk, src, s.dst)
         except (IntegrityError, OSError) as e:
             s.abandon(self)
             return e

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvstore.arena import Arena
 from kvstore.errors import ConfigError
+from kvstore.tiers.base import BlockEntry
 from kvstore.tiers.slab import SlabTier
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,14 @@ class HostTier(SlabTier):
         self._prefault_thread = threading.Thread(target=self._prefault, daemon=True,
                                                  name="kvstore-arena-prefault")
         self._prefault_thread.start()
+
+    def back(self, entry: BlockEntry) -> None:
+        """Back `entry`'s pages now, unless the prefault has reached them: a disk read into
+        fresh pages faults them in one at a time (2.4 GB/s here), `Arena.populate` backs them
+        at 4.2 GB/s. Best effort: a refusal leaves the read to fault them in."""
+        if entry.offset + entry.length > self.prefaulted_bytes:
+            with contextlib.suppress(OSError):
+                self.arena.populate(entry.offset, entry.length)
 
     def _prefault(self) -> None:
         with contextlib.suppress(AttributeError, OSError):

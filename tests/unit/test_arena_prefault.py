@@ -159,3 +159,18 @@ def test_a_forked_child_unmaps_its_arenas_itself(tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     owner.unlink()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_block_about_to_be_read_into_is_backed_first(tmp_path: Path) -> None:
+    """`HostTier.back`: the daemon backs a block's fresh pages before a disk read into them
+    (`host_prefault` off or not there yet), and only that block's."""
+    tier = HostTier(32 * MIB, shm_dir=tmp_path)
+    try:
+        tier.prepare_store(b"first", b"ns", b"layout", 4 * MIB)  # stays untouched
+        entry = tier.prepare_store(b"second", b"ns", b"layout", 4 * MIB)
+        assert entry is not None
+        before = resident_bytes(tier.arena.path)
+        tier.back(entry)
+        assert resident_bytes(tier.arena.path) - before == 4 * MIB
+    finally:
+        tier.close()
