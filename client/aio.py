@@ -36,7 +36,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvstore.arena import Arena
+from kvstore.arena import Arena, run_at_lowest_priority
 from kvstore.client.backoff import BackoffPolicy, Breaker
 from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
@@ -161,8 +161,7 @@ def prefault_paused() -> contextlib.AbstractContextManager[None]:
 def _prefault(arena: Arena, nbytes: int) -> None:
     """Read one byte of every page of the first `nbytes` of `arena` (reads change nothing the
     daemon or another client holds), at the lowest CPU priority, between copies."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    run_at_lowest_priority()
     step = 8 << 20  # short steps: a copy that starts waits for one step at most
     try:
         for off in range(0, nbytes, step):

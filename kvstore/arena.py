@@ -12,6 +12,7 @@ namespace sharing the same /dev/shm; a lock is released by the kernel when its h
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -40,6 +41,13 @@ _populate_unsupported = False  # the kernel refused MADV_POPULATE_WRITE once: re
 _graveyard: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
+
+
+def run_at_lowest_priority() -> None:
+    """Put the calling thread at nice 19 (where allowed): background page touching (the
+    daemon's and the clients' arena prefaults) then takes only CPU nothing else wants."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _start_reaper() -> None:
@@ -145,6 +153,8 @@ class Arena:
             return
         start = offset - offset % mmap.PAGESIZE
         end = min(offset + length, self.size)
+        if end <= start:  # past the arena's end: nothing to back (and no madvise to misread)
+            return
         if not _populate_unsupported:
             addr = self.array.ctypes.data + start
             if _libc.madvise(addr, end - start, _MADV_POPULATE_WRITE) == 0:

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvstore.arena import Arena
+from kvstore.arena import Arena, run_at_lowest_priority
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import BlockEntry
 from kvstore.tiers.slab import SlabTier
@@ -97,8 +97,7 @@ class HostTier(SlabTier):
                 self.arena.populate(entry.offset, entry.length)
 
     def _prefault(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        run_at_lowest_priority()
         began = time.perf_counter()
         step = 32 << 20  # `close` waits for one step at most
         try:

@@ -4,6 +4,7 @@ while they run; a client's last mapping of an arena is unmapped by a background 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -174,3 +175,49 @@ def test_a_block_about_to_be_read_into_is_backed_first(tmp_path: Path) -> None:
         assert resident_bytes(tier.arena.path) - before == 4 * MIB
     finally:
         tier.close()
+
+
+def test_a_refused_prefault_stops_and_leaves_the_reads_to_back_their_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The kernel refusing to back pages (ENOMEM in a memory-limited cgroup: a fault this
+    machine cannot cause, hence the stand-in) stops the prefault with a warning where it got
+    to; `back` before a read then does nothing and the read faults its pages in itself."""
+    tier = HostTier(64 * MIB, shm_dir=tmp_path)
+    calls: list[int] = []
+
+    def refuse_after_one_step(offset: int, length: int) -> None:
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(tier.arena, "populate", refuse_after_one_step)
+    try:
+        with caplog.at_level("WARNING", logger="kvstore.tiers.host"):
+            tier.start_prefault()
+            assert tier._prefault_thread is not None
+            tier._prefault_thread.join(30)
+        assert tier.prefaulted_bytes == 32 * MIB  # the one step that went through
+        assert "prefault stopped at 32.0 MiB" in caplog.text
+        entry = tier.prepare_store(b"late", b"ns", b"layout", 4 * MIB)
+        assert entry is not None
+        tier.back(entry)  # refused too: no exception reaches the read
+        tier.memview(entry)[:] = b"\x07" * (4 * MIB)
+        assert (tier.arena.array[entry.offset : entry.offset + 4 * MIB] == 7).all()
+    finally:
+        tier.close()
+
+
+def test_populate_past_the_end_backs_nothing_and_keeps_madvise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range past the arena's end is nothing to back, not a kernel refusal: it must not
+    switch the process to the read-touch path for good."""
+    monkeypatch.setattr(arena_mod, "_populate_unsupported", False)  # restored after the test
+    arena = Arena.create(tmp_path, 8 * MIB)
+    try:
+        arena.populate(arena.size, 4 * MIB)
+        arena.populate(arena.size + 4096, 4096)
+        assert not arena_mod._populate_unsupported
+        assert resident_bytes(arena.path) == 0
+    finally:
+        arena.unlink()
