@@ -241,6 +241,9 @@ class AsyncKVClient:
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
         self._arena_id = ""
+        # Register each arena this client maps with CUDA (`Arena.pin`): set by integrations
+        # whose engine copies to a GPU, so those copies are DMA out of page-locked memory.
+        self.pin_arena = False
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
         # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
@@ -727,6 +730,8 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
+        if self.pin_arena:
+            self._arena.pin()  # once per mapping (a restarted daemon's arena: again)
         return self._arena
 
     async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,

@@ -141,8 +141,11 @@ class KVClient:
     def ping(self) -> bool:
         return self._run(self._aio.ping(), False)
 
-    def prepare(self) -> bool:
-        """See `AsyncKVClient.prepare`: map the daemon's arena now."""
+    def prepare(self, pin: bool = False) -> bool:
+        """See `AsyncKVClient.prepare`: map the daemon's arena now. With `pin` (an engine on a
+        GPU), register it, and any arena mapped later, with CUDA (`Arena.pin`)."""
+        if pin:
+            self._aio.pin_arena = True
         return self._run(self._aio.prepare(), False)
 
     def close(self) -> None:

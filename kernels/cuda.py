@@ -120,5 +120,7 @@ def launch(
         # queued behind the upload on this stream has read it.
         meta = host_meta.pin_memory().to(device, non_blocking=True)
     args = kernel_arguments(plan, meta.data_ptr(), page_ids.numel())
-    with cupy.cuda.Device(index), cupy.cuda.Stream.from_external(stream):
-        kernel(plan.grid, plan.block, args)
+    # The caller's stream by its raw handle (cupy's ExternalStream), passed explicitly.
+    on = cupy.cuda.ExternalStream(int(stream.cuda_stream), index)
+    with cupy.cuda.Device(index):
+        kernel(plan.grid, plan.block, args, stream=on)

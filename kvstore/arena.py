@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import queue
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: back pages as a write would, writing nothing
+log = logging.getLogger("kvstore.arena")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
@@ -77,7 +79,17 @@ def _reap() -> None:
         deadline = time.monotonic() + 1.0
         while sys.getrefcount(held) > 2 and time.monotonic() < deadline:
             time.sleep(0.001)
+        _unpin(held[-1] if isinstance(held[-1], int) else 0)
         del held
+
+
+def _unpin(address: int) -> None:
+    """Unregister a mapping `Arena.pin` registered with CUDA, before it is unmapped (pages
+    left registered would stay locked, and a later mapping at that address fail to pin)."""
+    if address:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 class Arena:
@@ -117,6 +129,8 @@ class Arena:
         self.array = (np.frombuffer(self._mmap, dtype=np.uint8) if self._mmap is not None
                       else np.zeros(0, dtype=np.uint8))
         self._tensor: torch.Tensor | None = None
+        self._pinned_at = 0  # the address `pin` registered with CUDA; 0: not registered
+        self._pin_lock = threading.Lock()
         if self._mmap is not None:
             _start_reaper()
 
@@ -126,10 +140,39 @@ class Arena:
         client lets go of a restarted daemon's old arena inside its next call (a 0.7 s first
         load in vLLM after a restart), which must not wait for that."""
         mapping = (getattr(self, "_tensor", None), getattr(self, "array", None),
-                   getattr(self, "_mmap", None))
+                   getattr(self, "_mmap", None), getattr(self, "_pinned_at", 0))
         if mapping[2] is not None and _reaper is not None and not sys.is_finalizing():
             self._tensor = self.array = self._mmap = None  # type: ignore[assignment]
             _graveyard.put(mapping)
+        elif mapping[3] and not sys.is_finalizing():
+            _unpin(mapping[3])  # unmapped here, as the references go: unregistered first
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA as page-locked memory (`cudaHostRegister`), once: a
+        GPU then copies to and from it by DMA at the bus rate, asynchronously (53 GB/s on an
+        H100's host, against 7.4 GB/s for the same copy out of pageable memory: docs/GPU.md).
+        It locks every page of the mapping (the daemon's arena is all resident anyway) and
+        takes about a second per 10 GiB. False where there is no CUDA or it was refused."""
+        with self._pin_lock:
+            if self._pinned_at or self._mmap is None or self.size == 0:
+                return bool(self._pinned_at)
+            import torch
+
+            if not torch.cuda.is_available():
+                return False
+            address = self.array.ctypes.data
+            rc = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                address, self.size, 0)
+            if int(rc) != 0:
+                log.warning("cudaHostRegister of arena %s failed (%s): GPU copies out of it "
+                            "run from pageable memory", self.path, rc)
+                return False
+            self._pinned_at = address
+            return True
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pinned_at)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -14,11 +14,13 @@ never costs more than recomputing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,12 +75,14 @@ class KVBuffers:
     back to its own), so a cache the caller still holds, or any view of one, is never
     overwritten: while it is taken, a load allocates fresh tensors as before."""
 
-    def __init__(self, layout: KVLayout, tokens: int) -> None:
+    def __init__(self, layout: KVLayout, tokens: int,
+                 device: str | torch.device = "cpu") -> None:
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ValueError(f"KVBuffers needs a positive number of tokens, got {tokens!r}")
-        self.layout, self.tokens = layout, tokens
+        self.layout, self.tokens, self.device = layout, tokens, torch.device(device)
         shape = (layout.num_layers, 2, 1, layout.num_kv_heads, tokens, layout.head_dim)
-        self._memory = torch.zeros(shape, dtype=layout.torch_dtype)  # zeros: touched now
+        self._memory = torch.zeros(shape, dtype=layout.torch_dtype,  # zeros: touched now
+                                   device=self.device)
         self._idle = _storage_uses(self._memory)
         self._lock = threading.Lock()  # two threads never both find it idle
 
@@ -99,7 +103,8 @@ class KVBuffers:
 
 def fetch_cache(client: KVClient, tokens: torch.Tensor,
                 max_blocks: int | None = None, room: int = 1,
-                buffers: KVBuffers | None = None) -> tuple[int, Any]:
+                buffers: KVBuffers | None = None,
+                device: str | torch.device = "cpu") -> tuple[int, Any]:
     """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
     `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
     `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again, and none
@@ -107,7 +112,8 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     last token, and any decoded after it), which the forward writes in place
     (`roomy_cache`) where a plain `DynamicCache` would concatenate, copying the whole prefix
     once when the cache is built and again at every forward. With `buffers` (idle and large
-    enough), the tensors are theirs: memory already touched (`KVBuffers`).
+    enough), the tensors are theirs: memory already touched (`KVBuffers`). On a CUDA
+    `device` each block crosses to the device in one copy and is transposed there.
 
     Returns (cached tokens, cache), or (0, None) on a miss."""
     layout = client.layout
@@ -115,15 +121,17 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
     if blocks <= 0:
         return 0, None
-    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers)
-
+    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
+                                  device)
+    on = keys[0].device
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
-        with torch.inference_mode(inference):
+        with torch.inference_mode(inference), _copies_done_on_return(on):
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks copied in full: the prefix kept
+                view = _to(view, on)  # a CUDA cache: the whole block crosses in one copy
                 for layer in range(layout.num_layers):
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
         return len(indices)
@@ -153,7 +161,8 @@ class Loading:
 
 
 def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
-                      buffers: KVBuffers | None = None) -> tuple[Any, Loading]:
+                      buffers: KVBuffers | None = None,
+                      device: str | torch.device = "cpu") -> tuple[Any, Loading]:
     """`fetch_cache`'s copy, started in the background for the `blocks` blocks a lookup
     found, layer by layer: the returned cache's layer l waits (in its first `update`, i.e.
     in the forward, at layer l's attention) only for layer l's K/V, so the forward of the
@@ -163,7 +172,9 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
     forward must be thrown away."""
     layout = client.layout
     bt = layout.block_tokens
-    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers)
+    keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
+                                  device)
+    on = keys[0].device
     loading = Loading(layout.num_layers)
     inference = torch.is_inference_mode_enabled()
 
@@ -171,12 +182,15 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # Layer by layer over the blocks of this call: when it covers the whole prefix (a
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
-        with torch.inference_mode(inference):
+        with torch.inference_mode(inference), _copies_done_on_return(on):
             for layer in range(layout.num_layers):
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
                         return 0  # stopped between layers: no block is whole in all of them
-                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
+                    # A CUDA cache: this layer of the block crosses in one copy (its
+                    # `[2, bt, heads, dim]` is contiguous in the block).
+                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt),
+                             _to(view[layer : layer + 1], on), src_layer=0)
                 if whole:
                     loading.ready[layer].set()
         return len(indices)
@@ -196,23 +210,50 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
 
 
 def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
-             view: torch.Tensor) -> None:
-    """One layer of one stored block (`view`: `[layers, 2, bt, heads, dim]`) into the cache's
-    `[1, heads, tokens, dim]` K and V at `span`."""
-    keys[layer][0, :, span].copy_(view[layer, 0].transpose(0, 1))
-    values[layer][0, :, span].copy_(view[layer, 1].transpose(0, 1))
+             view: torch.Tensor, src_layer: int | None = None) -> None:
+    """One layer of one stored block (`view`: `[layers, 2, bt, heads, dim]`; its layer
+    `src_layer`, default `layer`) into the cache's `[1, heads, tokens, dim]` K and V at
+    `span`."""
+    src = layer if src_layer is None else src_layer
+    keys[layer][0, :, span].copy_(view[src, 0].transpose(0, 1))
+    values[layer][0, :, span].copy_(view[src, 1].transpose(0, 1))
+
+
+def _to(view: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`view` (daemon memory) on `device`: itself on the CPU. To a GPU it crosses whole, in
+    one copy, and is transposed there: one transposing copy per layer across the bus would
+    be two small copies each. From a pinned arena (`KVClient.prepare(pin=True)`) the copy is
+    queued only; `_copies_done_on_return` waits for it before the daemon may reuse the
+    block's memory."""
+    return view if view.device == device else view.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def _copies_done_on_return(device: torch.device) -> Iterator[None]:
+    """Around a `fetch_with` copy into a cache on `device`: on a GPU, wait for the queued
+    copies before returning (the fetch's lease then ends and the daemon may reuse the
+    memory they read)."""
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
+                   device: str | torch.device = "cpu",
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's `[1, heads, capacity, head_dim]` K and V: the reserved buffers when they
-    are idle and large enough, else new ones (untouched pages cost nothing until filled)."""
-    taken = None if buffers is None else buffers.take(capacity)
+    """Each layer's `[1, heads, capacity, head_dim]` K and V on `device`: the reserved
+    buffers when they are there, idle and large enough, else new ones (untouched pages cost
+    nothing until filled)."""
+    device = torch.device(device)
+    taken = None if buffers is None or buffers.device != device else buffers.take(capacity)
     if taken is not None:
         return taken
     shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
-    return ([torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)],
-            [torch.empty(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)])
+    dtype = layout.torch_dtype
+    return ([torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)],
+            [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)])
 
 
 def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
@@ -312,6 +353,13 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks written in full: only they are committed
                 span = slice(i * bt, (i + 1) * bt)
+                if cache.layers[0].keys.device.type != "cpu":
+                    # Transposed on the device, then one copy across for the whole block.
+                    view.copy_(torch.stack([
+                        torch.stack((lc.keys[0, :, span].transpose(0, 1),
+                                     lc.values[0, :, span].transpose(0, 1)))
+                        for lc in cache.layers]))
+                    continue
                 for layer, lc in enumerate(cache.layers):
                     view[layer, 0].copy_(lc.keys[0, :, span].transpose(0, 1))
                     view[layer, 1].copy_(lc.values[0, :, span].transpose(0, 1))
@@ -374,7 +422,10 @@ class CachedPrefill:
         # This engine's prefill time by prompt length, from its forward passes over whole
         # prompts of at least one block (always kept; the planner uses it in "online" mode).
         self.prefill_model = PrefillModel()
-        self.buffers = KVBuffers(client.layout, reserve_tokens) if reserve_tokens else None
+        # Loaded K/V go where the model runs: a CUDA model's cache is on its GPU.
+        self.device = next(model.parameters()).device
+        self.buffers = KVBuffers(client.layout, reserve_tokens, self.device) \
+            if reserve_tokens else None
         expected = layout_for_model(model, client.layout.block_tokens, client.layout.model,
                                     client.layout.model_revision)
         if expected != client.layout:
@@ -382,7 +433,8 @@ class CachedPrefill:
                              f"KV cache {expected}")
         # Map the daemon's arena now, as vLLM's connector does at engine start: its prefault
         # then runs between requests, not inside the first prefill after the first publish.
-        client.prepare()
+        # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
+        client.prepare(pin=self.device.type == "cuda")
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
@@ -397,7 +449,7 @@ class CachedPrefill:
                  decode_tokens: int) -> PrefillResult:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
-        tokens = input_ids[0]
+        tokens = input_ids[0].cpu()  # the keys are hashed on the CPU
         n = tokens.shape[0]
         start = time.perf_counter()
         plan = self.plan(tokens) if n > 1 else None
@@ -412,7 +464,8 @@ class CachedPrefill:
             # The copy runs beside the forward, layer by layer (`start_fetch_cache`).
             cached = blocks * bt
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
-                                               room=1 + decode_tokens, buffers=self.buffers)
+                                               room=1 + decode_tokens, buffers=self.buffers,
+                                               device=self.device)
             out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
                              use_cache=True)
             got = loading.finish()
@@ -425,7 +478,8 @@ class CachedPrefill:
                 out, cache, cached = None, None, 0
                 if got:
                     cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
-                                                room=1 + decode_tokens, buffers=self.buffers)
+                                                room=1 + decode_tokens, buffers=self.buffers,
+                                                device=self.device)
         if out is None:
             if cache is None:
                 from transformers import DynamicCache
@@ -435,6 +489,8 @@ class CachedPrefill:
             out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
                              use_cache=True)
         logits = out.logits[0, -1].float()
+        if logits.is_cuda:  # the first token exists once the device has computed it
+            torch.cuda.synchronize(logits.device)
         ttft = time.perf_counter() - start
         if cached == 0 and n >= self.client.layout.block_tokens:
             self.prefill_model.observe(n, time.perf_counter() - began)
@@ -485,7 +541,7 @@ class CachedPrefill:
         for _ in range(max_new_tokens):
             nxt = int(torch.argmax(logits))
             out.append(nxt)
-            step = self.model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
-                              use_cache=True)
+            step = self.model(input_ids=torch.tensor([[nxt]], device=self.device),
+                              past_key_values=cache, use_cache=True)
             cache, logits = step.past_key_values, step.logits[0, -1].float()
         return out, first

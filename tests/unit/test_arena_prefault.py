@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import kvstore.arena as arena_mod
 from kvstore.arena import Arena
@@ -221,3 +222,13 @@ def test_populate_past_the_end_backs_nothing_and_keeps_madvise(
         assert resident_bytes(arena.path) == 0
     finally:
         arena.unlink()
+
+
+def test_pin_without_cuda_says_so_and_changes_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device exists here: tests/integration/test_hf_cuda.py pins")
+    arena = Arena.create(tmp_path, 1 << 20)
+    arena.tensor[:8] = 7
+    assert arena.pin() is False and not arena.pinned
+    assert arena.tensor[:8].tolist() == [7] * 8
+    arena.unlink()

@@ -1,0 +1,184 @@
+"""TTFT on a GPU through the transformers integration (issue 19, step 4): a random-weight
+model with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm
+from the host tier, each against its physical floor, logits compared.
+
+    python -m benchmarks.gpu_ttft --lengths 8192,16384,32768      # on the GPU machine
+
+Per length, in one run: the full prefill (recompute), a cold `CachedPrefill.prefill` that
+publishes the prompt, then warm prefills from the daemon's host tier. The floor of a warm
+prefill is the suffix forward over a cache already on the device plus the prefix's K/V bytes
+at the host-to-device rate of pinned memory measured here (`floor_s`); `floor_pageable_s`
+uses the pageable rate, which the integration's copies out of the daemon's mapping (not
+pinned in the client) get. The warm logits are compared bit for bit with the model's own
+computation over the same split (prefix forward, then the suffix over that cache: the same
+number of computed tokens), and to the full recompute by their largest difference and
+argmax. `--device cpu --layers 2 --hidden 256` runs it small on a CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import require, table, write_results
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.server.process import DaemonProcess
+
+
+def llama3_8b(layers: int, hidden: int, device: str, seed: int = 0) -> Any:
+    """Llama-3-8B's architecture (hidden 4096, 32 layers, 32 query and 8 KV heads of 128,
+    MLP 14336, vocabulary 128256) with random bf16 weights, built on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, hidden // 128)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=max(1, heads // 4), head_dim=128,
+                      max_position_embeddings=131072, rope_theta=500000.0,
+                      initializer_range=0.05, name_or_path="kvstore-gpu/llama-3-8b-arch")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Any, device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def h2d_rates(nbytes: int, device: torch.device) -> dict[str, float]:
+    """Host-to-device GB/s of `nbytes`, from pageable and from pinned memory (median of 5)."""
+    if device.type != "cuda":
+        return {}
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for kind in ("pageable", "pinned"):
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        if kind == "pinned":
+            src = src.pin_memory()
+        times = [timed(lambda s=src: dst.copy_(s, non_blocking=True), device)[0]
+                 for _ in range(6)][1:]
+        rates[kind] = nbytes / statistics.median(times) / 1e9
+    return rates
+
+
+@torch.inference_mode()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="8192,16384,32768", help="cached prefix lengths")
+    p.add_argument("--suffix", type=int, default=32, help="new tokens after the prefix")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--host-bytes", default="16GiB")
+    p.add_argument("--data-dir", default="/tmp/kvstore-gpu-ttft")
+    p.add_argument("--out", default="gpu_ttft", help="results name (benchmarks/results)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    lengths = [int(x) for x in args.lengths.split(",")]
+
+    model = llama3_8b(args.layers, args.hidden, args.device)
+    layout = layout_for_model(model, block_tokens=256)
+    print(f"model: {sum(t.numel() for t in model.parameters()) / 1e9:.2f} B parameters, "
+          f"{layout.block_bytes / 2**20:.0f} MiB of K/V per 256-token block")
+    rates = h2d_rates(1 << 30, device)
+    print("host->device GB/s:", {k: round(v, 1) for k, v in rates.items()})
+
+    daemon = DaemonProcess(Path(args.data_dir), "--host-bytes", args.host_bytes,
+                           "--disk-bytes", "0")
+    daemon.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        with KVClient(daemon.target, layout, deadline_s=120) as client:
+            engine = CachedPrefill(model, client)
+            gen = torch.Generator().manual_seed(1)
+            warm_up = torch.randint(0, 128256, (1, 512), generator=gen).to(device)
+            timed(lambda: model(input_ids=warm_up), device)  # kernels loaded, allocator warm
+            for n in tqdm(lengths, desc="lengths"):
+                rows.append(one_length(model, engine, client, n, args, rates, gen))
+                print(table([rows[-1]], list(rows[-1])), flush=True)
+    finally:
+        daemon.stop()
+    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "floor_s", "floor_pageable_s",
+               "warm_over_floor",
+               "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
+               "argmax_equal"]
+    print(table(rows, columns))
+    path = write_results(args.out, {"device": torch.cuda.get_device_name(device)
+                                    if device.type == "cuda" else "cpu",
+                                    "h2d_GBps": rates, "rows": rows, "args": vars(args)})
+    print(f"wrote {path}")
+
+
+def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
+               args: argparse.Namespace, rates: dict[str, float],
+               gen: torch.Generator) -> dict[str, Any]:
+    device = torch.device(args.device)
+    client.clear()
+    prompt = torch.randint(0, 128256, (1, n + args.suffix), generator=gen).to(device)
+    full = [timed(lambda: model(input_ids=prompt, logits_to_keep=1), device)
+            for _ in range(args.repeats)]
+    recompute_s = statistics.median(t for t, _ in full)
+    ref_logits = full[-1][1].logits[0, -1].float()
+    del full
+
+    cold = engine.prefill(prompt)  # computes and publishes
+    require(cold.cached_tokens == 0, f"{n}: the first prefill was not cold")
+    require(cold.published_tokens >= n, f"{n}: published {cold.published_tokens} of {n}")
+    del cold
+    warm = []
+    for _ in range(args.repeats):
+        r = engine.prefill(prompt, publish=False)
+        require(r.cached_tokens == n, f"{n}: warm prefill loaded {r.cached_tokens} tokens")
+        warm.append(r)
+        del r
+    warm_s = statistics.median(r.ttft_s for r in warm)
+    warm_logits = warm[-1].logits
+    del warm
+
+    # The same split computed by the model itself: prefix forward, suffix over its cache.
+    cache = model(input_ids=prompt[:, :n], use_cache=True, logits_to_keep=1).past_key_values
+    suffix_s, out = timed(lambda: model(input_ids=prompt[:, n:], past_key_values=cache,
+                                        use_cache=True), device)
+    own_logits = out.logits[0, -1].float()
+    del out
+    kv_bytes = n * client.layout.block_bytes // client.layout.block_tokens
+    def floor(kind: str) -> float:
+        rate = rates.get(kind, 0.0)
+        return suffix_s + (kv_bytes / (rate * 1e9) if rate else 0.0)
+
+    return {"prefix_tokens": n, "recompute_s": recompute_s, "warm_host_s": warm_s,
+            "floor_s": floor("pinned"), "warm_over_floor": warm_s / floor("pinned"),
+            "floor_pageable_s": floor("pageable"),
+            "speedup": recompute_s / warm_s, "suffix_s": suffix_s,
+            "kv_gib": kv_bytes / 2**30,
+            "bitwise_same_split": bool(torch.equal(warm_logits, own_logits)),
+            "max_abs_vs_recompute": float((warm_logits - ref_logits).abs().max()),
+            "argmax_equal": bool(warm_logits.argmax() == ref_logits.argmax())}
+
+
+if __name__ == "__main__":
+    main()

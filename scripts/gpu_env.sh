@@ -1,0 +1,5 @@
+# Source on a lent GPU machine (issue 19): installs the carried wheels (.whl) into /tmp/site,
+# puts them and the repository on PYTHONPATH. See docs/GPU.md.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

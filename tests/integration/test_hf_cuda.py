@@ -1,0 +1,68 @@
+"""transformers + kvstore with the model on a GPU: the loaded prefix lands in a CUDA cache
+(each block crosses in one copy, transposed on the device), and the outputs are the model's
+own over the same split, bit for bit. Run on a GPU machine: `pytest -m gpu` (docs/GPU.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+
+def llama_on(device: str) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=4096, initializer_range=0.3,
+                                   name_or_path="tiny-llama-cuda")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval()
+
+
+@torch.inference_mode()
+def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int,
+              ) -> tuple[torch.Tensor, list[int]]:
+    """The model's own computation over the same split: prefix, then suffix, then greedy."""
+    cache = model(ids[:, :cached], use_cache=True).past_key_values
+    out = model(ids[:, cached:], past_key_values=cache, use_cache=True)
+    first, logits, tokens = out.logits[0, -1].float(), out.logits[0, -1].float(), []
+    for _ in range(steps):
+        tokens.append(int(torch.argmax(logits)))
+        out = model(torch.tensor([[tokens[-1]]], device=ids.device),
+                    past_key_values=out.past_key_values, use_cache=True)
+        logits = out.logits[0, -1].float()
+    assert len(set(tokens)) > 1, f"degenerate test model: {tokens}"
+    return first, tokens
+
+
+@pytest.mark.parametrize("reserve", [0, 1200])
+def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve):
+    model = llama_on("cuda")
+    layout = layout_for_model(model, block_tokens=64)
+    ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(4)).cuda()
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c, reserve_tokens=reserve)
+        # A model on a GPU has the daemon's arena pinned in this process: loads are DMA.
+        assert c._aio._arena is not None and c._aio._arena.pinned
+        cold = engine.prefill(ids)
+        assert cold.cached_tokens == 0 and cold.published_tokens == 960
+        tokens, warm = engine.generate(ids, 24)
+    assert warm.cached_tokens == 960 and warm.computed_tokens == 40
+    assert warm.cache.layers[0].keys.is_cuda
+    want_logits, want_tokens = own_split(model, ids, 960, 24)
+    assert torch.equal(warm.logits, want_logits)
+    assert tokens == want_tokens
+    # The published bytes are the cache's: what came back equals the model's own prefix K/V.
+    own = model(ids[:, :960], use_cache=True).past_key_values
+    for got, want in zip(warm.cache.layers, own.layers, strict=True):
+        assert torch.equal(got.keys[..., :960, :], want.keys)
+        assert torch.equal(got.values[..., :960, :], want.values)
