@@ -1,6 +1,8 @@
 """TTFT on a GPU through the transformers integration (issue 19, step 4): a random-weight
 model with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm
-from the host tier, each against its physical floor, logits compared.
+from the host tier, each against its physical floor, logits compared. Warm loads are timed
+both ways a CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's
+copies, `warm_torch_copy_s`).
 
     python -m benchmarks.gpu_ttft --lengths 8192,16384,32768      # on the GPU machine
 
@@ -28,6 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.common import require, table, write_results
 from kvstore.client import KVClient
+from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
 from kvstore.server.process import DaemonProcess
 
@@ -122,8 +125,8 @@ def main() -> None:
                 print(table([rows[-1]], list(rows[-1])), flush=True)
     finally:
         daemon.stop()
-    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "floor_s", "floor_pageable_s",
-               "warm_over_floor",
+    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
+               "floor_pageable_s", "warm_over_floor",
                "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
                "argmax_equal"]
     print(table(rows, columns))
@@ -149,15 +152,18 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
     require(cold.cached_tokens == 0, f"{n}: the first prefill was not cold")
     require(cold.published_tokens >= n, f"{n}: published {cold.published_tokens} of {n}")
     del cold
-    warm = []
-    for _ in range(args.repeats):
-        r = engine.prefill(prompt, publish=False)
-        require(r.cached_tokens == n, f"{n}: warm prefill loaded {r.cached_tokens} tokens")
-        warm.append(r)
-        del r
-    warm_s = statistics.median(r.ttft_s for r in warm)
-    warm_logits = warm[-1].logits
-    del warm
+    warm_s, warm_logits = {}, {}
+    for mode in ("kernel", "torch"):  # hf.CUDA_LOAD: how the load copies into the cache
+        hf.CUDA_LOAD = mode  # type: ignore[assignment]
+        times = []
+        for _ in range(args.repeats):
+            r = engine.prefill(prompt, publish=False)
+            require(r.cached_tokens == n, f"{n}: warm prefill loaded {r.cached_tokens} tokens")
+            times.append(r.ttft_s)
+            warm_logits[mode] = r.logits
+            del r
+        warm_s[mode] = statistics.median(times)
+    hf.CUDA_LOAD = "kernel"
 
     # The same split computed by the model itself: prefix forward, suffix over its cache.
     cache = model(input_ids=prompt[:, :n], use_cache=True, logits_to_keep=1).past_key_values
@@ -170,14 +176,18 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
         rate = rates.get(kind, 0.0)
         return suffix_s + (kv_bytes / (rate * 1e9) if rate else 0.0)
 
-    return {"prefix_tokens": n, "recompute_s": recompute_s, "warm_host_s": warm_s,
-            "floor_s": floor("pinned"), "warm_over_floor": warm_s / floor("pinned"),
+    best = min(warm_s.values())
+    return {"prefix_tokens": n, "recompute_s": recompute_s,
+            "warm_host_s": warm_s[hf.CUDA_LOAD], "warm_torch_copy_s": warm_s["torch"],
+            "floor_s": floor("pinned"), "warm_over_floor": warm_s[hf.CUDA_LOAD] / floor("pinned"),
             "floor_pageable_s": floor("pageable"),
-            "speedup": recompute_s / warm_s, "suffix_s": suffix_s,
-            "kv_gib": kv_bytes / 2**30,
-            "bitwise_same_split": bool(torch.equal(warm_logits, own_logits)),
-            "max_abs_vs_recompute": float((warm_logits - ref_logits).abs().max()),
-            "argmax_equal": bool(warm_logits.argmax() == ref_logits.argmax())}
+            "speedup": recompute_s / warm_s[hf.CUDA_LOAD], "best_warm_s": best,
+            "suffix_s": suffix_s, "kv_gib": kv_bytes / 2**30,
+            "bitwise_same_split": all(torch.equal(x, own_logits) for x in warm_logits.values()),
+            "max_abs_vs_recompute": max(float((x - ref_logits).abs().max())
+                                        for x in warm_logits.values()),
+            "argmax_equal": all(bool(x.argmax() == ref_logits.argmax())
+                                for x in warm_logits.values())}
 
 
 if __name__ == "__main__":

@@ -15,5 +15,5 @@ want copy && section "gpu_copy" 150 python3 -m benchmarks.gpu_copy ${COPY_ARGS:-
 want ttft && section "gpu_ttft" 240 python3 -m benchmarks.gpu_ttft ${TTFT_ARGS:-} 2>&1 | tee "$OUT/gpu_ttft.log" | grep -v "it/s" | tail -12
 cp benchmarks/results/gpu_*.json "$OUT/" 2>/dev/null
 want suite && section "suite on the GPU machine" 240 python3 -m pytest -p no:cacheprovider -q -n 12 -rf \
-    tests/unit tests/integration tests/fault 2>&1 | tee "$OUT/suite.log" | tail -15
+    ${SUITE_PATHS:-tests/unit tests/integration tests/fault} 2>&1 | tee "$OUT/suite.log" | tail -15
 exit 0

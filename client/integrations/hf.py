@@ -131,6 +131,8 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks copied in full: the prefix kept
+                if _kernel_scatter(keys, values, i, view):
+                    continue
                 view = _to(view, on)  # a CUDA cache: the whole block crosses in one copy
                 for layer in range(layout.num_layers):
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
@@ -183,6 +185,17 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
         with torch.inference_mode(inference), _copies_done_on_return(on):
+            if on.type == "cuda" and _kernel_scatter_ready(views):
+                # The copy kernel moves every layer of a block in one launch: released all
+                # at once, once queued (the forward's kernels queue behind them).
+                for i, view in zip(indices, views, strict=True):
+                    if stop.is_set():
+                        return 0  # the layers' events are set by `run`, the load is short
+                    _kernel_scatter(keys, values, i, view)
+                if whole:
+                    for event in loading.ready:
+                        event.set()
+                return len(indices)
             for layer in range(layout.num_layers):
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
@@ -226,6 +239,32 @@ def _to(view: torch.Tensor, device: torch.device) -> torch.Tensor:
     queued only; `_copies_done_on_return` waits for it before the daemon may reuse the
     block's memory."""
     return view if view.device == device else view.to(device, non_blocking=True)
+
+
+CUDA_LOAD: Literal["kernel", "torch"] = "kernel"
+"""How a load into a CUDA cache copies out of a pinned arena: `kernel`, kvstore's copy kernel
+reads each block across the bus and writes all its layers into K and V in one launch; `torch`,
+each block (or layer of one) crosses by DMA and is transposed on the device, two launches per
+layer and block. benchmarks/gpu_ttft.py measures both (docs/GPU.md). From memory that is not
+pinned both fall back to `torch`."""
+
+
+def _kernel_scatter_ready(views: list[torch.Tensor]) -> bool:
+    return CUDA_LOAD == "kernel" and bool(views) and views[0].is_pinned()
+
+
+def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], block: int,
+                    view: torch.Tensor) -> bool:
+    """Block `block` of a CUDA cache from `view` (pinned daemon memory) by the copy kernel, all
+    layers in one launch, queued on the current stream; False (nothing done) where it does not
+    apply: a CPU cache, memory not pinned, or `CUDA_LOAD` says torch."""
+    if not keys[0].is_cuda or not _kernel_scatter_ready([view]):
+        return False
+    from kvstore import kernels
+    from kvstore.kernels import EngineKV
+
+    kernels.scatter(view.unsqueeze(0), EngineKV.transformers(keys, values), [[block]])
+    return True
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvstore.client import KVClient
+from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -45,7 +46,9 @@ def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int
 
 
 @pytest.mark.parametrize("reserve", [0, 1200])
-def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve):
+@pytest.mark.parametrize("copy", ["kernel", "torch"])
+def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, monkeypatch):
+    monkeypatch.setattr(hf, "CUDA_LOAD", copy)
     model = llama_on("cuda")
     layout = layout_for_model(model, block_tokens=64)
     ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(4)).cuda()
