@@ -126,7 +126,7 @@ def main() -> None:
     finally:
         daemon.stop()
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
-               "floor_pageable_s", "warm_over_floor",
+               "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s",
                "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
                "argmax_equal"]
     print(table(rows, columns))
@@ -164,6 +164,14 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
             del r
         warm_s[mode] = statistics.median(times)
     hf.CUDA_LOAD = "kernel"
+    # Where a warm prefill's time goes: the lookup (hashing and one call), then the fetch
+    # alone into a CUDA cache (the copy kernel), each the median of `repeats`.
+    ids = prompt[0, : n + args.suffix - 1].cpu()
+    lookup_s = statistics.median(timed(lambda: client.lookup(ids), device)[0]
+                                 for _ in range(args.repeats))
+    fetch_s = statistics.median(
+        timed(lambda: hf.fetch_cache(client, ids, n // client.layout.block_tokens,
+                                     device=device), device)[0] for _ in range(args.repeats))
 
     # The same split computed by the model itself: prefix forward, suffix over its cache.
     cache = model(input_ids=prompt[:, :n], use_cache=True, logits_to_keep=1).past_key_values
@@ -182,7 +190,8 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
             "floor_s": floor("pinned"), "warm_over_floor": warm_s[hf.CUDA_LOAD] / floor("pinned"),
             "floor_pageable_s": floor("pageable"),
             "speedup": recompute_s / warm_s[hf.CUDA_LOAD], "best_warm_s": best,
-            "suffix_s": suffix_s, "kv_gib": kv_bytes / 2**30,
+            "suffix_s": suffix_s, "lookup_s": lookup_s, "fetch_s": fetch_s,
+            "kv_gib": kv_bytes / 2**30,
             "bitwise_same_split": all(torch.equal(x, own_logits) for x in warm_logits.values()),
             "max_abs_vs_recompute": max(float((x - ref_logits).abs().max())
                                         for x in warm_logits.values()),
