@@ -2,7 +2,9 @@
 model with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm
 from the host tier, each against its physical floor, logits compared. Warm loads are timed
 both ways a CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's
-copies, `warm_torch_copy_s`).
+copies, `warm_torch_copy_s`). `hbm_best_s` is what a daemon-held HBM slab could give at best:
+the prefix already in device memory, scattered into the cache by the kernel, then the suffix
+(no lookup, lease or IPC counted).
 
     python -m benchmarks.gpu_ttft --lengths 8192,16384,32768      # on the GPU machine
 
@@ -86,6 +88,37 @@ def h2d_rates(nbytes: int, device: torch.device) -> dict[str, float]:
     return rates
 
 
+def in_device_memory(cache: Any, layout: Any, n: int) -> torch.Tensor:
+    """The prefix's blocks as a daemon's HBM slab would hold them: `[blocks, layers, 2, bt,
+    heads, dim]` in device memory (gathered from the model's own cache by the copy kernel)."""
+    from kvstore import kernels
+    from kvstore.kernels import EngineKV
+
+    engine = EngineKV.transformers([lc.keys for lc in cache.layers],
+                                   [lc.values for lc in cache.layers])
+    blocks = n // layout.block_tokens
+    out = torch.empty(kernels.staging_shape(engine, blocks, layout.block_tokens),
+                      dtype=layout.torch_dtype, device=cache.layers[0].keys.device)
+    kernels.gather(engine, out, [[b] for b in range(blocks)])
+    return out
+
+
+def from_device_memory(model: Any, slab: torch.Tensor, prompt: torch.Tensor, n: int,
+                       layout: Any) -> torch.Tensor:
+    """An HBM tier's best case (issue 15's decision): the prefix scattered by the copy kernel
+    from device memory (as a slab reached through CUDA IPC would be, with no lease or lookup)
+    into a fresh cache, then the suffix. Returns the last token's logits."""
+    from kvstore import kernels
+    from kvstore.kernels import EngineKV
+
+    keys, values = hf._cache_tensors(layout, prompt.shape[1] + 1, None, prompt.device)
+    kernels.scatter(slab, EngineKV.transformers(keys, values),
+                    [[b] for b in range(slab.shape[0])])
+    out = model(input_ids=prompt[:, n:], past_key_values=hf.roomy_cache(keys, values, n),
+                use_cache=True)
+    return out.logits[0, -1].float()
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
@@ -126,7 +159,7 @@ def main() -> None:
     finally:
         daemon.stop()
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
-               "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s",
+               "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s", "hbm_best_s",
                "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
                "argmax_equal"]
     print(table(rows, columns))
@@ -175,10 +208,21 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
 
     # The same split computed by the model itself: prefix forward, suffix over its cache.
     cache = model(input_ids=prompt[:, :n], use_cache=True, logits_to_keep=1).past_key_values
+    hbm: torch.Tensor | None = in_device_memory(cache, client.layout, n)  # (CPU: a smoke test)
     suffix_s, out = timed(lambda: model(input_ids=prompt[:, n:], past_key_values=cache,
                                         use_cache=True), device)
     own_logits = out.logits[0, -1].float()
     del out
+    hbm_s, hbm_same = float("nan"), None
+    if hbm is not None:
+        times = []
+        for _ in range(args.repeats):
+            t, logits = timed(lambda: from_device_memory(model, hbm, prompt, n,
+                                                         client.layout), device)
+            times.append(t)
+            hbm_same = torch.equal(logits, own_logits) if hbm_same in (None, True) else False
+        hbm_s = statistics.median(times)
+        del hbm
     kv_bytes = n * client.layout.block_bytes // client.layout.block_tokens
     def floor(kind: str) -> float:
         rate = rates.get(kind, 0.0)
@@ -191,6 +235,7 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
             "floor_pageable_s": floor("pageable"),
             "speedup": recompute_s / warm_s[hf.CUDA_LOAD], "best_warm_s": best,
             "suffix_s": suffix_s, "lookup_s": lookup_s, "fetch_s": fetch_s,
+            "hbm_best_s": hbm_s, "hbm_bitwise_same_split": hbm_same,
             "kv_gib": kv_bytes / 2**30,
             "bitwise_same_split": all(torch.equal(x, own_logits) for x in warm_logits.values()),
             "max_abs_vs_recompute": max(float((x - ref_logits).abs().max())

@@ -128,11 +128,12 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference), _copies_done_on_return(on):
+            queued = _kernel_scatter(keys, values, indices, views, stop)
+            if queued is not None:
+                return queued
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks copied in full: the prefix kept
-                if _kernel_scatter(keys, values, i, view):
-                    continue
                 view = _to(view, on)  # a CUDA cache: the whole block crosses in one copy
                 for layer in range(layout.num_layers):
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
@@ -185,17 +186,14 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
         with torch.inference_mode(inference), _copies_done_on_return(on):
-            if on.type == "cuda" and _kernel_scatter_ready(views):
-                # The copy kernel moves every layer of a block in one launch: released all
-                # at once, once queued (the forward's kernels queue behind them).
-                for i, view in zip(indices, views, strict=True):
-                    if stop.is_set():
-                        return 0  # the layers' events are set by `run`, the load is short
-                    _kernel_scatter(keys, values, i, view)
-                if whole:
+            # The copy kernel moves every layer of a run of blocks in one launch: the layers
+            # are released all at once, once queued (the forward's kernels queue behind).
+            queued = _kernel_scatter(keys, values, indices, views, stop)
+            if queued is not None:
+                if whole and queued == len(indices):
                     for event in loading.ready:
                         event.set()
-                return len(indices)
+                return queued  # stopped between runs: `run` releases the layers
             for layer in range(layout.num_layers):
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
@@ -249,22 +247,46 @@ layer and block. benchmarks/gpu_ttft.py measures both (docs/GPU.md). From memory
 pinned both fall back to `torch`."""
 
 
-def _kernel_scatter_ready(views: list[torch.Tensor]) -> bool:
-    return CUDA_LOAD == "kernel" and bool(views) and views[0].is_pinned()
-
-
-def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], block: int,
-                    view: torch.Tensor) -> bool:
-    """Block `block` of a CUDA cache from `view` (pinned daemon memory) by the copy kernel, all
-    layers in one launch, queued on the current stream; False (nothing done) where it does not
-    apply: a CPU cache, memory not pinned, or `CUDA_LOAD` says torch."""
-    if not keys[0].is_cuda or not _kernel_scatter_ready([view]):
-        return False
+def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indices: list[int],
+                    views: list[torch.Tensor], stop: threading.Event) -> int | None:
+    """Blocks `indices` of a CUDA cache from `views` (pinned daemon memory) by the copy
+    kernel, queued on the current stream: one launch per run of blocks lying back to back in
+    the arena (`block_runs`), all layers at once. Returns the leading blocks queued (fewer
+    when `stop` is set between runs), or None where it does not apply: a CPU cache, memory
+    not pinned, or `CUDA_LOAD` says torch."""
+    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not views or not views[0].is_pinned():
+        return None
     from kvstore import kernels
     from kvstore.kernels import EngineKV
 
-    kernels.scatter(view.unsqueeze(0), EngineKV.transformers(keys, values), [[block]])
-    return True
+    engine = EngineKV.transformers(keys, values)
+    queued = 0
+    for staging, blocks in block_runs(indices, views):
+        if stop.is_set():
+            return queued
+        kernels.scatter(staging, engine, [[b] for b in blocks])  # an HF page is one block
+        queued += len(blocks)
+    return queued
+
+
+def block_runs(indices: list[int], views: list[torch.Tensor],
+               ) -> list[tuple[torch.Tensor, list[int]]]:
+    """`views` (blocks `[layers, 2, bt, heads, dim]` of one storage, the daemon's arena) grouped
+    into runs lying back to back in memory, each as one `[n, layers, 2, bt, heads, dim]`
+    tensor over the same bytes, with the prompt blocks it holds. A prompt published at once
+    usually lies in one run; each kernel launch costs its planning in Python and an upload of
+    its ids (~1 ms per block launched alone on the H100: docs/GPU.md)."""
+    runs: list[tuple[torch.Tensor, list[int]]] = []
+    start = 0
+    for k in range(1, len(views) + 1):
+        if k < len(views) and views[k].data_ptr() == \
+                views[k - 1].data_ptr() + views[k - 1].nbytes:
+            continue
+        first = views[start]
+        run = first.as_strided((k - start, *first.shape), (first.numel(), *first.stride()))
+        runs.append((run, indices[start:k]))
+        start = k
+    return runs
 
 
 @contextlib.contextmanager
