@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import statistics
 import zlib
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from benchmarks.gpu_copy import time_ms  # the same event timing as the benchmark
 from kvstore import kernels
 from kvstore.kernels import EngineKV, EngineLayout, reference
 from kvstore.kernels.plan import Direction, prepare
@@ -149,24 +149,6 @@ def test_runs_on_the_callers_stream() -> None:
                       "gather on the caller's stream")
 
 
-def _time_ms(fn: Callable[[], None], iters: int = 7) -> float:
-    """Median GPU time of ``fn``, excluding the host's time to enqueue it."""
-    fn()  # warm-up: compiles the kernel, fills the pinned-memory cache
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        # Keep the GPU busy (~20 ms) while the host validates and enqueues, so
-        # the events time the copy and not Python.
-        torch.cuda._sleep(40_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def test_bandwidth_against_memcpy(record_property: Callable[[str, object], None]) -> None:
     # Llama-3-8B shapes: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token
     # pages, 256-token kvstore blocks (32 MiB per block).
@@ -205,7 +187,7 @@ def test_bandwidth_against_memcpy(record_property: Callable[[str, object], None]
     print(f"\n{blocks} blocks, {nbytes / 2**20:.0f} MiB per copy")
     print(f"{'copy':30} {'kernel GB/s':>12} {'memcpy GB/s':>12} {'ratio':>6}")
     for name, (kernel, memcpy) in rows.items():
-        k_ms, m_ms = _time_ms(kernel), _time_ms(memcpy)
+        k_ms, m_ms = time_ms(kernel), time_ms(memcpy)
         k_gbs, m_gbs = nbytes / k_ms / 1e6, nbytes / m_ms / 1e6
         ratio = k_gbs / m_gbs
         print(f"{name:30} {k_gbs:12.1f} {m_gbs:12.1f} {ratio:6.2f}")
