@@ -15,6 +15,7 @@ import argparse
 import mmap
 import os
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,11 +55,16 @@ class PinnedArena:
         os.close(fd)
         self.raw = torch.frombuffer(self.map, dtype=torch.uint8)
         self.raw.fill_(1)  # backed before it is registered
+        began = time.perf_counter()
         rc = torch.cuda.cudart().cudaHostRegister(self.raw.data_ptr(), nbytes, 0)
+        self.register_s = time.perf_counter() - began  # what `Arena.pin` costs a client
         require(int(rc) == 0, f"cudaHostRegister failed: {rc}")
 
-    def close(self) -> None:
+    def close(self) -> float:
+        """Unregister; returns the seconds it took."""
+        began = time.perf_counter()
         torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+        return time.perf_counter() - began
 
 
 def torch_gather(cache: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -128,8 +134,17 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="2048,4096,8192,16384,32768")
     p.add_argument("--out", default="gpu_copy", help="results name (benchmarks/results)")
+    p.add_argument("--pin-gib", type=int, default=0,
+                   help="also time registering (and unregistering) an arena this large")
     args = p.parse_args()
     require(torch.cuda.is_available(), "needs a CUDA device")
+    pin = {}
+    if args.pin_gib:
+        arena = PinnedArena(args.pin_gib << 30)
+        pin = {"GiB": args.pin_gib, "register_s": arena.register_s,
+               "unregister_s": arena.close()}
+        print(f"cudaHostRegister of a {args.pin_gib} GiB arena: {pin['register_s']:.2f} s, "
+              f"unregister {pin['unregister_s']:.2f} s")
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
     for tokens in tqdm([int(x) for x in args.tokens.split(",")], desc="sizes"):
@@ -137,7 +152,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(table(rows, ["tokens", "copy", "MiB", "kernel_GBps", "memcpy_GBps", "torch_GBps",
                        "kernel_over_memcpy"]))
-    path = write_results(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
+    path = write_results(args.out, {"device": torch.cuda.get_device_name(), "rows": rows,
+                                    "pin": pin})
     print(f"wrote {path}")
 
 

@@ -730,8 +730,11 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
-        if self.pin_arena:
-            self._arena.pin()  # once per mapping (a restarted daemon's arena: again)
+        if self.pin_arena and not self._arena.pinned:
+            # Off this loop: registering takes about a second per 10 GiB. Copies out of the
+            # arena meanwhile are from pageable memory (slower, the same bytes).
+            threading.Thread(target=self._arena.pin, name="kvstore-arena-pin",
+                             daemon=True).start()
         return self._arena
 
     async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,

@@ -146,7 +146,11 @@ class KVClient:
         GPU), register it, and any arena mapped later, with CUDA (`Arena.pin`)."""
         if pin:
             self._aio.pin_arena = True
-        return self._run(self._aio.prepare(), False)
+        ready = self._run(self._aio.prepare(), False)
+        arena = self._aio._arena
+        if pin and arena is not None:
+            arena.pin()  # waited for here (engine start), not inside the first load
+        return ready
 
     def close(self) -> None:
         if self._loop.is_closed():

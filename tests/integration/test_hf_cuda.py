@@ -10,6 +10,7 @@ import torch
 from kvstore.client import KVClient
 from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from tests.reliability import wait_until
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = [
@@ -69,3 +70,30 @@ def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, mon
     for got, want in zip(warm.cache.layers, own.layers, strict=True):
         assert torch.equal(got.keys[..., :960, :], want.keys)
         assert torch.equal(got.values[..., :960, :], want.values)
+
+
+def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB", name="restarted").start()
+    model = llama_on("cuda")
+    layout = layout_for_model(model, block_tokens=64)
+    ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(5)).cuda()
+    with KVClient(d.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        first = c._aio._arena
+        assert first is not None and first.pinned
+        assert engine.prefill(ids).published_tokens == 960
+        assert d.stop() == 0  # the flush writes the blocks to disk
+        d.start()
+        warm = engine.prefill(ids, publish=False)  # from disk, through the new arena
+        assert warm.cached_tokens == 960
+        new = c._aio._arena
+        assert new is not None and new is not first
+        wait_until(lambda: new.pinned, 60, "the new arena pinned in the background")
+        again = engine.prefill(ids, publish=False)  # out of the pinned arena, by the kernel
+        assert again.cached_tokens == 960
+    with torch.inference_mode():
+        cache = model(ids[:, :960], use_cache=True).past_key_values
+        want = model(ids[:, 960:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+    assert torch.equal(warm.logits, want) and torch.equal(again.logits, want)
+    del first  # its mapping is unregistered, then unmapped, on the unmap thread
+    assert d.stop() == 0
