@@ -120,7 +120,8 @@ def launch(
         # queued behind the upload on this stream has read it.
         meta = host_meta.pin_memory().to(device, non_blocking=True)
     args = kernel_arguments(plan, meta.data_ptr(), page_ids.numel())
-    # The caller's stream by its raw handle (cupy's ExternalStream), passed explicitly.
-    on = cupy.cuda.ExternalStream(int(stream.cuda_stream), index)
+    # The caller's stream through the CUDA stream protocol (torch streams implement it),
+    # passed explicitly (cupy's ExternalStream is deprecated).
+    on = cupy.cuda.Stream.from_external(stream)
     with cupy.cuda.Device(index):
         kernel(plan.grid, plan.block, args, stream=on)
