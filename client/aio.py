@@ -92,6 +92,19 @@ _arenas: weakref.WeakValueDictionary[tuple[str, int], Arena] = weakref.WeakValue
 _arenas_lock = threading.Lock()
 
 
+_pin_for_cuda = False  # `pin_arenas()` was called: every arena mapped here is pinned
+
+
+def pin_arenas() -> None:
+    """Register every daemon arena this process maps from now on with CUDA (`Arena.pin`),
+    each in the background as it is mapped (registering took 1.5 s for 16 GiB on an H100's
+    host; copies out of an arena meanwhile are from pageable memory, the same bytes). For
+    engines on a GPU: their loads are then DMA out of page-locked memory. Process-wide, as
+    the mappings and their registration are (`KVClient.prepare(pin=True)` calls it)."""
+    global _pin_for_cuda
+    _pin_for_cuda = True
+
+
 def _shared_arena(path: str, size: int) -> Arena:
     """The process's mapping of the arena at `path`: clients of every namespace share it, so
     it is mapped and touched once."""
@@ -104,6 +117,9 @@ def _shared_arena(path: str, size: int) -> Arena:
             if limit > 0 and size > 0:
                 threading.Thread(target=_prefault, args=(arena, min(size, limit)),
                                  name="kvstore-prefault", daemon=True).start()
+            if _pin_for_cuda:  # off the caller's thread (a client's event loop)
+                threading.Thread(target=arena.pin, name="kvstore-arena-pin",
+                                 daemon=True).start()
         return arena
 
 
@@ -241,9 +257,6 @@ class AsyncKVClient:
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
         self._arena_id = ""
-        # Register each arena this client maps with CUDA (`Arena.pin`): set by integrations
-        # whose engine copies to a GPU, so those copies are DMA out of page-locked memory.
-        self.pin_arena = False
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
         # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
@@ -730,11 +743,6 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
-        if self.pin_arena and not self._arena.pinned:
-            # Off this loop: registering took 1.5 s for 16 GiB on an H100's host. Copies out
-            # of the arena meanwhile are from pageable memory (slower, the same bytes).
-            threading.Thread(target=self._arena.pin, name="kvstore-arena-pin",
-                             daemon=True).start()
         return self._arena
 
     async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens
+from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens, pin_arenas
 from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
@@ -143,9 +143,10 @@ class KVClient:
 
     def prepare(self, pin: bool = False) -> bool:
         """See `AsyncKVClient.prepare`: map the daemon's arena now. With `pin` (an engine on a
-        GPU), register it, and any arena mapped later, with CUDA (`Arena.pin`)."""
+        GPU), register it with CUDA, waiting for it here, and every arena this process maps
+        later in the background (`kvstore.client.aio.pin_arenas`)."""
         if pin:
-            self._aio.pin_arena = True
+            pin_arenas()
         ready = self._run(self._aio.prepare(), False)
         arena = self._aio._arena
         if pin and arena is not None:

@@ -300,6 +300,8 @@ class PagedCache:
         if self.engine is not None:
             if span != (0, self.num_layers):
                 raise ValueError("the kernels copy every layer of an engine cache at once")
+            if not gather and not self.cache_heads:
+                checked = self._scatter_whole_blocks(self.engine, checked)
             for kv, first, pages, count in checked:
                 whole = len(pages) * self.page_size
                 # The kernels copy whole pages. A load may end inside its last page (a prompt
@@ -461,6 +463,40 @@ class PagedCache:
             # order, read and wrote every byte twice: 1.2-1.7x the time (8B shape, 1 thread).
             torch.index_select(k, 0, index, out=torch.unflatten(part[layer, 0], 0, (n, ps)))
             torch.index_select(v, 0, index, out=torch.unflatten(part[layer, 1], 0, (n, ps)))
+
+    def _scatter_whole_blocks(self, engine: EngineKV, views: list[_View]) -> list[_View]:
+        """Scatter the views that are whole stored blocks (contiguous `[layers, kv, tokens,
+        heads, dim]`, every token loaded from the first) with each block as one slot of the
+        kernel's staging, and the blocks lying back to back in memory as one launch: no copy
+        into page-major staging on the CPU first (`_engine_scatter`). From a pinned arena
+        (`KVClient.prepare(pin=True)`) the kernel reads across the bus itself, and this waits
+        for it (the fetch's lease ends after); from pageable memory each run crosses in one
+        copy. Returns the other views."""
+        runs: list[list[_View]] = []
+        rest: list[_View] = []
+        for item in views:
+            kv, first, pages, count = item
+            if not (first == 0 and count == len(pages) * self.page_size == kv.shape[2]
+                    and kv.is_contiguous()):
+                rest.append(item)
+            elif runs and kv.shape == runs[-1][-1][0].shape and kv.data_ptr() == \
+                    runs[-1][-1][0].data_ptr() + runs[-1][-1][0].nbytes:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        read_across = False
+        for run in runs:
+            kv = run[0][0]
+            staging = kv.as_strided((len(run), *kv.shape), (kv.numel(), *kv.stride()))
+            if staging.device != engine.device:
+                if staging.is_pinned():
+                    read_across = True
+                else:
+                    staging = staging.to(engine.device)
+            kernels.scatter(staging, engine, torch.tensor([list(item[2]) for item in run]))
+        if read_across:
+            torch.cuda.current_stream(engine.device).synchronize()
+        return rest
 
     def _engine_scatter(self, engine: EngineKV, kv: torch.Tensor, page_ids: Sequence[int],
                         first: int) -> None:

@@ -1227,8 +1227,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                                            s.layout.num_kv_heads)
             for g in self._groups for s in g.shards_of(self._rank, self._stage)}
         # Map the daemon's arena at engine start: its pages are touched in the background
-        # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV).
-        self._client("", "").prepare()
+        # before the first save copies into them (kvstore.client.aio.PREFAULT_ENV). A cache
+        # on a GPU has it pinned too: the kernels then read loads across the bus themselves.
+        on_gpu = any(c.engine is not None and c.engine.device.type == "cuda" for c in caches)
+        self._client("", "").prepare(pin=on_gpu)
         if self._async_save and self._saves and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
         if self._cfg.async_load and self._loader is None:

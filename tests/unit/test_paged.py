@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvstore.client.integrations.paged as paged_mod
+import kvstore.kernels as kernels_api
 from kvstore.client.integrations.paged import PagedCache, token_pages
 from kvstore.kernels.layouts import EngineKV, EngineLayout
 
@@ -84,3 +86,39 @@ def test_kernel_layouts_round_trip() -> None:
     assert torch.equal(layers[1][0, 5], kv[1, 0, :PAGE])
     assert torch.equal(layers[0][1, 0], kv[0, 1, PAGE:])
     assert torch.equal(cache.gather([5, 0]), kv)
+
+
+def test_whole_stored_blocks_scatter_as_kernel_slots_one_launch_per_run(monkeypatch) -> None:
+    # Stored blocks of 2 pages, as the daemon's arena holds them: blocks 0 and 1 back to back,
+    # block 3 after a gap, and a partial view (inside a block) that takes the page path.
+    bt, pages_total = 2 * PAGE, 12
+    arena = prompt_kv(4 * bt, seed=3).reshape(LAYERS, 2, 4, bt, HEADS, DIM) \
+        .permute(2, 0, 1, 3, 4, 5).contiguous()  # [blocks, layers, kv, bt, heads, dim]
+    views = [(arena[0], 0, [7, 2], bt), (arena[1], 0, [11, 0], bt), (arena[3], 0, [5, 9], bt),
+             (arena[2], PAGE, [4], PAGE)]
+
+    def cache() -> tuple[PagedCache, list[torch.Tensor]]:
+        layers = [torch.full((2, pages_total, PAGE, HEADS, DIM), float("nan"))
+                  for _ in range(LAYERS)]
+        return PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, layers)), layers
+
+    launches: list[tuple[int, ...]] = []
+    real = kernels_api.scatter
+
+    def counting(staging, engine, page_ids, *args, **kwargs):
+        launches.append(tuple(staging.shape[:1]) + tuple(staging.shape[3:4]))
+        return real(staging, engine, page_ids, *args, **kwargs)
+
+    monkeypatch.setattr(paged_mod.kernels, "scatter", counting)
+    fast, fast_layers = cache()
+    fast.scatter_views(views)
+    # Two runs of whole blocks (slots of a whole block each), then the partial view's pages.
+    assert launches == [(2, bt), (1, bt), (1, PAGE)]
+    slow, slow_layers = cache()
+    for kv, first, pages, _ in views:  # the page-major path, page by page
+        slow._engine_scatter(slow.engine, kv, pages, first)
+    for got, want in zip(fast_layers, slow_layers, strict=True):
+        assert torch.equal(got.isnan(), want.isnan())  # the same pages written, no others
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(fast_layers[1][:, 0], arena[1, 1, :, PAGE:])  # block 1, page 2 -> 0
+    assert fast_layers[0][:, 3].isnan().all()  # a page no view named: untouched
