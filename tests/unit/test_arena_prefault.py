@@ -232,3 +232,30 @@ def test_pin_without_cuda_says_so_and_changes_nothing(tmp_path):
     assert arena.pin() is False and not arena.pinned
     assert arena.tensor[:8].tolist() == [7] * 8
     arena.unlink()
+
+
+def test_after_pin_arenas_every_arena_mapped_is_pinned_in_the_background(tmp_path, monkeypatch):
+    # No GPU here: `Arena.pin` stands in (records the call) for cudaHostRegister.
+    from kvstore.client import aio
+
+    pinned = []
+    done = threading.Event()
+
+    def pin(self) -> bool:
+        pinned.append((self.path, threading.current_thread().name))
+        done.set()
+        return True
+
+    monkeypatch.setattr(Arena, "pin", pin)
+    monkeypatch.setattr(aio, "_pin_for_cuda", False)
+    first = Arena.create(tmp_path, 1 << 20)
+    aio._shared_arena(str(first.path), first.size)
+    time.sleep(0.2)
+    assert pinned == []  # not asked for: nothing registered
+    aio.pin_arenas()
+    second = Arena.create(tmp_path, 1 << 20)
+    aio._shared_arena(str(second.path), second.size)
+    assert done.wait(5)
+    assert pinned == [(second.path, "kvstore-arena-pin")]  # off the caller's thread
+    first.unlink()
+    second.unlink()
