@@ -289,6 +289,10 @@ def main() -> None:
                         f"{UNMAP_SETTLE_S:.0f} s after the engine's primer (its client unmaps "
                         "the old arena in the background): a daemon restarted ahead of its "
                         "traffic")
+    p.add_argument("--sync-after-stop", action="store_true",
+                   help="disk rows: sync(2) after each daemon stop, before the restart: the "
+                        "shutdown flush's writeback is over before the engine's loads (the "
+                        "seconds each sync took are in the results)")
     p.add_argument("--data-dir", default=".data/bench-vllm-ttft")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -413,6 +417,7 @@ def run(args: argparse.Namespace) -> None:
         return engine
 
     engine = kvstore_engine("kvstore", {})
+    sync_s: list[float] = []  # `--sync-after-stop`: each restart's sync
     try:
         cold_then_warm(engine, "kvstore cold", "kvstore host")
         for flag, name, more in (
@@ -428,6 +433,10 @@ def run(args: argparse.Namespace) -> None:
                     measure(engine, f"kvstore {name} host", n, reset=True)
         for _ in range(0 if args.no_disk else args.repeats):
             daemon.stop(flush_s + 30)  # SIGTERM: the host tier is flushed to disk
+            if args.sync_after_stop:  # the flush's writeback done before the restart
+                began = time.perf_counter()
+                os.sync()
+                sync_s.append(time.perf_counter() - began)
             daemon.start()  # a new, empty host tier: every hit below is read from disk
             if args.wait_prefault:
                 wait_arena_prefaulted(daemon.target)
@@ -491,7 +500,7 @@ def run(args: argparse.Namespace) -> None:
     payload = {"config": {k: v for k, v in vars(args).items() if k != "engine"},
                "vllm_settings": settings, "load_average": os.getloadavg(),
                "kv_block": kv_block, "bytes_per_token": bytes_per_token,
-               "lmcache_error": lmcache_error,
+               "lmcache_error": lmcache_error, "sync_after_stop_s": sync_s,
                "vllm": _vllm_version(), "rows": rows,
                "samples": {f"{n}/{name}": s for (n, name), s in samples.items()}}
     path = write_results(name, payload)
