@@ -150,7 +150,7 @@ class Arena:
     def pin(self) -> bool:
         """Register the mapping with CUDA as page-locked memory (`cudaHostRegister`), once: a
         GPU then copies to and from it by DMA at the bus rate, asynchronously (53 GB/s on an
-        H100's host, against 7.4 GB/s for the same copy out of pageable memory: docs/GPU.md).
+        H100's host, against 6-8 GB/s for the same copy out of pageable memory: docs/GPU.md).
         It locks every page of the mapping (the daemon's arena is all resident anyway): 1.5 s
         for 16 GiB on the H100's host, 0.23 s to unregister (`benchmarks.gpu_copy --pin-gib`).
         False where there is no CUDA or it was refused."""
