@@ -138,5 +138,8 @@ class HostTier(SlabTier):
         self._prefault_stop.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # before the mapping goes: it populates through it
+        # The server has stopped: free the pages now, not when the last client lets go of its
+        # mapping (that free slowed a restarted daemon's prefault: docs/PERFORMANCE.md).
+        self.arena.free_pages()
         self.arena.unlink()
         super().close()

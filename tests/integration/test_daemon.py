@@ -313,3 +313,31 @@ def test_the_daemon_prefaults_its_arena_unless_told_not_to(daemon_factory):
         # Stats counts it whole (seen on the H100, docs/GPU.md).
         pinned = torch.cuda.is_available()
         assert c.stats().host_prefaulted_bytes == (64 << 20 if pinned else 0)
+
+
+def test_a_stopped_daemon_frees_its_arena_while_a_client_still_maps_it(daemon_factory):
+    """At shutdown the daemon frees its arena's pages itself (`Arena.free_pages`), after its
+    server stopped: not when the last client lets go of its mapping, which may be during the
+    next daemon's prefault (half the rate beside such a free, docs/PERFORMANCE.md). The
+    client's copies of the blocks it fetched before are intact, and the next daemon serves
+    them from disk."""
+    from tests.unit.test_arena_prefault import resident_bytes
+
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = random_kv(layout, len(tokens))
+    d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "64MiB", name="frees").start()
+    with KVClient(d.target, layout) as c:
+        assert c.publish(tokens, kv) == 64
+        n, back = c.fetch(tokens)
+        assert n == 64 and same_bytes(back, kv)
+        arena = c._aio._arena
+        assert arena is not None
+        arena.populate(0, arena.size)  # every page backed through the client's mapping
+        assert resident_bytes(arena.path) >= 16 << 20
+        assert d.stop() == 0
+        assert resident_bytes(arena.path) == 0  # freed, though this process maps it still
+        assert same_bytes(back, kv)  # what was copied out before is the client's own
+        d.start()
+        n, again = c.fetch(tokens)  # the next daemon, from disk
+        assert n == 64 and same_bytes(again, kv)

@@ -28,7 +28,8 @@ def resident_bytes(path: Path) -> int:
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()
         if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            ours = line.endswith(str(path))  # a mapping's header line names its file
+            # A mapping's header line names its file ("(deleted)" once it is unlinked).
+            ours = line.removesuffix(" (deleted)").endswith(str(path))
         elif ours and line.startswith("Rss:"):
             total += int(head[1]) * 1024
     return total
