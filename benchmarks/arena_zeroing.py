@@ -26,22 +26,24 @@ from kvstore.arena import Arena
 
 def _back_fresh(size: int) -> float:
     """Seconds to back a fresh arena of `size` bytes."""
-    arena = Arena.create(tempfile.mkdtemp(dir="/dev/shm"), size)
-    began = time.perf_counter()
-    arena.populate(0, size)
-    took = time.perf_counter() - began
-    arena.unlink()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        arena = Arena.create(d, size)
+        began = time.perf_counter()
+        arena.populate(0, size)
+        took = time.perf_counter() - began
+        arena.unlink()
     return took
 
 
 def _hold_then_free(size: int, ready: Any, go: Any) -> None:
     """A populated arena, unlinked and unmapped once `go` is set (the process then exits)."""
-    arena = Arena.create(tempfile.mkdtemp(dir="/dev/shm"), size)
-    arena.populate(0, size)
-    ready.set()
-    go.wait()
-    arena.unlink()
-    del arena  # the last mapping goes: every page is freed
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        arena = Arena.create(d, size)
+        arena.populate(0, size)
+        ready.set()
+        go.wait()
+        arena.unlink()
+        del arena  # the last mapping goes: every page is freed
 
 
 def main() -> None:
