@@ -156,9 +156,11 @@ class Arena:
         H100's host, against 6-8 GB/s for the same copy out of pageable memory: docs/GPU.md).
         It locks every page of the mapping (the daemon's arena is all resident anyway): 1.5 s
         for 16 GiB on the H100's host, 0.23 s to unregister (`benchmarks.gpu_copy --pin-gib`).
-        False where there is no CUDA or it was refused."""
+        False where there is no CUDA or it was refused. torch is imported only where a GPU
+        driver exists: a CPU-only daemon starts without it."""
         with self._pin_lock:
-            if self._pinned_at or self._mmap is None or self.size == 0:
+            if self._pinned_at or self._mmap is None or self.size == 0 \
+                    or not os.path.exists("/proc/driver/nvidia"):
                 return bool(self._pinned_at)
             import torch
 
@@ -173,6 +175,12 @@ class Arena:
                 return False
             self._pinned_at = address
             return True
+
+    def unpin(self) -> None:
+        """Unregister what `pin` registered (no-op otherwise): before the pages are freed."""
+        with self._pin_lock:
+            _unpin(self._pinned_at)
+            self._pinned_at = 0
 
     @property
     def pinned(self) -> bool:

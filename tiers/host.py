@@ -71,7 +71,7 @@ class HostTier(SlabTier):
         log.info("host arena %s: %s reserved in %.2f s", self.arena.path, _mib(size),
                  time.perf_counter() - began)
         super().__init__(capacity_bytes, self.arena.array)
-        self.pinned = self._register_pinned()
+        self.pinned = self.arena.pin()  # where CUDA exists: device copies run by DMA
         self.prefaulted_bytes = self.arena.size if self.pinned else 0  # pinning backs every page
         self._prefault_stop = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -112,29 +112,9 @@ class HostTier(SlabTier):
         log.info("host arena prefaulted (%s) in %.2f s", _mib(self.arena.size),
                  time.perf_counter() - began)
 
-    def _register_pinned(self) -> bool:
-        # Import torch only where a GPU driver exists: the CPU daemon starts without torch.
-        if self.arena.size == 0 or not os.path.exists("/proc/driver/nvidia"):
-            return False
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        rc = cudart.cudaHostRegister(self.buffer.ctypes.data, self.arena.size, 0)
-        if int(rc) != 0:
-            log.warning("cudaHostRegister of the host arena failed (%s); copies will be pageable",
-                        rc)
-            return False
-        return True
-
     def close(self) -> None:
-        if self.pinned:
-            import torch
-
-            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostUnregister(self.buffer.ctypes.data)
-            self.pinned = False
+        self.arena.unpin()
+        self.pinned = False
         self._prefault_stop.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # before the mapping goes: it populates through it

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from kvstore.client.aio import prefault_paused
+from kvstore.client.integrations.paged import adjacent_runs
 from kvstore.client.sync import KVClient
 from kvstore.engine_blocks import spans_for, vllm_block_hashes
 from kvstore.layout import KVLayout
@@ -273,20 +274,9 @@ def block_runs(indices: list[int], views: list[torch.Tensor],
                ) -> list[tuple[torch.Tensor, list[int]]]:
     """`views` (blocks `[layers, 2, bt, heads, dim]` of one storage, the daemon's arena) grouped
     into runs lying back to back in memory, each as one `[n, layers, 2, bt, heads, dim]`
-    tensor over the same bytes, with the prompt blocks it holds. A prompt published at once
-    usually lies in one run; each kernel launch costs its planning in Python and an upload of
-    its ids (~1 ms per block launched alone on the H100: docs/GPU.md)."""
-    runs: list[tuple[torch.Tensor, list[int]]] = []
-    start = 0
-    for k in range(1, len(views) + 1):
-        if k < len(views) and views[k].data_ptr() == \
-                views[k - 1].data_ptr() + views[k - 1].nbytes:
-            continue
-        first = views[start]
-        run = first.as_strided((k - start, *first.shape), (first.numel(), *first.stride()))
-        runs.append((run, indices[start:k]))
-        start = k
-    return runs
+    tensor over the same bytes, with the prompt blocks it holds (`paged.adjacent_runs`). A
+    prompt published at once usually lies in one run."""
+    return [(run, indices[span]) for run, span in adjacent_runs(views)]
 
 
 @contextlib.contextmanager
