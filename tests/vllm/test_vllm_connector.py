@@ -202,7 +202,14 @@ def test_second_run_loads_from_kvstore(engine: Engine, daemon: DaemonProcess) ->
     assert warm["cached"] == want, engine.tail()
     assert hit_blocks(daemon) - served == sum(fetched_blocks(n) for n in want)
     assert_same_generation(warm, cold)
-    assert_prefix_cache_bit_identical(warm, engine.generate(batch))
+    # Bit identity holds only at equal shapes: in a batch, which requests share a step depends
+    # on when each one's load completes, and a GEMM over other rows rounds differently (~1e-6,
+    # seen in CI). So each prompt alone: loaded from kvstore, then from vLLM's prefix cache.
+    for prompt in batch:
+        engine.reset()
+        alone = engine.generate([prompt])
+        assert alone["cached"] == [expected_cached(alone["prompt_tokens"][0])], engine.tail()
+        assert_prefix_cache_bit_identical(alone, engine.generate([prompt]))
 
 
 @pytest.mark.timeout(300)
