@@ -38,6 +38,7 @@ import torch
 
 from kvstore.arena import Arena, run_at_lowest_priority
 from kvstore.client.backoff import BackoffPolicy, Breaker
+from kvstore.client.slab import map_slab
 from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace, PrefixKeys
@@ -257,6 +258,10 @@ class AsyncKVClient:
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
         self._arena_id = ""
+        # The daemon's gpu slab, mapped with its arena where it can be (`kvstore.client.slab`):
+        # fetches then ask for the blocks only its gpu level holds where they lie.
+        self._slab: torch.Tensor | None = None
+        self._slab_id = ""
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
         # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
@@ -541,7 +546,7 @@ class AsyncKVClient:
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
-        self._arena = None
+        self._arena = self._slab = None
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -643,7 +648,7 @@ class AsyncKVClient:
             # Let go of the dead daemon's arena (unmapped once no client or copy uses it):
             # its pages stay allocated while mapped, and a restarted daemon must reserve its
             # new arena in the same shared memory.
-            self._arena = None
+            self._arena = self._slab = None
         self._breaker.failure(what)
         if gone and (self._probe is None or self._probe.done()):
             self._probe = asyncio.get_running_loop().create_task(self._probe_until_back())
@@ -743,6 +748,8 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
+        self._slab = map_slab(info.slab) if info.HasField("slab") else None
+        self._slab_id = info.slab.id if self._slab is not None else ""
         return self._arena
 
     async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,
@@ -818,9 +825,9 @@ class AsyncKVClient:
 
     def _runs(self, arena: Arena, blocks: list[int], refs: list[pb.BlockRef],
               ) -> list[tuple[torch.Tensor, int]]:
-        """Pair arena views with prompt positions, merging blocks that are adjacent both in
-        the arena and in the prompt (the usual case): one large copy per run instead of one
-        per block, which torch spreads over all cores.
+        """Pair arena (or slab) views with prompt positions, merging blocks that are adjacent
+        both in that memory and in the prompt (the usual case): one large copy per run instead
+        of one per block, which torch spreads over all cores.
 
         Returns (arena view `[L, kv, n, T, H, D]` over the run, index of its first block).
         """
@@ -830,9 +837,11 @@ class AsyncKVClient:
         while i < len(refs):
             j = i + 1
             while (j < len(refs) and blocks[j] == blocks[j - 1] + 1
+                   and refs[j].in_slab == refs[j - 1].in_slab
                    and refs[j].offset == refs[j - 1].offset + refs[j - 1].length):
                 j += 1
-            raw = arena.tensor[refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
+            raw = self._memory(arena, refs[i])[
+                refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
             view = raw.view(self.layout.torch_dtype).view(j - i, *shape)
             # [n, L, kv, T, H, D] -> [L, kv, n, T, H, D] -> tokens of the run in order
             pairs.append((view.permute(1, 2, 0, 3, 4, 5), blocks[i]))
@@ -931,7 +940,8 @@ class AsyncKVClient:
         # `prior_keys`: the blocks before `start`, which the daemon then keeps in host rather
         # than evict to make room for the rest (a prompt larger than its host tier).
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_SHM, prior_keys=keys[:start])
+                              transfer=pb.TRANSFER_SHM, prior_keys=keys[:start],
+                              slab_ok=self._slab is not None)
         timeout = self.deadline_s if until is None else self._left(until)
         call = self._stub_().Fetch(req, timeout=timeout, metadata=self._metadata)
         return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
@@ -955,6 +965,9 @@ class AsyncKVClient:
             arena = await self._arena_for(head.arena_id)
             if arena is None:
                 return 0
+            if any(ref.in_slab for ref in head.blocks) and (
+                    self._slab is None or head.slab_id != self._slab_id):
+                return 0  # a slab this client no longer maps (the daemon restarted): a miss
             began = time.perf_counter()
             got = await take(arena, head, first)
             self._observe_copy(head.blocks[:got], time.perf_counter() - began)
@@ -1099,9 +1112,18 @@ class AsyncKVClient:
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
+    def _memory(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
+        """The flat memory `ref`'s offset is into: the arena, or the gpu slab (`in_slab`: only
+        in a window `_take_leased` checked against the slab this client maps)."""
+        if ref.in_slab:
+            assert self._slab is not None
+            return self._slab
+        return arena.tensor
+
     def _block_view(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
-        """One block of the arena as `[layers, kv, block_tokens, heads, head_dim]`."""
-        raw = arena.tensor[ref.offset : ref.offset + ref.length]
+        """One block of the arena (or the slab) as `[layers, kv, block_tokens, heads,
+        head_dim]`."""
+        raw = self._memory(arena, ref)[ref.offset : ref.offset + ref.length]
         return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)
 
     async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int,

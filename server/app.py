@@ -128,7 +128,7 @@ def _open_gpu(config: ServerConfig) -> GpuTier:
     """The gpu tier's slab (`gpu_bytes` on `gpu_device`). Unlike the disk tier, a slab that
     cannot be allocated stops start-up: the operator asked for HBM that is not there."""
     try:
-        return GpuTier(config.gpu_bytes, config.gpu_device)
+        return GpuTier(config.gpu_bytes, config.gpu_device, shm_dir=config.shm_dir)
     except Exception as e:  # no torch, torch without CUDA, out of device memory
         raise ConfigError(f"gpu_bytes: cannot allocate {config.gpu_bytes} bytes on "
                           f"{config.gpu_device!r} (gpu_device): {e}") from None

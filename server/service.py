@@ -247,7 +247,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                             max_message_bytes=self.max_message_bytes,
                             max_blocks_per_call=self.max_blocks,
                             kv_events=self.store.events.publisher.endpoint
-                            if self.store.events is not None else "")
+                            if self.store.events is not None else "",
+                            slab=self._slab(context))
+
+    def _slab(self, context: Any) -> pb.Slab | None:
+        """The gpu tier's slab, for a Unix-socket caller (a same-node client; the slab, like the
+        arena, is zero-copy and unscoped by tenant)."""
+        gpu = self.store.gpu
+        if gpu is None or not context.peer().startswith("unix:"):
+            return None
+        fields = gpu.share()
+        return pb.Slab(**fields) if fields is not None else None
 
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupReply:
@@ -286,15 +296,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._zero_copy_allowed(context, "a TRANSFER_SHM fetch")
         if len(ns) == KEY_BYTES:
             self.namespaces.note(ns, request.layout, scope, request.namespace)
+        # Only an SHM fetch may get slab blocks (a stream's bytes come from the host arena).
+        slab_ok = shm and request.slab_ok and self.store.gpu is not None
         lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes,
-                                       owner=scope.tenant, hold=True, prior=prior)
+                                       owner=scope.tenant, hold=True, prior=prior,
+                                       slab_ok=slab_ok)
         try:
-            refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t)
-                    for e, t in zip(lease.entries, lease.tiers, strict=True)]
+            refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t, in_slab=in_slab)
+                    for e, t, in_slab in zip(lease.entries, lease.tiers, lease.in_slab,
+                                             strict=True)]
             if shm:
+                gpu = self.store.gpu
                 await self._send(context, pb.FetchChunk(
                     hits=len(refs), lease_id=lease.id if lease.entries else 0, blocks=refs,
-                    arena_id=self.store.host.arena.path.name, more=lease.more))
+                    arena_id=self.store.host.arena.path.name, more=lease.more,
+                    slab_id=gpu.slab_id if slab_ok and gpu is not None else ""))
                 # Sent: the client's to release now (or the reaper's after lease_timeout_s).
                 # A send that failed releases it below; had the client got it anyway, its
                 # Release answers False and it discards the copy.

@@ -85,11 +85,13 @@ class Lease:
 
 @dataclass
 class FetchLease(Lease):
-    """Pinned host blocks of a fetch (and scratch space holding those not promoted)."""
+    """Pinned host blocks of a fetch (and scratch space holding those not promoted), and gpu
+    blocks pinned where they lie for a client that maps the gpu slab (`in_slab`)."""
 
     kind: ClassVar[Literal["fetch", "publish"]] = "fetch"
     tiers: list[str] = field(default_factory=list)  # where each block was found
     scratch: list[BlockEntry] = field(default_factory=list)  # freed at release (`_Room`)
+    in_slab: list[bool] = field(default_factory=list)  # per entry: a gpu block, not a host one
 
 
 @dataclass
@@ -113,7 +115,8 @@ class _Staged:
     tier: str
     dst: BlockEntry
     src: BlockEntry | None = None  # the disk record read into `dst` (pinned on disk until read)
-    holds: Literal["pinned", "reservation", "scratch", "nothing"] = "pinned"  # what `dst` is
+    # What `dst` is; "slab": a gpu block pinned where it lies, for a client mapping the slab.
+    holds: Literal["pinned", "reservation", "scratch", "slab", "nothing"] = "pinned"
     done: bool = False  # the disk read finished (its record unpinned)
 
     def abandon(self, store: TieredStore) -> None:
@@ -127,6 +130,8 @@ class _Staged:
             store.host.abort_store(self.dst)
         elif self.holds == "scratch":
             store.host.free_scratch(self.dst)
+        elif self.holds == "slab" and store.gpu is not None:
+            store.gpu.complete_load(self.dst)
         self.holds = "nothing"  # so a second call gives nothing back twice
 
 
@@ -334,7 +339,7 @@ class TieredStore:
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
                     block_bytes: int = 0, owner: str = "", hold: bool = False,
-                    prior: Sequence[bytes] = ()) -> FetchLease:
+                    prior: Sequence[bytes] = (), slab_ok: bool = False) -> FetchLease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
         reading them into scratch space, see `_Room`) under a lease.
 
@@ -347,7 +352,9 @@ class TieredStore:
         promotions the lease stops short with `more` set: the client asks for the rest while it
         copies this part, so the next reads overlap its copy. `prior`: the keys before `keys`
         in the same prompt (served by the client's earlier calls); with them, a prompt larger
-        than the host tier is served without pushing itself out of it (`_Room`).
+        than the host tier is served without pushing itself out of it (`_Room`). `slab_ok`: the
+        client maps the gpu tier's slab, so a block only gpu holds is pinned there and served
+        from it (`FetchLease.in_slab`) rather than copied into host scratch space.
 
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
@@ -366,13 +373,13 @@ class TieredStore:
                 if window and promoted >= window:
                     lease.more = True  # the rest in the client's next call, while it copies
                     break
-                item = await self._stage(key, layout_digest, lease, staged, room)
+                item = await self._stage(key, layout_digest, lease, staged, room, slab_ok)
                 if item is None and remote is not None and not lease.more:
                     item = await self._stage_remote(remote, i, key, lease, staged, room)
                 if item is None:
                     break
                 staged.append(item)
-                if item.tier != self.host.name:
+                if item.tier != self.host.name and item.holds != "slab":  # read for it
                     promoted += item.dst.length
             reads = [s for s in staged if s.src is not None]
             began = time.perf_counter()
@@ -397,6 +404,7 @@ class TieredStore:
             if i < cut:
                 lease.entries.append(s.dst)
                 lease.tiers.append(s.tier)
+                lease.in_slab.append(s.holds == "slab")
                 if s.holds == "scratch":
                     lease.scratch.append(s.dst)
             else:
@@ -433,7 +441,8 @@ class TieredStore:
         lift's own hold, and run it after the reply (`_lift`). One lift runs at a time: the
         next window of the prompt being lifted joins it; another prompt's lift is skipped
         (counted in `lifts_skipped`): it is lifted when it is fetched again."""
-        served = {k for k, e in zip(keys, lease.entries, strict=True) if e.key == k}
+        served = {k for k, e, in_slab in zip(keys, lease.entries, lease.in_slab, strict=True)
+                  if e.key == k and not in_slab}  # pinned in host: the lift's sources
         run = self._lifting
         joins = run is not None and bool(prior) and run.prompt == list(prior)
         pending = set(run.todo) if run is not None and joins else set()
@@ -547,9 +556,11 @@ class TieredStore:
         return {**self.saved_read_bandwidth, **self.read_rates.bandwidth}
 
     async def _stage(self, key: bytes, layout_digest: bytes, lease: FetchLease,
-                     staged: list[_Staged], room: _Room) -> _Staged | None:
-        """Pin a host hit, copy a gpu hit into scratch space, or take host room for a disk
-        hit, from the level the placement engine names; None ends the prefix."""
+                     staged: list[_Staged], room: _Room, slab_ok: bool = False,
+                     ) -> _Staged | None:
+        """Pin a host hit, pin a gpu hit in the slab (`slab_ok`) or copy it into scratch space,
+        or take host room for a disk hit, from the level the placement engine names; None ends
+        the prefix."""
         level = self.placement.source(key)
         if level is None:
             return None
@@ -560,6 +571,8 @@ class TieredStore:
         if tier is self.host:
             return _Staged(self.host.name, self.host.prepare_load(key))
         if tier is self.gpu:
+            if slab_ok:  # the client reads it where it lies: nothing copied, nothing placed
+                return _Staged(self.gpu.name, self.gpu.prepare_load(key), holds="slab")
             return await self._stage_gpu(self.gpu, src, lease, staged, room)
         if tier is not self.disk or self.disk is None:
             return None
@@ -580,9 +593,9 @@ class TieredStore:
 
     async def _stage_gpu(self, gpu: GpuTier, src: BlockEntry, lease: FetchLease,
                          staged: list[_Staged], room: _Room) -> _Staged | None:
-        """Copy a block only the gpu tier holds into host scratch space for this fetch (clients
-        read host memory; CUDA IPC of the slab is not done yet). Nothing is placed: the gpu tier
-        keeps the block, host gets no second copy. None ends the prefix."""
+        """Copy a block only the gpu tier holds into host scratch space for this fetch, whose
+        client does not map the slab. Nothing is placed: the gpu tier keeps the block, host
+        gets no second copy. None ends the prefix."""
         gpu.prepare_load(src.key)
         try:
             try:
@@ -1009,8 +1022,11 @@ class TieredStore:
             if not lift.leases:
                 lift.clients_done.set()  # its fetch's clients are done: the lift may copy
         if isinstance(lease, FetchLease):
-            for entry in lease.entries:
-                self.host.complete_load(entry)  # a no-op for scratch space (under no key)
+            for entry, in_slab in zip(lease.entries, lease.in_slab, strict=True):
+                if in_slab and self.gpu is not None:
+                    self.gpu.complete_load(entry)
+                else:
+                    self.host.complete_load(entry)  # a no-op for scratch space (under no key)
             for entry in lease.scratch:
                 self.host.free_scratch(entry)
         else:

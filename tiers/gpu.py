@@ -1,17 +1,20 @@
 """GPU HBM tier: one device slab of page-aligned block runs.
 
 The same code runs with `device="cpu"` in tests. In the daemon's chain (`gpu_bytes`) it sits
-above host: clients still read blocks from the host arena, so a gpu hit is copied into host
-memory for its fetch (`read_into`) and a promotion copies host bytes up (`write_from`).
-Same-node engines reading the slab directly through CUDA IPC is not done yet (see
-docs/ARCHITECTURE.md). torch is imported here only when a `GpuTier` is built: the daemon
-without a gpu level never imports it.
+above host. A same-node client that maps the slab (`share`: CUDA IPC on a GPU; on the CPU a
+file in the shared-memory directory, the same protocol) reads the blocks only this tier holds
+straight from it; for any other client such a hit is copied into host memory for its fetch
+(`read_into`). A promotion copies host bytes up (`write_from`). torch is imported here only
+when a `GpuTier` is built: the daemon without a gpu level never imports it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvstore.arena import Arena
 from kvstore.tiers.base import BlockEntry
 from kvstore.tiers.slab import SlabTier
 
@@ -22,13 +25,47 @@ if TYPE_CHECKING:
 class GpuTier(SlabTier):
     name = "gpu"
 
-    def __init__(self, capacity_bytes: int, device: str | torch.device = "cuda") -> None:
+    def __init__(self, capacity_bytes: int, device: str | torch.device = "cuda",
+                 shm_dir: str | Path | None = None) -> None:
+        """`shm_dir`: on the CPU, hold the slab in a shared file there so that clients can map
+        it (`share`), as they map the host arena; None: private memory, not shared."""
         import torch
 
         self._torch = torch
         self.device = torch.device(device)
-        buf = torch.empty(max(capacity_bytes, 0), dtype=torch.uint8, device=self.device)
+        self.arena: Arena | None = None
+        size = max(capacity_bytes, 0)
+        if self.device.type == "cpu" and shm_dir is not None:
+            self.arena = Arena.create(shm_dir, size)
+            buf = self.arena.tensor
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.slab_id = self.arena.path.name if self.arena is not None else secrets.token_hex(8)
+        self._shared: dict[str, Any] | None = None  # `share`'s fields, made once
         super().__init__(capacity_bytes, buf)
+
+    def share(self) -> dict[str, Any] | None:
+        """What a same-node client needs to map the slab (`kvstore.proto` `Slab`'s fields), or
+        None where it cannot be shared. On CUDA the IPC reference is made once (torch's
+        `_share_cuda_`) and given to every client: one per Info call would leave a reference
+        count in shared memory for each call whose client never maps it (a health check)."""
+        if self._shared is not None:
+            return self._shared
+        size = int(self.buffer.shape[0])
+        base: dict[str, Any] = {"id": self.slab_id, "size": size}
+        if self.arena is not None:
+            self._shared = {**base, "device": "cpu", "path": str(self.arena.path)}
+        elif self.device.type == "cuda" and size:
+            (_, handle, storage_bytes, storage_offset, counter_handle, counter_offset,
+             event_handle, event_sync) = self.buffer.untyped_storage()._share_cuda_()
+            props = self._torch.cuda.get_device_properties(self.device)
+            self._shared = {
+                **base, "device": "cuda", "device_uuid": str(props.uuid),
+                "ipc_handle": handle, "ipc_storage_bytes": storage_bytes,
+                "ipc_storage_offset": storage_offset, "ipc_ref_counter_handle": counter_handle,
+                "ipc_ref_counter_offset": counter_offset, "ipc_event_handle": event_handle or b"",
+                "ipc_event_sync_required": bool(event_sync)}
+        return self._shared
 
     def _host(self, mem: memoryview) -> torch.Tensor:
         return self._torch.frombuffer(mem, dtype=self._torch.uint8)
@@ -44,3 +81,6 @@ class GpuTier(SlabTier):
     def close(self) -> None:
         super().close()
         self.buffer = self._torch.empty(0, dtype=self._torch.uint8, device=self.device)
+        if self.arena is not None:  # a client still mapping it reads holes (as the host arena)
+            self.arena.free_pages()
+            self.arena.unlink()

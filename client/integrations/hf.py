@@ -250,12 +250,14 @@ pinned both fall back to `torch`."""
 
 def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indices: list[int],
                     views: list[torch.Tensor], stop: threading.Event) -> int | None:
-    """Blocks `indices` of a CUDA cache from `views` (pinned daemon memory) by the copy
-    kernel, queued on the current stream: one launch per run of blocks lying back to back in
-    the arena (`block_runs`), all layers at once. Returns the leading blocks queued (fewer
-    when `stop` is set between runs), or None where it does not apply: a CPU cache, memory
-    not pinned, or `CUDA_LOAD` says torch."""
-    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not views or not views[0].is_pinned():
+    """Blocks `indices` of a CUDA cache from `views` (pinned daemon memory, or the daemon's
+    gpu slab on the cache's device) by the copy kernel, queued on the current stream: one
+    launch per run of blocks lying back to back in the arena or the slab (`block_runs`), all
+    layers at once. Returns the leading blocks queued (fewer when `stop` is set between
+    runs), or None where it does not apply: a CPU cache, memory neither pinned nor on the
+    cache's device, or `CUDA_LOAD` says torch."""
+    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not views or not all(
+            v.is_pinned() or v.device == keys[0].device for v in views):
         return None
     from kvstore import kernels
     from kvstore.kernels import EngineKV

@@ -124,7 +124,7 @@ def _build_native() -> object | None:
 
 
 def adjacent_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, slice]]:
-    """Contiguous tensors of one shape and one storage (stored blocks in the daemon's arena)
+    """Contiguous tensors of one shape (stored blocks in the daemon's arena or gpu slab)
     grouped into runs lying back to back in memory, each as one `[n, *shape]` tensor over the
     same bytes, with the slice of `views` it covers: one copy-kernel launch per run instead of
     one per block (each launch costs ~1 ms of planning in Python on the H100: docs/GPU.md)."""
@@ -132,6 +132,7 @@ def adjacent_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, sli
     start = 0
     for k in range(1, len(views) + 1):
         if k < len(views) and views[k].shape == views[k - 1].shape \
+                and _same_storage(views[k], views[k - 1]) \
                 and views[k].data_ptr() == views[k - 1].data_ptr() + views[k - 1].nbytes:
             continue
         first = views[start]
@@ -139,6 +140,13 @@ def adjacent_runs(views: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, sli
                                       (first.numel(), *first.stride())), slice(start, k)))
         start = k
     return runs
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One memory (the arena, or the gpu slab): two mappings may lie back to back in the
+    address space, and a run must not stride from one into the other."""
+    return a.device == b.device and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def caller_cpus() -> set[int] | None:

@@ -47,7 +47,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "max_message_bytes", "max_blocks_per_call", "arena_id", "kv_events")
+    __slots__ = ("version", "arena_path", "arena_bytes", "max_message_bytes", "max_blocks_per_call", "arena_id", "kv_events", "slab")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class InfoReply(_message.Message):
     MAX_BLOCKS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SLAB_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
@@ -62,7 +63,36 @@ class InfoReply(_message.Message):
     max_blocks_per_call: int
     arena_id: str
     kv_events: str
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_call: _Optional[int] = ..., arena_id: _Optional[str] = ..., kv_events: _Optional[str] = ...) -> None: ...
+    slab: Slab
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_call: _Optional[int] = ..., arena_id: _Optional[str] = ..., kv_events: _Optional[str] = ..., slab: _Optional[_Union[Slab, _Mapping]] = ...) -> None: ...
+
+class Slab(_message.Message):
+    __slots__ = ("id", "size", "device", "path", "device_uuid", "ipc_handle", "ipc_storage_bytes", "ipc_storage_offset", "ipc_ref_counter_handle", "ipc_ref_counter_offset", "ipc_event_handle", "ipc_event_sync_required")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IPC_STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    IPC_EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    size: int
+    device: str
+    path: str
+    device_uuid: str
+    ipc_handle: bytes
+    ipc_storage_bytes: int
+    ipc_storage_offset: int
+    ipc_ref_counter_handle: bytes
+    ipc_ref_counter_offset: int
+    ipc_event_handle: bytes
+    ipc_event_sync_required: bool
+    def __init__(self, id: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[str] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., ipc_storage_bytes: _Optional[int] = ..., ipc_storage_offset: _Optional[int] = ..., ipc_ref_counter_handle: _Optional[bytes] = ..., ipc_ref_counter_offset: _Optional[int] = ..., ipc_event_handle: _Optional[bytes] = ..., ipc_event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -90,31 +120,35 @@ class LookupReply(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., read_bandwidth: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("offset", "length", "tier")
+    __slots__ = ("offset", "length", "tier", "in_slab")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    IN_SLAB_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
     tier: str
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+    in_slab: bool
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ..., in_slab: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "keys", "transfer", "prior_keys")
+    __slots__ = ("namespace", "layout", "keys", "transfer", "prior_keys", "slab_ok")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PRIOR_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLAB_OK_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     transfer: Transfer
     prior_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    slab_ok: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ..., slab_ok: _Optional[bool] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id", "more")
+    __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id", "more", "slab_id")
     HITS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +157,7 @@ class FetchChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
     hits: int
     lease_id: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
@@ -131,7 +166,8 @@ class FetchChunk(_message.Message):
     data: bytes
     arena_id: str
     more: bool
-    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ..., more: _Optional[bool] = ...) -> None: ...
+    slab_id: str
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., block_index: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., data: _Optional[bytes] = ..., arena_id: _Optional[str] = ..., more: _Optional[bool] = ..., slab_id: _Optional[str] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
     __slots__ = ("namespace", "layout", "keys", "block_index", "chunk_offset", "data", "prior_keys")

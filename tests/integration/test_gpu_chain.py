@@ -4,8 +4,9 @@
 Capacities are 4 gpu, 6 host and 64 disk blocks under LRU, so every step's placement follows
 from the rules (`tiers/hierarchy.py`) and is asserted exactly, per tier, by Inspect and Stats:
 a fetch copies what it served up into gpu (kept in host too), a publish pushes host's
-least-recent blocks down to disk, a block only gpu holds reaches its client through host
-scratch space, and gpu victims go down to host (pushing host's down to disk).
+least-recent blocks down to disk, a block only gpu holds reaches a client that does not map
+the slab through host scratch space (one that does reads it where it lies), and gpu victims
+go down to host (pushing host's down to disk).
 """
 
 from __future__ import annotations
@@ -17,9 +18,18 @@ import pytest
 import torch
 
 from kvstore.client import KVClient
+from kvstore.client.slab import SLAB_ENV
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.reliability import CapacityWatch, stats, stub, tier, wait_quiescent, wait_until
+from tests.reliability import (
+    CapacityWatch,
+    layout_pb,
+    stats,
+    stub,
+    tier,
+    wait_quiescent,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 P1, P2, P3 = (small_layout(model=m) for m in ("p1", "p2", "p3"))  # a namespace each
@@ -64,14 +74,21 @@ def prompt(i: int) -> list[int]:
     return list(range(1000 * i, 1000 * i + 4 * BT))
 
 
-@pytest.mark.parametrize("device", [
+DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[
         pytest.mark.gpu,
         pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
-])
-def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, device):
-    # With `cuda` the slab is device memory: every move up and down crosses the bus.
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, device,
+                                                              monkeypatch):
+    # With `cuda` the slab is device memory: every move up and down crosses the bus. These
+    # clients do not map the slab, so gpu-only blocks come through host scratch space (a
+    # client that maps it: test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie).
+    monkeypatch.setenv(SLAB_ENV, "0")
     d = daemon_factory(*chain_args(device=device)).start()
     t1, t2, t3 = prompt(1), prompt(2), prompt(3)
     kv1, kv2, kv3 = (random_kv(lay, len(t), seed)
@@ -156,6 +173,83 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, de
             assert n == len(t) and same_bytes(got, kv)
     assert tier(stats(d.target), "disk").hits == 12
     # Stopped with the last fetch's lift possibly running: cancelled, its pins given back.
+    assert d.stop() == 0
+    assert "Traceback" not in d.log.read_text()
+
+
+def slab_fetch(target: str, layout, tokens: list[int], **request) -> pb.FetchChunk:
+    """One raw Fetch's header (a lease left to the caller), over the Unix socket."""
+    keys = KVClient(target, layout).keys(tokens)
+    channel, s = stub(target)
+    with channel:
+        call = s.Fetch(pb.FetchRequest(namespace=namespace(layout), layout=layout_pb(layout),
+                                       keys=keys, **request), timeout=5)
+        return next(iter(call))
+
+
+def namespace(layout) -> bytes:
+    from kvstore.keys import Namespace
+
+    return Namespace(layout).digest()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factory, device):
+    """A same-node client maps the gpu slab (CUDA IPC; on the CPU a shared file, the same
+    protocol): a block only gpu holds is served to it where it lies, pinned by its lease,
+    byte-identical, with no host scratch space taken and nothing pushed down for it. A client
+    that does not ask (or a streamed fetch) still gets it through host."""
+    d = daemon_factory(*chain_args(device=device), "--lease-timeout-s", "2").start()
+    t1, t2 = prompt(1), prompt(2)
+    kv1, kv2 = random_kv(P1, len(t1), 0), random_kv(P2, len(t2), 1)
+    with CapacityWatch(d) as watch, KVClient(d.target, P1) as c1, KVClient(d.target, P2) as c2:
+        assert c1.prepare()  # maps the arena and the slab
+        assert c1.publish(t1, kv1) == len(t1)
+        n, got = c1.fetch(t1)
+        assert n == len(t1) and same_bytes(got, kv1)
+        lifted(d.target, 4)
+        assert c2.publish(t2, kv2) == len(t2)
+        before = {"p1": {"gpu": 4, "host": 2, "disk": 2}, "p2": {"host": 4}}
+        assert placement(d.target) == before
+        calls: list[tuple[object, ...]] = []
+
+        def consume(blocks, views, stop: threading.Event) -> None:
+            calls.append((list(blocks), placement(d.target),
+                          tier(stats(d.target), "gpu").pinned_blocks,
+                          [v.device.type for v in views],
+                          [same_bytes(v, kv1[:, :, b * BT : (b + 1) * BT])
+                           for b, v in zip(blocks, views, strict=True)]))
+
+        assert c1.fetch_with(t1, consume) == len(t1)
+        # P1's head from host, its tail from the slab (pinned while the lease lasts): no
+        # scratch space, so P2 keeps its host blocks.
+        slab = "cuda" if device == "cuda" else "cpu"
+        assert calls == [([0, 1, 2, 3], before, 2, ["cpu", "cpu", slab, slab], [True] * 4)]
+        n, got = c1.fetch(t1)  # `fetch` (into a new tensor) reads the slab too
+        assert n == len(t1) and same_bytes(got, kv1)
+        r = wait_quiescent(d.target, 2.0)
+        assert placement(d.target) == before
+        assert [tier(r, "gpu").hits, tier(r, "gpu").bytes_read] == [4, 0]  # zero-copy
+
+        # The raw protocol: a client that does not ask gets the tail through host scratch
+        # space; a streamed fetch never gets slab offsets; an SHM fetch that asks does, with
+        # the slab's id, and a lease it never releases gives its pins back when it expires.
+        info_slab = stub(d.target)[1].Info(pb.InfoRequest(), timeout=5).slab
+        assert info_slab.id and info_slab.size == GPU * BB and info_slab.device == device
+        plain = slab_fetch(d.target, P1, t1, transfer=pb.TRANSFER_SHM)
+        assert [(b.tier, b.in_slab) for b in plain.blocks] == [
+            ("host", False), ("host", False), ("gpu", False), ("gpu", False)]
+        assert not plain.slab_id
+        streamed = slab_fetch(d.target, P1, t1, transfer=pb.TRANSFER_STREAM, slab_ok=True)
+        assert [b.in_slab for b in streamed.blocks] == [False] * 4
+        asked = slab_fetch(d.target, P1, t1, transfer=pb.TRANSFER_SHM, slab_ok=True)
+        assert [(b.tier, b.in_slab) for b in asked.blocks] == [
+            ("host", False), ("host", False), ("gpu", True), ("gpu", True)]
+        assert asked.slab_id == info_slab.id
+        assert tier(stats(d.target), "gpu").pinned_blocks == 2
+        r = wait_quiescent(d.target, 10.0)  # both SHM leases expire (2 s): every pin back
+        assert r.expired_leases == 2 and tier(r, "gpu").pinned_blocks == 0
+        watch.check()
     assert d.stop() == 0
     assert "Traceback" not in d.log.read_text()
 

@@ -10,7 +10,7 @@ import torch
 from kvstore.client import KVClient
 from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
-from tests.reliability import wait_until
+from tests.reliability import stats, tier, wait_quiescent, wait_until
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = [
@@ -97,3 +97,36 @@ def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
     assert torch.equal(warm.logits, want) and torch.equal(again.logits, want)
     del first  # its mapping is unregistered, then unmapped, on the unmap thread
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("copy", ["kernel", "torch"])
+def test_blocks_only_the_gpu_level_holds_load_from_its_slab_by_cuda_ipc(daemon_factory, copy,
+                                                                         monkeypatch):
+    """The daemon's gpu level on this GPU, mapped by the client through CUDA IPC: a prefix
+    host no longer holds loads from the slab (device to device), and the outputs are the
+    model's own over the same split, bit for bit."""
+    monkeypatch.setattr(hf, "CUDA_LOAD", copy)
+    model = llama_on("cuda")
+    layout = layout_for_model(model, block_tokens=64)
+    room = 16 * layout.block_bytes  # one 960-token prompt (15 blocks) and one block more
+    d = daemon_factory("--gpu-bytes", str(room), "--gpu-device", "cuda", "--host-bytes",
+                       str(room), "--disk-bytes", "64MiB", "--eviction-policy", "lru",
+                       name="slab").start()
+    gen = torch.Generator().manual_seed(6)
+    ids, other = (torch.randint(0, 512, (1, 1000), generator=gen).cuda() for _ in range(2))
+    with KVClient(d.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        assert engine.prefill(ids).published_tokens == 960
+        assert engine.prefill(ids).cached_tokens == 960  # from host, then lifted into gpu
+        wait_until(lambda: tier(stats(d.target), "gpu").blocks == 15, 20, "the lift")
+        wait_quiescent(d.target, 10)
+        assert engine.prefill(other).published_tokens == 960  # pushes `ids` out of host
+        assert c._aio._slab is not None and c._aio._slab.is_cuda  # mapped by CUDA IPC
+        hits = tier(stats(d.target), "gpu").hits
+        tokens, warm = engine.generate(ids, 24)
+    assert warm.cached_tokens == 960
+    assert tier(stats(d.target), "gpu").hits - hits >= 14  # served from the slab
+    want_logits, want_tokens = own_split(model, ids, 960, 24)
+    assert torch.equal(warm.logits, want_logits)
+    assert tokens == want_tokens
+    d.stop()

@@ -54,3 +54,16 @@ def test_runs_scatter_what_the_per_block_copies_write():
     for got, want in zip(keys + values, want_k + want_v, strict=True):
         assert torch.equal(got[..., : 6 * BT, :], want[..., : 6 * BT, :])
         assert got[..., 6 * BT :, :].isnan().all()  # past the blocks: untouched
+
+
+def test_blocks_of_two_memories_lying_back_to_back_are_two_runs():
+    """The arena and the gpu slab are separate mappings that may lie back to back in the
+    address space: a run must not stride from one into the other's storage."""
+    import numpy as np
+
+    per = LAYERS * 2 * BT * HEADS * DIM
+    flat = np.zeros(4 * per, dtype=np.float32)
+    arena, slab = torch.from_numpy(flat[: 2 * per]), torch.from_numpy(flat[2 * per :])
+    views = [arena[per:].view(BLOCK), slab[:per].view(BLOCK), slab[per:].view(BLOCK)]
+    assert views[1].data_ptr() == views[0].data_ptr() + views[0].nbytes  # adjacent bytes
+    assert [blocks for _, blocks in block_runs([0, 1, 2], views)] == [[0], [1, 2]]
