@@ -152,6 +152,7 @@ class _Room:
     keys: Sequence[bytes]
     layout_digest: bytes
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
+    slab_ok: bool = False  # the client reads gpu-only blocks in the slab: no host room for them
     share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
     gpu_bytes: int = 0  # copied out of the gpu tier into scratch space, for its read rate
@@ -365,7 +366,8 @@ class TieredStore:
         if (tier := self._remote_for(namespace)) is not None:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
-        room = _Room(prior, keys, layout_digest, open_ended=remote is not None)
+        room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
+                     slab_ok=slab_ok and self.gpu is not None)
         window = self.fetch_window_bytes
         promoted = 0
         try:
@@ -627,7 +629,7 @@ class TieredStore:
         size = host.units_for(length) * PAGE  # a block's, as the prompt's blocks are alike
         room.held = [host.prepare_load(k) for k in room.prior if host.contains(k)]
         # The prompt's other blocks: served by earlier calls, or in gpu or on disk ahead of this
-        # one (a gpu block takes scratch space while its lease lasts).
+        # one (a gpu block takes scratch space while its lease lasts, unless read in the slab).
         rest = (len(room.prior) - len(room.held)) * size
         local = True  # every key is in a local tier
         for key in room.keys:
@@ -639,6 +641,8 @@ class TieredStore:
             if src is None or src.layout_digest != room.layout_digest:
                 local = False
                 break
+            if room.slab_ok and level is not None and self.tiers[level] is self.gpu:
+                continue  # read where it lies (`_stage`): it takes no host space
             rest += size
         room.share = PromptShare.size(
             host.capacity_bytes, self.fetch_window_bytes, size,

@@ -812,6 +812,45 @@ def test_flush_writes_blocks_only_the_gpu_tier_holds(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_slab_fetch_reads_gpu_blocks_in_place_and_promotes_the_rest(tmp_path: Path) -> None:
+    # A 9-block prompt: its first 4 blocks only in gpu, the other 5 only on disk, host (6
+    # blocks) empty. A client mapping the slab reads the 4 where they lie (pinned in gpu), so
+    # the 5 disk blocks fit host and are promoted; counting the gpu blocks as host space (as
+    # for a client that does not map the slab) would put all 9 past the host's share and send
+    # the disk blocks to scratch space.
+    store = gpu_store(tmp_path, gpu_blocks=4, host_blocks=6)
+    keys = [key(i) for i in range(9)]
+
+    async def main() -> None:
+        assert store.gpu is not None and store.disk is not None
+        await publish(store, keys[:4])
+        store.release((await store.fetch(keys[:4], LAYOUT)).id)
+        await store.lifts_idle()
+        await publish(store, keys[4:])
+        await store.flush(10.0)  # whatever host's demotions did not write yet
+        assert all(store.disk.contains(k) for k in keys)
+        for k in keys:
+            store.host.remove(k)
+        for k in keys[:4]:
+            assert store.disk.remove(k)
+        lease = await store.fetch(keys, LAYOUT, slab_ok=True)
+        assert lease.tiers == ["gpu"] * 4 + ["disk"] * 5
+        assert lease.in_slab == [True] * 4 + [False] * 5 and not lease.scratch
+        assert [bytes(store.gpu.memview(e)) if s else bytes(store.host.memview(e))
+                for e, s in zip(lease.entries, lease.in_slab, strict=True)] == [
+            payload(k) for k in keys]
+        assert store.gpu.stats().pinned_blocks == 4
+        assert [store.host.contains(k) for k in keys] == [False] * 4 + [True] * 5  # promoted
+        store.release(lease.id)
+        await store.lifts_idle()
+        assert nothing_held(store) and store.gpu.stats().pinned_blocks == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
 def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
     # Host (2 blocks) is pinned full by the lift of B (its own pins, past the fetch's lease):
     # gpu's victims (A, only in gpu) have nowhere to go, so they stay and the lift stops;
