@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import math
 import mmap
@@ -38,7 +39,7 @@ import torch
 
 from kvstore.arena import Arena, run_at_lowest_priority
 from kvstore.client.backoff import BackoffPolicy, Breaker
-from kvstore.client.slab import map_slab
+from kvstore.client.slab import MappedSlab, map_slab
 from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace, PrefixKeys
@@ -260,7 +261,7 @@ class AsyncKVClient:
         self._arena_id = ""
         # The daemon's gpu slab, mapped with its arena where it can be (`kvstore.client.slab`):
         # fetches then ask for the blocks only its gpu level holds where they lie.
-        self._slab: torch.Tensor | None = None
+        self._slab: MappedSlab | None = None
         self._slab_id = ""
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
@@ -547,6 +548,12 @@ class AsyncKVClient:
             await self._channel.close()
         self._channel = self._stub = None
         self._arena = self._slab = None
+        # Each finished call (a Fetch's stream above all) stays in a reference cycle holding
+        # the channel's core object, and gRPC's asyncio poller thread is stopped only when the
+        # last one goes. Left to the interpreter's final collection, that thread was still
+        # running at exit in 1 of 3 engine processes here, which then aborted ("terminate
+        # called without an active exception", SIGABRT) after their work was done.
+        gc.collect()
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -824,7 +831,7 @@ class AsyncKVClient:
         return max(1, COPY_PIECE_BYTES // self.layout.block_bytes)
 
     def _runs(self, arena: Arena, blocks: list[int], refs: list[pb.BlockRef],
-              ) -> list[tuple[torch.Tensor, int]]:
+              slab: torch.Tensor | None = None) -> list[tuple[torch.Tensor, int]]:
         """Pair arena (or slab) views with prompt positions, merging blocks that are adjacent
         both in that memory and in the prompt (the usual case): one large copy per run instead
         of one per block, which torch spreads over all cores.
@@ -840,7 +847,7 @@ class AsyncKVClient:
                    and refs[j].in_slab == refs[j - 1].in_slab
                    and refs[j].offset == refs[j - 1].offset + refs[j - 1].length):
                 j += 1
-            raw = self._memory(arena, refs[i])[
+            raw = _memory(arena, slab, refs[i])[
                 refs[i].offset : refs[j - 1].offset + refs[j - 1].length]
             view = raw.view(self.layout.torch_dtype).view(j - i, *shape)
             # [n, L, kv, T, H, D] -> [L, kv, n, T, H, D] -> tokens of the run in order
@@ -880,23 +887,24 @@ class AsyncKVClient:
                 if not more or n == 0:
                     break
         else:
-            async def take(arena: Arena, head: pb.FetchChunk, first: int) -> int:
+            async def take(arena: Arena, slab: torch.Tensor | None, head: pb.FetchChunk,
+                           first: int) -> int:
                 if out[0] is None:  # sized for every block asked for: later windows fill the rest
                     out[0] = self._new_out(len(keys))
-                return await self._copy(self._copy_out, len(head.blocks), arena,
+                return await self._copy(self._copy_out, len(head.blocks), arena, slab,
                                         list(head.blocks), out[0], first, until=until)
 
             await self._windows(keys, take, until, progress)
         return self._kept(progress.done, out[0])
 
     async def _windows(self, keys: list[bytes],
-                       take: Callable[[Arena, pb.FetchChunk, int], Awaitable[int]],
+                       take: _Take,
                        until: float, progress: _Progress) -> None:
         """Same-node fetch of `keys[progress.done:]`, advancing `progress.done` past every
         window copied intact. The daemon answers a window at a time (it stops after
         `fetch_window_bytes` of disk or remote reads, or when its staging space runs out, with
         `more` set); the rest is asked for before `take` copies the current window, so the
-        daemon's reads overlap this client's copy. `take(arena, head, first)` copies `head`'s
+        daemon's reads overlap this client's copy. `take(arena, slab, head, first)` copies `head`'s
         blocks, the first being block `first` of `keys`, and returns how many leading ones it
         copied in full (fewer when it stopped at `until`); the lease is released here, and a
         lease that ended during the copy makes that window a miss (its blocks may have been
@@ -956,7 +964,7 @@ class AsyncKVClient:
             self._release_later(ahead.result().lease_id)
 
     async def _take_leased(self, head: pb.FetchChunk, first: int,
-                           take: Callable[[Arena, pb.FetchChunk, int], Awaitable[int]]) -> int:
+                           take: _Take) -> int:
         """Copy a leased window with `take`, then release it; returns the leading blocks
         copied intact (0 when the copy cannot be trusted: no arena, or the lease ended before
         the copy did)."""
@@ -965,11 +973,13 @@ class AsyncKVClient:
             arena = await self._arena_for(head.arena_id)
             if arena is None:
                 return 0
+            # This window's slab, whatever a concurrent call does to `self._slab` meanwhile.
+            slab = self._slab.tensor if self._slab is not None else None
             if any(ref.in_slab for ref in head.blocks) and (
-                    self._slab is None or head.slab_id != self._slab_id):
+                    slab is None or head.slab_id != self._slab_id):
                 return 0  # a slab this client no longer maps (the daemon restarted): a miss
             began = time.perf_counter()
-            got = await take(arena, head, first)
+            got = await take(arena, slab, head, first)
             self._observe_copy(head.blocks[:got], time.perf_counter() - began)
             reply: pb.ReleaseReply = await self._unary(
                 "Release", pb.ReleaseRequest(lease_id=head.lease_id))
@@ -1003,12 +1013,12 @@ class AsyncKVClient:
         self._observe_copy(head.blocks, time.perf_counter() - began)
         return n, head.more, out
 
-    def _copy_out(self, arena: Arena, refs: list[pb.BlockRef], out: torch.Tensor,
-                  start: int, stop: threading.Event) -> int:
+    def _copy_out(self, arena: Arena, slab: torch.Tensor | None, refs: list[pb.BlockRef],
+                  out: torch.Tensor, start: int, stop: threading.Event) -> int:
         """Copy `refs` into blocks `start...` of `out`; returns the blocks copied (a prefix)."""
         blocks = list(range(start, start + len(refs)))
         copied = 0
-        for view, first in self._runs(arena, blocks, refs):
+        for view, first in self._runs(arena, blocks, refs, slab):
             step = self._piece_blocks()
             for j in range(0, view.shape[2], step):
                 if stop.is_set():
@@ -1112,18 +1122,11 @@ class AsyncKVClient:
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
-    def _memory(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
-        """The flat memory `ref`'s offset is into: the arena, or the gpu slab (`in_slab`: only
-        in a window `_take_leased` checked against the slab this client maps)."""
-        if ref.in_slab:
-            assert self._slab is not None
-            return self._slab
-        return arena.tensor
-
-    def _block_view(self, arena: Arena, ref: pb.BlockRef) -> torch.Tensor:
+    def _block_view(self, arena: Arena, ref: pb.BlockRef,
+                    slab: torch.Tensor | None = None) -> torch.Tensor:
         """One block of the arena (or the slab) as `[layers, kv, block_tokens, heads,
         head_dim]`."""
-        raw = self._memory(arena, ref)[ref.offset : ref.offset + ref.length]
+        raw = _memory(arena, slab, ref)[ref.offset : ref.offset + ref.length]
         return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)
 
     async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int,
@@ -1132,8 +1135,9 @@ class AsyncKVClient:
         if self.transfer == "stream":
             return await self._fetch_with_stream(keys, consume, skip, until)
 
-        async def take(arena: Arena, head: pb.FetchChunk, first: int) -> int:
-            views = [self._block_view(arena, ref) for ref in head.blocks]
+        async def take(arena: Arena, slab: torch.Tensor | None, head: pb.FetchChunk,
+                       first: int) -> int:
+            views = [self._block_view(arena, ref, slab) for ref in head.blocks]
             return await self._copy(consume, len(views), list(range(first, first + len(views))),
                                     views, until=until)
 
@@ -1177,6 +1181,20 @@ class AsyncKVClient:
 
         return await _in_rounds(len(keys), 0,
                                 lambda d: self._reserve_write(keys, d, write, until))
+
+
+_Take = Callable[[Arena, "torch.Tensor | None", pb.FetchChunk, int], Awaitable[int]]
+"""Copies a leased window (`_windows`): (arena, slab, header, first block) -> blocks copied."""
+
+
+def _memory(arena: Arena, slab: torch.Tensor | None, ref: pb.BlockRef) -> torch.Tensor:
+    """The flat memory `ref`'s offset is into: the arena, or the gpu slab (`in_slab`: only in
+    a window `_take_leased` checked against the slab this client maps)."""
+    if not ref.in_slab:
+        return arena.tensor
+    if slab is None:
+        raise KVStoreError("a block in the daemon's gpu slab, which this client does not map")
+    return slab
 
 
 async def _in_rounds(total: int, start: int,

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -26,36 +27,46 @@ log = logging.getLogger("kvstore.client")
 
 SLAB_ENV = "KVCLIENT_SLAB"  # "0": never map the daemon's gpu slab (blocks come via host)
 
+@dataclass
+class MappedSlab:
+    """The daemon's slab as a flat `uint8` tensor on its device, and what keeps it mapped."""
+
+    tensor: torch.Tensor
+    # The CPU slab's file: unmapped through `Arena`'s own path (never under a tensor's
+    # deleter, which would abort a process exiting meanwhile: kvstore/arena.py `_reap`).
+    arena: Arena | None = None
+
+
 # One mapping per slab per process: CUDA refuses to open one IPC handle twice in a process,
 # and clients of several namespaces share the mapping as they share the arena's.
-_slabs: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+_slabs: weakref.WeakValueDictionary[str, MappedSlab] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
-def map_slab(slab: pb.Slab) -> torch.Tensor | None:
-    """The daemon's slab as a flat `uint8` tensor (on its device), or None where this process
-    cannot map it (logged once per slab at debug level: not an error, the host path serves)."""
+def map_slab(slab: pb.Slab) -> MappedSlab | None:
+    """The daemon's slab mapped in this process, or None where this process cannot map it
+    (logged at debug level: not an error, the host path serves)."""
     if not slab.id or not slab.size or os.environ.get(SLAB_ENV, "1") == "0":
         return None
     with _lock:
-        tensor = _slabs.get(slab.id)
-        if tensor is not None:
-            return tensor
+        mapped = _slabs.get(slab.id)
+        if mapped is not None:
+            return mapped
         try:
-            tensor = _open(slab)
+            mapped = _open(slab)
         except Exception as e:  # a failed IPC open, a file gone: the host path still serves
             log.debug("cannot map the daemon's gpu slab %s (%s); its blocks come via host",
                       slab.id, e)
             return None
-        if tensor is not None:
-            _slabs[slab.id] = tensor
-        return tensor
+        if mapped is not None:
+            _slabs[slab.id] = mapped
+        return mapped
 
 
-def _open(slab: pb.Slab) -> torch.Tensor | None:
+def _open(slab: pb.Slab) -> MappedSlab | None:
     if slab.device == "cpu":
-        # The tensor holds the mapping (through the array), unmapped when the last goes.
-        return torch.from_numpy(Arena.attach(slab.path, slab.size).array)
+        arena = Arena.attach(slab.path, slab.size)
+        return MappedSlab(arena.tensor, arena)
     if slab.device != "cuda" or not torch.cuda.is_available():
         return None
     index = cuda_index(slab.device_uuid)
@@ -67,7 +78,7 @@ def _open(slab: pb.Slab) -> torch.Tensor | None:
         slab.ipc_event_handle if slab.ipc_event_sync_required else None,
         slab.ipc_event_sync_required)
     tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
-    return tensor.set_(storage, 0, (slab.size,), (1,))
+    return MappedSlab(tensor.set_(storage, 0, (slab.size,), (1,)))
 
 
 def cuda_index(uuid: str) -> int | None:

@@ -7,6 +7,7 @@ client's contract (a miss within the deadline, never an exception for a daemon p
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -160,6 +161,7 @@ class KVClient:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
+        gc.collect()  # what the loop's last callbacks let go of: see `AsyncKVClient.close`
 
     def __enter__(self) -> KVClient:
         return self

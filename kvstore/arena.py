@@ -83,7 +83,16 @@ def _reap() -> None:
         while sys.getrefcount(held) > 2 and time.monotonic() < deadline:
             time.sleep(0.001)
         _unpin(held[-1] if isinstance(held[-1], int) else 0)
+        tensor, array, mapping = held[:3]
         del held
+        # The tensor first, the mapping last: the unmap releases the GIL, and a daemon thread
+        # taking it back while the interpreter exits is ended by a forced unwind, which aborts
+        # the process if it runs through torch's deleter of a tensor over numpy memory
+        # ("terminate called without an active exception", after an engine's work was done).
+        # Dropped in this order the unmap happens under none of torch's frames.
+        del tensor
+        del array
+        del mapping
 
 
 def _unpin(address: int) -> None:

@@ -121,7 +121,7 @@ def test_blocks_only_the_gpu_level_holds_load_from_its_slab_by_cuda_ipc(daemon_f
         wait_until(lambda: tier(stats(d.target), "gpu").blocks == 15, 20, "the lift")
         wait_quiescent(d.target, 10)
         assert engine.prefill(other).published_tokens == 960  # pushes `ids` out of host
-        assert c._aio._slab is not None and c._aio._slab.is_cuda  # mapped by CUDA IPC
+        assert c._aio._slab is not None and c._aio._slab.tensor.is_cuda  # by CUDA IPC
         hits = tier(stats(d.target), "gpu").hits
         tokens, warm = engine.generate(ids, 24)
     assert warm.cached_tokens == 960
