@@ -12,6 +12,7 @@ namespace sharing the same /dev/shm; a lock is released by the kernel when its h
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -43,9 +44,10 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _populate_unsupported = False  # the kernel refused MADV_POPULATE_WRITE once: read-touch instead
 
 # Mappings of arenas nobody references any more, unmapped by `_reaper`.
-_graveyard: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+_graveyard: queue.SimpleQueue[tuple[object, ...] | None] = queue.SimpleQueue()
 _reaper: threading.Thread | None = None
 _reaper_lock = threading.Lock()
+_exiting = False  # `_stop_reaper` ran: mappings are dropped where they are let go of
 
 
 def run_at_lowest_priority() -> None:
@@ -60,9 +62,24 @@ def _start_reaper() -> None:
     `Arena.__del__`, would hang at interpreter shutdown, where new threads never run."""
     global _reaper
     with _reaper_lock:
-        if _reaper is None:
+        if _reaper is None and not _exiting:
             _reaper = threading.Thread(target=_reap, name="kvstore-arena-unmap", daemon=True)
             _reaper.start()
+
+
+@atexit.register
+def _stop_reaper() -> None:
+    """At exit, before the interpreter finalizes: end `_reap` once it has unmapped what it
+    holds. A daemon thread still freeing a torch tensor over a mapping while the interpreter
+    finalizes is ended by a forced unwind through torch's noexcept deleter (it takes the GIL
+    back), which aborts the process: "terminate called without an active exception", after
+    an engine's work was done (tests/unit/test_arena_exit.py)."""
+    global _reaper, _exiting
+    with _reaper_lock:
+        reaper, _reaper, _exiting = _reaper, None, True
+    if reaper is not None and reaper.is_alive():
+        _graveyard.put(None)
+        reaper.join(timeout=10.0)
 
 
 def _forget_reaper() -> None:
@@ -77,6 +94,8 @@ os.register_at_fork(after_in_child=_forget_reaper)
 def _reap() -> None:
     while True:
         held = _graveyard.get()
+        if held is None:  # `_stop_reaper`
+            return
         # The caller's own reference goes as it returns: wait for it, so that the last one,
         # and the unmap with it, is this thread's (else it is the caller's, as without this).
         deadline = time.monotonic() + 1.0
