@@ -549,10 +549,10 @@ class AsyncKVClient:
         self._channel = self._stub = None
         self._arena = self._slab = None
         # Each finished call (a Fetch's stream above all) stays in a reference cycle holding
-        # the channel's core object, and gRPC's asyncio poller thread is stopped only when the
-        # last one goes. Left to the interpreter's final collection, that thread was still
-        # running at exit in 1 of 3 engine processes here, which then aborted ("terminate
-        # called without an active exception", SIGABRT) after their work was done.
+        # the channel's core object (19 after a test engine's run), and gRPC's asyncio poller
+        # thread stops only when the last goes. Collected now, at close, rather than in the
+        # interpreter's final collection, where freeing what they hold raced the exit
+        # (kvstore/arena.py `_stop_reaper`).
         gc.collect()
 
     async def __aenter__(self) -> AsyncKVClient:
