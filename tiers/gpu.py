@@ -10,6 +10,7 @@ when a `GpuTier` is built: the daemon without a gpu level never imports it.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from kvstore.tiers.slab import SlabTier
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class GpuTier(SlabTier):
@@ -42,6 +45,7 @@ class GpuTier(SlabTier):
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.slab_id = self.arena.path.name if self.arena is not None else secrets.token_hex(8)
         self._shared: dict[str, Any] | None = None  # `share`'s fields, made once
+        self._unshareable = False  # `share` failed once: never tried again
         super().__init__(capacity_bytes, buf)
 
     def share(self) -> dict[str, Any] | None:
@@ -49,23 +53,32 @@ class GpuTier(SlabTier):
         None where it cannot be shared. On CUDA the IPC reference is made once (torch's
         `_share_cuda_`) and given to every client: one per Info call would leave a reference
         count in shared memory for each call whose client never maps it (a health check)."""
-        if self._shared is not None:
+        if self._shared is not None or self._unshareable:
             return self._shared
+        try:
+            self._shared = self._share()
+        except Exception as e:  # e.g. an allocator whose memory CUDA IPC cannot export
+            self._unshareable = True
+            log.warning("the gpu tier's slab cannot be shared with clients (%s): its blocks "
+                        "reach them through host memory", e)
+        return self._shared
+
+    def _share(self) -> dict[str, Any] | None:
         size = int(self.buffer.shape[0])
         base: dict[str, Any] = {"id": self.slab_id, "size": size}
         if self.arena is not None:
-            self._shared = {**base, "device": "cpu", "path": str(self.arena.path)}
-        elif self.device.type == "cuda" and size:
+            return {**base, "device": "cpu", "path": str(self.arena.path)}
+        if self.device.type == "cuda" and size:
             (_, handle, storage_bytes, storage_offset, counter_handle, counter_offset,
              event_handle, event_sync) = self.buffer.untyped_storage()._share_cuda_()
             props = self._torch.cuda.get_device_properties(self.device)
-            self._shared = {
+            return {
                 **base, "device": "cuda", "device_uuid": str(props.uuid),
                 "ipc_handle": handle, "ipc_storage_bytes": storage_bytes,
                 "ipc_storage_offset": storage_offset, "ipc_ref_counter_handle": counter_handle,
                 "ipc_ref_counter_offset": counter_offset, "ipc_event_handle": event_handle or b"",
                 "ipc_event_sync_required": bool(event_sync)}
-        return self._shared
+        return None
 
     def _host(self, mem: memoryview) -> torch.Tensor:
         return self._torch.frombuffer(mem, dtype=self._torch.uint8)
