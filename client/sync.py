@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +24,7 @@ from kvstore.planner import Plan
 from kvstore.proto import kvstore_pb2 as pb
 
 T = TypeVar("T")
+log = logging.getLogger("kvstore.client")
 
 
 class KVClient:
@@ -33,6 +36,10 @@ class KVClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)
         self._thread.start()
+        # Closed by `close`, or when collected, or at exit if still open: its loop thread
+        # must not run while the interpreter finalizes (kvstore/arena.py `_stop_reaper`).
+        self._finalizer = weakref.finalize(self, _shut_down, self._aio, self._loop,
+                                           self._thread)
 
     @property
     def layout(self) -> KVLayout:
@@ -48,7 +55,7 @@ class KVClient:
         return self._aio.dropped_saves
 
     def _run(self, coro: Coroutine[Any, Any, T], miss: T, transfer_s: float = 0.0) -> T:
-        if self._loop.is_closed():
+        if not self._finalizer.alive or self._loop.is_closed():
             coro.close()
             raise RuntimeError("KVClient is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -155,16 +162,30 @@ class KVClient:
         return ready
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._aio.close(), self._loop).result(timeout=5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-        gc.collect()  # what the loop's last callbacks let go of: see `AsyncKVClient.close`
+        self._finalizer()  # once: a second call does nothing
 
     def __enter__(self) -> KVClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _shut_down(aio: AsyncKVClient, loop: asyncio.AbstractEventLoop,
+               thread: threading.Thread) -> None:
+    """Close a client's async half, stop its loop and its thread."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # collected on its own loop: cannot wait there
+        loop.stop()
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(aio.close(), loop).result(timeout=5)
+    except TimeoutError:  # a wedged loop: stop it anyway (at exit, too, within 5 s)
+        log.warning("closing the kvstore client to %s timed out after 5 s", aio.target)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
+        gc.collect()  # what the loop's last callbacks let go of: see `AsyncKVClient.close`

@@ -115,3 +115,40 @@ def test_dropped_saves_are_counted_and_logged(daemon, caplog):
             "every drop logged: the log would flood"
     # Closing the client summarises the drops not logged yet.
     assert any("saves dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_never_closed_stops_its_thread_when_collected_and_at_exit(daemon, tmp_path):
+    """A `KVClient` dropped without `close` ends its loop thread (it leaked one per client
+    before), and one still open at exit is closed before the interpreter finalizes."""
+    import gc
+    import subprocess
+    import sys
+
+    layout = small_layout()
+    tokens = list(range(2 * layout.block_tokens))
+    c = KVClient(daemon.target, layout)
+    assert c.publish(tokens, random_kv(layout, len(tokens), 1)) == len(tokens)
+    thread = c._thread
+    del c
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    closed = KVClient(daemon.target, layout)
+    closed.close()
+    closed.close()  # twice: nothing more
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.lookup(tokens)
+    script = (
+        "import sys\n"
+        "from kvstore.client import KVClient\n"
+        "from tests.conftest import small_layout\n"
+        "layout = small_layout()\n"
+        "c = KVClient(sys.argv[1], layout)\n"
+        f"n, kv = c.fetch({tokens!r})\n"
+        "assert n == len(kv[0, 0]) and n > 0, n\n"
+        "print('FETCHED', flush=True)\n")  # exits with `c` open
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", script, daemon.target], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "FETCHED" in r.stdout, r.stderr[-2000:]
+    assert "Task was destroyed" not in r.stderr and "Traceback" not in r.stderr, r.stderr
