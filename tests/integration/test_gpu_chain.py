@@ -250,6 +250,23 @@ def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factor
         r = wait_quiescent(d.target, 10.0)  # both SHM leases expire (2 s): every pin back
         assert r.expired_leases == 2 and tier(r, "gpu").pinned_blocks == 0
         watch.check()
+
+        # A restart makes a new slab: the clients map it in place of the old one (whose file
+        # the stopped daemon removed) and read the new daemon's gpu-only blocks from it.
+        old = c1._aio._slab_id
+        assert d.stop() == 0
+        d.start()
+        wait_until(lambda: c1.clear(all_namespaces=True) > 0, 10, "the daemon back")
+        assert c1.publish(t1, kv1) == len(t1)  # the same steps as above, on the new daemon
+        n, got = c1.fetch(t1)
+        assert n == len(t1) and same_bytes(got, kv1)
+        lifted(d.target, 4)
+        assert c2.publish(t2, kv2) == len(t2)
+        assert placement(d.target) == before
+        n, got = c1.fetch(t1)
+        assert n == len(t1) and same_bytes(got, kv1)
+        assert c1._aio._slab_id not in ("", old)
+        assert tier(stats(d.target), "gpu").hits == 2
     assert d.stop() == 0
     assert "Traceback" not in d.log.read_text()
 
