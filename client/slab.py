@@ -27,6 +27,7 @@ log = logging.getLogger("kvstore.client")
 
 SLAB_ENV = "KVCLIENT_SLAB"  # "0": never map the daemon's gpu slab (blocks come via host)
 
+
 @dataclass
 class MappedSlab:
     """The daemon's slab as a flat `uint8` tensor on its device, and what keeps it mapped."""
