@@ -851,6 +851,34 @@ def test_a_slab_fetch_reads_gpu_blocks_in_place_and_promotes_the_rest(tmp_path: 
         store.close()
 
 
+def test_a_slab_block_past_a_corrupt_disk_block_is_unpinned(tmp_path: Path) -> None:
+    # Block 0 only on disk (corrupt), block 1 only in gpu: a slab fetch pins block 1 in the
+    # slab, then the prefix ends at block 0's failed read, so the pin goes back at once.
+    store = gpu_store(tmp_path, gpu_blocks=4, host_blocks=6)
+    keys = [key(0), key(1)]
+
+    async def main() -> None:
+        assert store.gpu is not None and store.disk is not None
+        await publish(store, keys)
+        store.release((await store.fetch(keys, LAYOUT)).id)
+        await store.lifts_idle()
+        await store.flush(10.0)
+        for k in keys:
+            store.host.remove(k)
+        assert store.gpu.remove(keys[0]) and store.disk.contains(keys[0])
+        _flip_disk_byte(store, keys[0], PAGE + 17)
+        lease = await store.fetch(keys, LAYOUT, slab_ok=True)
+        assert lease.entries == [] and store.counters.integrity_failures == 1
+        store.release(lease.id)
+        assert store.gpu.stats().pinned_blocks == 0 and nothing_held(store)
+        assert store.gpu.contains(keys[1])
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
 def test_gpu_victim_host_cannot_take_stays_in_gpu(tmp_path: Path) -> None:
     # Host (2 blocks) is pinned full by the lift of B (its own pins, past the fetch's lease):
     # gpu's victims (A, only in gpu) have nowhere to go, so they stay and the lift stops;
