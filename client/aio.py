@@ -54,6 +54,7 @@ from kvstore.planner import (
 from kvstore.planner import plan as plan_prefix
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.writer_lock import writer_lock
 
 log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
@@ -263,6 +264,9 @@ class AsyncKVClient:
         # fetches then ask for the blocks only its gpu level holds where they lie.
         self._slab: MappedSlab | None = None
         self._slab_id = ""
+        # This process's lock file beside the arena, named in every Reserve so that the daemon
+        # never reuses a reservation this process may still be writing (`writer_lock`).
+        self._writer: str | None = None
         self._background: set[asyncio.Future[Any]] = set()  # what abandoned calls left
         # This client's own leg of every fetch: its copy out of the daemon's memory (or its
         # receive, over TCP), bytes/s, an EWMA over fetches. `plan` adds it to every tier.
@@ -740,6 +744,14 @@ class AsyncKVClient:
         self._read_bandwidth.update(reply.read_bandwidth)
         return reply
 
+    async def _writer_name(self) -> str:
+        """This process's writer lock for a Reserve (`kvstore.writer_lock`); asks Info where
+        the arena lies the first time, if no arena is mapped yet."""
+        if self._writer is None:
+            info = await self._info()
+            self._writer = writer_lock(os.path.dirname(info.arena_path)) if info.arena_path else ""
+        return self._writer
+
     async def _arena_for(self, arena_id: str) -> Arena | None:
         """The mapped arena named `arena_id`, (re)attaching after a daemon restart."""
         if self._arena is not None and self._arena_id == arena_id:
@@ -755,6 +767,7 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
+        self._writer = writer_lock(os.path.dirname(info.arena_path))
         self._slab = map_slab(info.slab) if info.HasField("slab") else None
         self._slab_id = info.slab.id if self._slab is not None else ""
         return self._arena
@@ -1069,7 +1082,8 @@ class AsyncKVClient:
         room by writing other blocks to disk: it has the transfer's deadline."""
         reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:], prior_keys=keys[:start]), until),
+                                         keys=keys[start:], prior_keys=keys[:start],
+                                         writer=await self._writer_name()), until),
             lambda r: r.lease_id)
         if not reply.lease_id:  # nothing to write: every block is stored or being written
             return len(reply.needed), reply.more

@@ -116,6 +116,11 @@ class ServerConfig:
                                    "promotion. 0: no limit.", unit="bytes", lo=0, hi=1 << 40)
     lease_timeout_s: float = _opt(30.0, "A fetch or publish lease not released in this time is "
                                   "reclaimed.", unit="seconds", lo=0.1, hi=3600)
+    write_fence_s: float = _opt(600.0, "A same-node publish whose lease expired while its "
+                                "process lives (frozen, swapped out) may still be copying into "
+                                "its slots: they stay out of use until it ends the lease or "
+                                "exits, for at most this long. 0: reused at expiry.",
+                                unit="seconds", lo=0, hi=86400)
     max_blocks_per_call: int = _opt(4096, "Most keys one Lookup/Fetch/Publish may name.", lo=1,
                                     hi=1 << 20)
     drain_grace_s: float = _opt(5.0, "On SIGTERM, how long in-flight calls may finish.",

@@ -169,7 +169,8 @@ class Daemon:
             raise
         self.store = TieredStore(host, disk, config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
-                                 fetch_window_bytes=config.fetch_window_bytes, gpu=gpu)
+                                 fetch_window_bytes=config.fetch_window_bytes, gpu=gpu,
+                                 write_fence_s=config.write_fence_s)
         if config.host_prefault == "background":
             host.start_prefault()
         self._rates_file = self.data_dir / "read_bandwidth.json"

@@ -35,6 +35,9 @@ class StoreCollector(Collector):
             ("kvstore_stored_blocks", c.stored_blocks, "Blocks published."),
             ("kvstore_expired_leases", c.expired_leases,
              "Leases reclaimed by lease_timeout_s because their client never ended them."),
+            ("kvstore_fenced_leases", self.store.fences.fenced_total,
+             "Expired publish leases whose writer still lived: their space was kept out of "
+             "use (write_fence_s)."),
             ("kvstore_lifts_skipped", c.lifts_skipped,
              "Promotions into the gpu tier not started: another prompt's was running."),
             ("kvstore_sessions_ended", c.sessions_ended,
@@ -86,6 +89,9 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvstore_host_prefaulted_bytes", "Bytes of the host arena "
                                 "backed so far by the background prefault (host_prefault).",
                                 value=self.store.host.prefaulted_bytes)
+        yield GaugeMetricFamily("kvstore_fenced_bytes", "Host arena bytes kept out of use for "
+                                "expired publishes whose writer lives on (write_fence_s).",
+                                value=self.store.fences.nbytes)
 
     def _kv_events(self) -> Iterator[Metric]:
         """KV events' batches, 0 while events are off (as Stats reports them), so an alert on

@@ -438,7 +438,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = scope.namespace(self._namespace(request.namespace))
         self.namespaces.note(ns, request.layout, scope, request.namespace)
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes,
-                                         owner=scope.tenant, prior=prior)
+                                         owner=scope.tenant, prior=prior,
+                                         writer=request.writer)
         if not lease.entries:  # nothing to write: no lease to hold (Commit(0) is a no-op)
             self.store.commit(lease.id, scope.tenant)  # ranks the chain, as Commit would
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]
@@ -575,4 +576,5 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
         kv_events_dropped=store.events.publisher.dropped if store.events else 0,
         lifts_skipped=c.lifts_skipped, sessions_ended=c.sessions_ended,
         session_blocks_marked=c.session_blocks_marked,
-        host_prefaulted_bytes=store.host.prefaulted_bytes)
+        host_prefaulted_bytes=store.host.prefaulted_bytes,
+        fenced_leases=store.fences.fenced_total, fenced_bytes=store.fences.nbytes)

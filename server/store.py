@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, NotFoundError
 from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
+from kvstore.server.fences import Fences
 from kvstore.server.remote_writer import RemoteWriter
 from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains
@@ -101,6 +102,7 @@ class PublishLease(Lease):
     kind: ClassVar[Literal["fetch", "publish"]] = "publish"
     needed: list[bool] = field(default_factory=list)  # per key: reserved, or present already
     keys: list[bytes] = field(default_factory=list)  # the chain to rank at commit
+    writer: str = ""  # the zero-copy writer's lock file: its space is fenced at expiry
 
 
 L = TypeVar("L", bound=Lease)
@@ -245,7 +247,7 @@ class TieredStore:
                  io_threads: int = 4, remote: RemoteTier | None = None,
                  remote_queue_blocks: int = 256, fetch_window_bytes: int = 64 << 20,
                  clock: Callable[[], float] = time.monotonic, gpu: GpuTier | None = None,
-                 ) -> None:
+                 write_fence_s: float = 600.0) -> None:
         self.host = host
         self.gpu = gpu
         self.clock = clock  # lease expiry and flush budgets (tests step a fake one)
@@ -264,6 +266,9 @@ class TieredStore:
                        if remote is not None and self.write_queue is not None else None)
         self.lease_timeout_s = lease_timeout_s
         self.leases: dict[int, Lease] = {}
+        # Expired zero-copy publishes whose writer may still be copying into them.
+        self.fences = Fences(host.arena.path.parent, write_fence_s, host.free_scratch,
+                             lambda: self.clock())
         # Every placement decision (lookup walks, victims and where they go, a prompt's share,
         # the flush order) is the engine's; this class carries them out with bytes and leases.
         self.placement = Hierarchy(self.tiers, RecentChains(RECENT_CHAIN_KEYS),
@@ -760,15 +765,18 @@ class TieredStore:
 
     async def reserve(self, namespace: bytes, layout_digest: bytes, keys: Sequence[bytes],
                       length: int, owner: str = "", hold: bool = False,
-                      prior: Sequence[bytes] = ()) -> PublishLease:
+                      prior: Sequence[bytes] = (), writer: str = "") -> PublishLease:
         """Reserve host space for the keys not yet stored, stopping at the first that fails.
 
         A block after a hole would be unreachable (lookups stop at the hole), so the lease
         covers a prefix: `needed[i]` is False for blocks already there and the list ends where
         space ran out. `hold` as for `fetch`. `prior`: the prompt's keys before `keys` (its
         earlier rounds), ranked with them at commit so the prompt's head stays the freshest.
+        `writer`: the client process's lock file (`kvstore.writer_lock`), for zero-copy
+        writes: should the lease expire, its space stays fenced while that process lives.
         """
         lease = self._new_lease(PublishLease, owner)
+        lease.writer = writer
         try:
             for key in keys:
                 if self.present(key):
@@ -994,6 +1002,7 @@ class TieredStore:
     def _lease(self, lease_id: int, owner: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None or lease.owner != owner:  # another tenant's lease: as if absent
+            self.fences.end(lease_id, owner)  # a fenced writer's Commit: its copy is over
             raise NotFoundError(f"no lease {lease_id} (expired or already ended)")
         return lease
 
@@ -1008,7 +1017,8 @@ class TieredStore:
         # Unguessable ids: a lease is a capability (whoever names it may commit or release
         # it), so another client must not end one, or commit a half-written block, by
         # counting. Never 0: that means "no lease" on the wire.
-        while (lease_id := secrets.randbits(63)) in self.leases or lease_id == 0:
+        while ((lease_id := secrets.randbits(63)) in self.leases or lease_id in self.fences
+               or lease_id == 0):
             pass
         lease = cls(lease_id, self.clock() + self.lease_timeout_s, owner)
         self.leases[lease.id] = lease
@@ -1019,6 +1029,7 @@ class TieredStore:
         With `owner`, only a lease of that tenant is ended (False otherwise)."""
         lease = self.leases.get(lease_id)
         if lease is None or (owner is not None and lease.owner != owner):
+            self.fences.end(lease_id, owner)  # a fenced writer's Release: its copy is over
             return False
         del self.leases[lease_id]
         if (lift := self._lifting) is not None and lease_id in lift.leases:
@@ -1044,10 +1055,17 @@ class TieredStore:
         expired = [i for i, lease in self.leases.items()
                    if lease.expires <= now and not lease.held]
         for lease_id in expired:
-            log.info("%s lease %d expired; reclaiming its blocks", self.leases[lease_id].kind,
-                     lease_id)
-            self.release(lease_id)
+            lease = self.leases[lease_id]
+            log.info("%s lease %d expired; reclaiming its blocks", lease.kind, lease_id)
+            if isinstance(lease, PublishLease) and lease.writer and self.fences.max_s > 0:
+                # Its writer may still be copying into the slots: keep them out of use.
+                del self.leases[lease_id]
+                space = [d for e in lease.entries if (d := self.host.detach(e)) is not None]
+                self.fences.fence(lease_id, lease.owner, lease.writer, space)
+            else:
+                self.release(lease_id)
             self.counters.expired_leases += 1
+        self.fences.sweep()
         return len(expired)
 
     async def reaper(self, period_s: float = 0.5) -> None:
@@ -1079,6 +1097,7 @@ class TieredStore:
             self._end_lift(self.gpu, lift)
         for lease_id in list(self.leases):
             self.release(lease_id)
+        self.fences.close()
         self._io.shutdown(wait=True)
         for tier in self.tiers:
             with contextlib.suppress(Exception):

@@ -139,6 +139,17 @@ class Tier(ABC):
         if self.entries.get(entry.key) is entry:
             self._drop(entry)
 
+    def detach(self, entry: BlockEntry) -> BlockEntry | None:
+        """End a reservation but keep its space, as scratch under no key (`free_scratch`):
+        the key can be written again while the old slots stay out of use. None when `entry`
+        is not a reservation of this tier."""
+        if self.entries.get(entry.key) is not entry or entry.committed:
+            return None
+        del self.entries[entry.key]
+        self.policy.remove(entry.key)
+        self.policy.used_bytes += entry.units * PAGE
+        return BlockEntry(b"", b"", b"", entry.length, entry.unit, entry.units)
+
     def _allocate(self, length: int, what: str) -> tuple[int, int] | None:
         """(first unit, units) for `length` bytes; None when the policy or the allocator has
         no room now (the caller evicts first), `CapacityError` ("{name}: {what} the tier's

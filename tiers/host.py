@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvstore import writer_lock
 from kvstore.arena import Arena, run_at_lowest_priority
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import BlockEntry
@@ -51,6 +52,7 @@ class HostTier(SlabTier):
         shm_dir = Path(shm_dir)
         try:
             stale = Arena.remove_stale(shm_dir)
+            writer_lock.remove_stale(shm_dir)  # lock files of same-node writers that died
         except OSError as e:
             raise ConfigError(f"shm_dir: cannot read {shm_dir}: {e.strerror or e}") from None
         if stale:

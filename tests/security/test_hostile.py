@@ -17,9 +17,13 @@ miss, whatever a client does with its leases and streams.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -123,6 +127,99 @@ def test_publish_paused_past_its_lease_never_writes_into_another_block(daemon_fa
         assert c.lookup(list(range(1000, 1016))) == 0
     wait_quiescent(d.target, 5)
     channel.close()
+
+
+# A same-node engine process whose zero-copy publish stalls mid-copy (its copy thread waits
+# for the test's word; the test also stops the whole process, as when it is swapped out or
+# stopped by a debugger), then resumes and finishes the copy it was in.
+FROZEN_WRITER = """
+import sys, torch
+from kvstore.client import KVClient
+from tests.conftest import small_layout
+
+def produce(blocks, views, stop):
+    views[0].view(torch.uint8).fill_(0x11)
+    print("COPYING", flush=True)
+    sys.stdin.readline()
+    for v in views:  # the rest of the copy, after the lease expired
+        v.view(torch.uint8).fill_(0xEE)
+
+with KVClient(sys.argv[1], small_layout(), deadline_s=60) as c:
+    print("CACHED", c.publish_with(list(range(1000, 1032)), produce), flush=True)
+"""
+
+
+def _frozen_writer(target: str) -> subprocess.Popen[str]:
+    """The writer, stopped (SIGSTOP) in the middle of its copy into two reserved blocks; it
+    finishes the copy once continued (SIGCONT) and given a line on stdin."""
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_WRITER, target], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "COPYING"
+    proc.send_signal(signal.SIGSTOP)
+    wait_until(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] == "T",
+               10, "the writer stopped")
+    return proc
+
+
+@pytest.mark.parametrize("fence_s", [600, 0], ids=["fenced", "fence-off"])
+def test_a_same_node_writer_frozen_past_its_lease_never_writes_into_another_block(
+        daemon_factory, fence_s):
+    """A same-node engine freezes in the middle of a zero-copy publish for longer than
+    `lease_timeout_s`; an honest client fills the host tier meanwhile; the engine resumes and
+    finishes its copy into its old slots. Fenced (the default), those slots were kept out of
+    use while the frozen process lived: every block the honest client fetches is its own, and
+    the space comes back when the writer ends its lease. With `--write-fence-s 0` the same
+    scenario puts the frozen writer's bytes into the honest client's blocks: the hazard."""
+    layout = small_layout()
+    d = daemon_factory("--host-bytes", f"{4 * layout.block_bytes}", "--disk-bytes", "0",
+                       "--lease-timeout-s", str(LEASE_S), "--write-fence-s", str(fence_s)
+                       ).start()
+    writer = _frozen_writer(d.target)
+    try:
+        wait_until(lambda: stats(d.target).expired_leases == 1, 10, "its lease expired")
+        s = stats(d.target)
+        assert s.fenced_leases == (1 if fence_s else 0)
+        assert s.fenced_bytes == (2 * layout.block_bytes if fence_s else 0)
+        prompts = [list(range(16 * i, 16 * i + 16)) for i in range(8)]  # one block each
+        kvs = [random_kv(layout, 16, seed=i) for i in range(8)]
+        with KVClient(d.target, layout, deadline_s=5) as honest:
+            for tokens, kv in zip(prompts, kvs, strict=True):
+                honest.publish(tokens, kv)
+            assert tier(stats(d.target), "host").used_bytes <= 4 * layout.block_bytes
+            writer.send_signal(signal.SIGCONT)
+            out, err = writer.communicate("go\n", timeout=30)
+            assert writer.returncode == 0, err
+            assert out.strip() == "CACHED 0", out  # its Commit came too late: nothing stored
+            held = [i for i, (tokens, kv) in enumerate(zip(prompts, kvs, strict=True))
+                    if honest.lookup(tokens)]
+            foreign = [i for i in held if not same_bytes(honest.fetch(prompts[i])[1], kvs[i])]
+        if fence_s:
+            assert len(held) >= 2 and foreign == [], f"prompts {foreign} hold foreign bytes"
+            # The writer ended its lease after its copy: the space is back, nothing stored.
+            wait_until(lambda: stats(d.target).fenced_bytes == 0, 5, "the fence ended")
+        else:
+            assert foreign, "without the fence the resumed copy should have hit a block"
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+
+
+def test_a_frozen_writer_that_is_killed_gives_its_fenced_space_back(daemon_factory):
+    """A writer that never resumes (SIGKILLed while stopped): its lock goes with it, and the
+    daemon frees the fenced space at its next look, not after `write_fence_s`."""
+    layout = small_layout()
+    d = daemon_factory("--host-bytes", f"{4 * layout.block_bytes}", "--disk-bytes", "0",
+                       "--lease-timeout-s", str(LEASE_S)).start()
+    writer = _frozen_writer(d.target)
+    wait_until(lambda: stats(d.target).fenced_leases == 1, 10, "its lease expired, fenced")
+    time.sleep(1.5)  # several reaper periods: still fenced while the process lives
+    assert stats(d.target).fenced_bytes == 2 * layout.block_bytes
+    writer.kill()
+    writer.wait()
+    wait_until(lambda: stats(d.target).fenced_bytes == 0, 5, "the fence ended with the writer")
+    assert tier(stats(d.target), "host").used_bytes == 0
 
 
 def test_slow_stream_fetch_never_returns_bytes_from_a_reused_slot(daemon_factory):
