@@ -82,27 +82,34 @@ def workload(users: int, rounds: int, system: int, question: int, answer: int,
 
 
 def stream_completion(url: str, model: str, ids: list[int], max_tokens: int,
-                      timeout: float) -> tuple[float, float, list[int]]:
-    """(TTFT s, total s, output token ids) of one streamed greedy completion."""
+                      timeout: float) -> tuple[float, float, list[int], list[float]]:
+    """(TTFT s, total s, output token ids, their log-probabilities) of one streamed greedy
+    completion."""
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, "logprobs": 1,
+            "return_tokens_as_token_ids": True}  # the compose engine runs without a tokenizer
     req = urllib.request.Request(  # noqa: S310 - `url` is the loopback http:// of Native
         url + "/v1/completions", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"}, method="POST")
     began = time.perf_counter()
     first = 0.0
     tokens: list[int] = []
+    logprobs: list[float] = []
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - as above
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            for choice in json.loads(line[5:]).get("choices", []):
+            event = json.loads(line[5:])
+            if "error" in event:  # the server reports a failed stream in it, status 200
+                raise RuntimeError(f"completion stream failed: {event['error']}")
+            for choice in event.get("choices", []):
                 got = choice.get("token_ids") or []
                 if got and not first:
                     first = time.perf_counter() - began
                 tokens += got
-    return first, time.perf_counter() - began, tokens
+                logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return first, time.perf_counter() - began, tokens, logprobs
 
 
 def metric(url: str, name: str) -> float:
@@ -128,10 +135,12 @@ def run_users(native: Native, sys_prompt: list[int], turns: list[list[list[int]]
             history = list(sys_prompt)
             for r, turn in enumerate(turns[u]):
                 prompt = history + turn[:question]
-                ttft, total, out = stream_completion(native.url, model, prompt, answer, 3600)
+                ttft, total, out, lp = stream_completion(native.url, model, prompt, answer,
+                                                         3600)
                 with lock:
                     records.append({"user": u, "round": r, "prompt_tokens": len(prompt),
-                                    "ttft_s": ttft, "total_s": total, "output": out})
+                                    "ttft_s": ttft, "total_s": total, "output": out,
+                                    "logprobs": lp})
                     bar.update()
                 history = prompt + turn[question:]
         except BaseException as e:  # reported by the main thread
@@ -246,6 +255,14 @@ def main() -> None:
             row["worst TTFT / vLLM's"] = max(a["ttft_s"] / b["ttft_s"] for a, b in pairs)
             row["same output"] = f"{sum(a['output'] == b['output'] for a, b in pairs)}/" \
                                  f"{len(pairs)}"
+            # The first token is computed over the same prompt by every configuration: loaded
+            # K/V against vLLM's recompute of it, in whatever batch each request met.
+            same_first = sum(a["output"][:1] == b["output"][:1] for a, b in pairs)
+            row["same first token"] = f"{same_first}/{len(pairs)}"
+            row["max |first logprob diff|"] = max(
+                (abs(a["logprobs"][0] - b["logprobs"][0]) for a, b in pairs
+                 if a["logprobs"] and b["logprobs"] and a["output"][:1] == b["output"][:1]),
+                default=float("nan"))
     print(f"\n{args.users} users x {args.rounds} rounds, system {args.system}, question "
           f"{args.question}, answer {args.answer} tokens; vLLM cache {args.cache_blocks} "
           f"blocks of 128 tokens\n")
