@@ -104,7 +104,8 @@ def _check_degraded(d: _Daemon, why: str) -> None:
 
 
 def _stop_cleanly(d: _Daemon) -> None:
-    arena = list((d.outside / "shm").iterdir())
+    # (this process's writer lock lies beside it: `kvstore.writer_lock`)
+    arena = list((d.outside / "shm").glob("kvstore-*.arena"))
     assert len(arena) == 1
     assert d.stop() == 0, d.log.read_text()[-3000:]
     assert not arena[0].exists(), "SIGTERM left the arena behind"
