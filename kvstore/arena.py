@@ -123,6 +123,30 @@ def _unpin(address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
+def remove_if_unlocked(path: Path) -> bool | None:
+    """Remove a file whose creator held an exclusive `flock` on it for its life (an arena, a
+    client's writer lock) if that lock is free: its creator is dead. True: removed now; False:
+    locked (its creator lives); None: nothing to judge (gone, a link, another user's, or
+    replaced under the same name meanwhile)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Still the file we locked (not replaced by a new one under the same name).
+        if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+            return None
+        path.unlink()
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # removed meanwhile by another daemon
+        return None
+    finally:
+        os.close(fd)
+
+
 class Arena:
     """A file-backed shared mapping exposed as a flat `uint8` tensor."""
 
@@ -263,26 +287,9 @@ class Arena:
 
         An arena is stale iff its lock can be taken: a live daemon holds it, whatever its pid
         or pid namespace. (The pid in the name is informative only.)"""
-        removed = 0
         d = Path(directory)
-        for path in [*d.glob("kvstore-*-*.arena"), *d.glob(".kvstore-*-*.arena.new")]:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:
-                continue  # gone meanwhile, a link, or another user's: not ours to judge
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                # Still the file we locked (not replaced by a new arena under the same name).
-                if os.path.samestat(os.fstat(fd), os.lstat(path)):
-                    path.unlink()
-                    removed += 1
-            except BlockingIOError:
-                continue  # locked: a live daemon's
-            except FileNotFoundError:
-                continue  # removed meanwhile by another daemon
-            finally:
-                os.close(fd)
-        return removed
+        return sum(remove_if_unlocked(path) is True for path in
+                   [*d.glob("kvstore-*-*.arena"), *d.glob(".kvstore-*-*.arena.new")])
 
     def free_pages(self) -> bool:
         """The creator's: free every page of the arena now (punch the whole file), even where

@@ -17,7 +17,6 @@ lives), and names it in every Reserve. It is removed at exit, or by the daemon o
 from __future__ import annotations
 
 import atexit
-import contextlib
 import fcntl
 import logging
 import os
@@ -25,6 +24,8 @@ import re
 import secrets
 import threading
 from pathlib import Path
+
+from kvstore.arena import remove_if_unlocked
 
 log = logging.getLogger(__name__)
 
@@ -82,44 +83,13 @@ def writer_alive(directory: str | Path, name: str) -> bool:
     is not a writer lock's never names a live writer; a dead writer's file is removed."""
     if not _NAME.fullmatch(name):
         return False
-    path = Path(directory) / name
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False  # removed at its exit (or by us before)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    else:
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.fstat(fd), os.lstat(path)):
-                path.unlink()
-        return False
-    finally:
-        os.close(fd)
+    # Removed at its exit (or by us before): gone, hence dead.
+    return remove_if_unlocked(Path(directory) / name) is False
 
 
 def remove_stale(directory: str | Path) -> int:
-    """Remove the lock files of writers that died without removing theirs (SIGKILL)."""
-    removed = 0
+    """Remove the lock files of writers that died without removing theirs (SIGKILL), or while
+    making one."""
     d = Path(directory)
-    for path in d.glob("kvstore-writer-*.lock"):
-        if not writer_alive(d, path.name) and not path.exists():
-            removed += 1
-    for path in d.glob(".kvstore-writer-*.lock.new"):  # a writer that died while making one
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            path.unlink(missing_ok=True)
-            removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
+    return sum(remove_if_unlocked(path) is True for path in
+               [*d.glob("kvstore-writer-*.lock"), *d.glob(".kvstore-writer-*.lock.new")])

@@ -71,11 +71,12 @@ class Fences:
     def sweep(self) -> int:
         """Free the space of writers that are gone, or fenced for `max_s`; returns how many."""
         now = self._clock()
+        old = {i for i, f in self._fenced.items() if now - f.since >= self.max_s}
         done = [i for i, f in self._fenced.items()
-                if now - f.since >= self.max_s or not writer_alive(self.directory, f.writer)]
+                if i in old or not writer_alive(self.directory, f.writer)]
         for lease_id in done:
-            if now - self._fenced[lease_id].since >= self.max_s:
-                log.warning("publish lease %d: its writer still lives after write_fence_s; "
+            if lease_id in old:
+                log.warning("publish lease %d: its writer may still live after write_fence_s; "
                             "freeing its space", lease_id)
             self._end(lease_id)
         return len(done)

@@ -133,3 +133,14 @@ def test_the_daemon_removes_dead_writers_lock_files_not_live_ones(tmp_path: Path
     assert remove_stale(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [live]
     assert writer_alive(tmp_path, live)
+
+
+def test_a_writer_lock_that_cannot_be_made_is_empty_and_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No directory to make it in (the arena's directory is not this process's to write):
+    Reserve names no writer, so its space is reused at expiry, as before fencing."""
+    missing = tmp_path / "not-there"
+    with caplog.at_level("WARNING", logger="kvstore.writer_lock"):
+        assert writer_lock(missing) == ""
+        assert writer_lock(missing) == ""  # tried once per process and directory
+    assert len([r for r in caplog.records if "cannot make a writer lock" in r.message]) == 1
