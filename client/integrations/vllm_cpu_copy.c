@@ -8,7 +8,17 @@ Inside one (page, head) of a vLLM CPU cache layer `[pages, heads, page_size, 2*h
 is column-major `[head_dim, page_size]` and V row-major `[page_size, head_dim]`
 (`reshape_and_cache` in vLLM's csrc/cpu/cpu_attn_vec.hpp). kvstore keeps each of K and V
 token-major, `[tokens, heads, head_dim]`, so V moves as rows and K is transposed: 8x8 tiles of
-16-bit or 4x4 tiles of 32-bit elements in SSE2 registers, element by element otherwise. */
+16-bit or 4x4 tiles of 32-bit elements in SSE2 registers, element by element otherwise.
+
+Both directions walk the token-major side in address order, a strip of tokens of every head
+at a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-bit ones).
+Its token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new
+4 KiB page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes
+V with streaming stores (no read of the cache lines it overwrites). Together: loads in 0.75-0.9x
+the time of the head-by-head walk, saves 0.9-1.0x (`tests/unit/bench_paged_copy.py`,
+PERFORMANCE.md). Streaming K's tiles as well was faster on one thread and up to 1.7x slower on
+two (partly written lines), and AVX2 8x8 tiles for 32-bit K gained nothing over SSE2: memory,
+not the shuffles, bounds the transpose. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -22,71 +32,67 @@ static void transpose_scalar(const char* src, int64_t ss, char* dst, int64_t ds,
             memcpy(dst + ((int64_t)c * ds + r) * es, src + ((int64_t)r * ss + c) * es, es);
 }
 
-/* dst[c][r] = src[r][c] for a rows x cols matrix of es-byte elements; strides in elements.
+#if defined(__SSE2__)
+/* One tile: dst[c][r] = src[r][c] for r, c < 8 (16-bit) or < 4 (32-bit); strides in elements. */
+static inline void tile16x8(const char* s, int64_t ss, char* d, int64_t ds) {
+    __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 2));
+    __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 2));
+    __m128i a2 = _mm_loadu_si128((const __m128i*)(s + 2 * ss * 2));
+    __m128i a3 = _mm_loadu_si128((const __m128i*)(s + 3 * ss * 2));
+    __m128i a4 = _mm_loadu_si128((const __m128i*)(s + 4 * ss * 2));
+    __m128i a5 = _mm_loadu_si128((const __m128i*)(s + 5 * ss * 2));
+    __m128i a6 = _mm_loadu_si128((const __m128i*)(s + 6 * ss * 2));
+    __m128i a7 = _mm_loadu_si128((const __m128i*)(s + 7 * ss * 2));
+    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+    __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
+    __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
+    __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
+    __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
+    __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
+    __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
+    _mm_storeu_si128((__m128i*)(d + 0 * ds * 2), _mm_unpacklo_epi64(c0, c4));
+    _mm_storeu_si128((__m128i*)(d + 1 * ds * 2), _mm_unpackhi_epi64(c0, c4));
+    _mm_storeu_si128((__m128i*)(d + 2 * ds * 2), _mm_unpacklo_epi64(c1, c5));
+    _mm_storeu_si128((__m128i*)(d + 3 * ds * 2), _mm_unpackhi_epi64(c1, c5));
+    _mm_storeu_si128((__m128i*)(d + 4 * ds * 2), _mm_unpacklo_epi64(c2, c6));
+    _mm_storeu_si128((__m128i*)(d + 5 * ds * 2), _mm_unpackhi_epi64(c2, c6));
+    _mm_storeu_si128((__m128i*)(d + 6 * ds * 2), _mm_unpacklo_epi64(c3, c7));
+    _mm_storeu_si128((__m128i*)(d + 7 * ds * 2), _mm_unpackhi_epi64(c3, c7));
+}
 
-   Tiles go along the rows of src, or with by_dst along the rows of dst. The token-major side
-   has rows heads*dim elements apart (2-4 KiB: rows 4 KiB apart share one L1 set), so it should
-   be the side whose rows are finished one after the other: a scatter reads each token row
-   once, a gather (by_dst) fills each token row with whole cache lines. A gather that went
-   along the page's rows instead wrote 16 bytes into each of a page's token rows at a time: 1.6x
-   the time of the scatter in float32. */
+static inline void tile32x4(const char* s, int64_t ss, char* d, int64_t ds) {
+    __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 4));
+    __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 4));
+    __m128i a2 = _mm_loadu_si128((const __m128i*)(s + 2 * ss * 4));
+    __m128i a3 = _mm_loadu_si128((const __m128i*)(s + 3 * ss * 4));
+    __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
+    __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+    _mm_storeu_si128((__m128i*)(d + 0 * ds * 4), _mm_unpacklo_epi64(b0, b2));
+    _mm_storeu_si128((__m128i*)(d + 1 * ds * 4), _mm_unpackhi_epi64(b0, b2));
+    _mm_storeu_si128((__m128i*)(d + 2 * ds * 4), _mm_unpacklo_epi64(b1, b3));
+    _mm_storeu_si128((__m128i*)(d + 3 * ds * 4), _mm_unpackhi_epi64(b1, b3));
+}
+#endif
+
+/* The tiles of a transpose, along the rows of dst: each gets its bytes one tile after another. */
+#define TILES(TILE, T)                                                                       \
+    for (int c = 0; c + (T) <= cols; c += (T))                                               \
+        for (int r = 0; r + (T) <= rows; r += (T))                                           \
+            TILE(src + ((int64_t)r * ss + c) * es, ss, dst + ((int64_t)c * ds + r) * es, ds);
+
+/* dst[c][r] = src[r][c] for a rows x cols matrix of es-byte elements; strides in elements.
+   Callers pass one strip of tokens: its rows (a scatter) or its columns (a gather). */
 static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int rows, int cols,
-                      int es, int by_dst) {
+                      int es) {
     int tile = 0;
-    const int outer = by_dst ? cols : rows, inner = by_dst ? rows : cols;
 #if defined(__SSE2__)
     if (es == 2) {
         tile = 8;
-        for (int o = 0; o + 8 <= outer; o += 8) {
-            for (int i = 0; i + 8 <= inner; i += 8) {
-                const int r = by_dst ? i : o, c = by_dst ? o : i;
-                const char* s = src + ((int64_t)r * ss + c) * 2;
-                __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 2));
-                __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 2));
-                __m128i a2 = _mm_loadu_si128((const __m128i*)(s + 2 * ss * 2));
-                __m128i a3 = _mm_loadu_si128((const __m128i*)(s + 3 * ss * 2));
-                __m128i a4 = _mm_loadu_si128((const __m128i*)(s + 4 * ss * 2));
-                __m128i a5 = _mm_loadu_si128((const __m128i*)(s + 5 * ss * 2));
-                __m128i a6 = _mm_loadu_si128((const __m128i*)(s + 6 * ss * 2));
-                __m128i a7 = _mm_loadu_si128((const __m128i*)(s + 7 * ss * 2));
-                __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
-                __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
-                __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
-                __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
-                __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
-                __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
-                __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
-                __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
-                char* d = dst + ((int64_t)c * ds + r) * 2;
-                _mm_storeu_si128((__m128i*)(d + 0 * ds * 2), _mm_unpacklo_epi64(c0, c4));
-                _mm_storeu_si128((__m128i*)(d + 1 * ds * 2), _mm_unpackhi_epi64(c0, c4));
-                _mm_storeu_si128((__m128i*)(d + 2 * ds * 2), _mm_unpacklo_epi64(c1, c5));
-                _mm_storeu_si128((__m128i*)(d + 3 * ds * 2), _mm_unpackhi_epi64(c1, c5));
-                _mm_storeu_si128((__m128i*)(d + 4 * ds * 2), _mm_unpacklo_epi64(c2, c6));
-                _mm_storeu_si128((__m128i*)(d + 5 * ds * 2), _mm_unpackhi_epi64(c2, c6));
-                _mm_storeu_si128((__m128i*)(d + 6 * ds * 2), _mm_unpacklo_epi64(c3, c7));
-                _mm_storeu_si128((__m128i*)(d + 7 * ds * 2), _mm_unpackhi_epi64(c3, c7));
-            }
-        }
+        TILES(tile16x8, 8)
     } else if (es == 4) {
         tile = 4;
-        for (int o = 0; o + 4 <= outer; o += 4) {
-            for (int i = 0; i + 4 <= inner; i += 4) {
-                const int r = by_dst ? i : o, c = by_dst ? o : i;
-                const char* s = src + ((int64_t)r * ss + c) * 4;
-                __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 4));
-                __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 4));
-                __m128i a2 = _mm_loadu_si128((const __m128i*)(s + 2 * ss * 4));
-                __m128i a3 = _mm_loadu_si128((const __m128i*)(s + 3 * ss * 4));
-                __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
-                __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
-                char* d = dst + ((int64_t)c * ds + r) * 4;
-                _mm_storeu_si128((__m128i*)(d + 0 * ds * 4), _mm_unpacklo_epi64(b0, b2));
-                _mm_storeu_si128((__m128i*)(d + 1 * ds * 4), _mm_unpackhi_epi64(b0, b2));
-                _mm_storeu_si128((__m128i*)(d + 2 * ds * 4), _mm_unpacklo_epi64(b1, b3));
-                _mm_storeu_si128((__m128i*)(d + 3 * ds * 4), _mm_unpackhi_epi64(b1, b3));
-            }
-        }
+        TILES(tile32x4, 4)
     }
 #endif
     if (tile == 0) {  /* element by element, in 16x16 blocks for the caches */
@@ -99,6 +105,27 @@ static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int ro
     int rt = rows / tile * tile, ct = cols / tile * tile;
     transpose_scalar(src, ss, dst, ds, rt, rows, 0, cols, es);  /* rows past the tiles */
     transpose_scalar(src, ss, dst, ds, 0, rt, ct, cols, es);    /* columns past the tiles */
+}
+
+/* memcpy, with streaming stores where dst is 16-byte aligned and n a multiple of 64 (the
+   caller fences). */
+static void copy_streaming(char* dst, const char* src, size_t n) {
+#if defined(__SSE2__)
+    if (((uintptr_t)dst & 15) == 0 && n % 64 == 0) {
+        for (size_t i = 0; i < n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i*)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i*)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i*)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i*)(src + i + 48));
+            _mm_stream_si128((__m128i*)(dst + i), a);
+            _mm_stream_si128((__m128i*)(dst + i + 16), b);
+            _mm_stream_si128((__m128i*)(dst + i + 32), c);
+            _mm_stream_si128((__m128i*)(dst + i + 48), d);
+        }
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
 }
 
 /* Copy `npages` pages between token-major KV and one vLLM CPU cache.
@@ -117,29 +144,38 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
                        int64_t layer_stride, int64_t kv_stride, int heads, int dim, int ps,
                        int cache_heads, int head0) {
     const int64_t hd = (int64_t)heads * dim, page_elems = (int64_t)cache_heads * dim * 2 * ps;
+    const size_t row = (size_t)dim * es;
+    const int strip = 64 / es;  /* tokens per strip: a whole 64-byte line of a K page row */
     for (int l = l0; l < l1; l++) {
         for (int i = 0; i < npages; i++) {
             const int n = ntok ? ntok[i] : ps;
             char* k = (char*)src[i] + l * layer_stride * es;
             char* v = k + kv_stride * es;
             char* page = (char*)layers[l] + pages[i] * page_elems * es;
-            for (int h = 0; h < heads; h++) {
-                char* ck = page + (int64_t)(head0 + h) * 2 * ps * dim * es;
-                char* cv = ck + (int64_t)ps * dim * es;
-                char* sk = k + (int64_t)h * dim * es;
-                char* sv = v + (int64_t)h * dim * es;
-                if (!gather) {
-                    transpose(sk, hd, ck, ps, n, dim, es, 0);
-                    for (int t = 0; t < n; t++)
-                        memcpy(cv + (int64_t)t * dim * es, sv + (int64_t)t * hd * es,
-                               (size_t)dim * es);
-                } else {
-                    transpose(ck, ps, sk, hd, dim, n, es, 1);
-                    for (int t = 0; t < n; t++)
-                        memcpy(sv + (int64_t)t * hd * es, cv + (int64_t)t * dim * es,
-                               (size_t)dim * es);
+            for (int t0 = 0; t0 < n; t0 += strip) {
+                const int rn = n - t0 < strip ? n - t0 : strip;
+                for (int h = 0; h < heads; h++) {
+                    char* ck = page + (int64_t)(head0 + h) * 2 * ps * dim * es + (int64_t)t0 * es;
+                    char* sk = k + ((int64_t)t0 * hd + (int64_t)h * dim) * es;
+                    if (!gather)
+                        transpose(sk, hd, ck, ps, rn, dim, es);
+                    else
+                        transpose(ck, ps, sk, hd, dim, rn, es);
+                }
+            }
+            for (int t = 0; t < n; t++) {
+                for (int h = 0; h < heads; h++) {
+                    char* cv = page + ((int64_t)(head0 + h) * 2 * ps + ps + t) * dim * es;
+                    char* sv = v + ((int64_t)t * hd + (int64_t)h * dim) * es;
+                    if (!gather)
+                        copy_streaming(cv, sv, row);
+                    else
+                        memcpy(sv, cv, row);
                 }
             }
         }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  /* streaming stores are visible to the caller's readers from here on */
+#endif
 }

@@ -1,21 +1,30 @@
-"""Save (gather out of vLLM's CPU pages) against load (scatter into them), side by side.
+"""Save (gather out of vLLM's CPU pages) and load (scatter into them), beside memcpy.
 
-    .venv/bin/python -m tests.unit.bench_paged_copy [--threads 1] [--repeats 5]
+    .venv/bin/python -m tests.unit.bench_paged_copy [--repeats 9] [--tokens 2048,8192] \
+        [--against OLD.c] [--torch]
 
 A Llama-8B-shaped block set (32 layers, 8 KV heads, head_dim 128) in bf16 and float32, prompts
 of 2,048 and 8,192 tokens in 128-token pages (shuffled, as a request's pages are) and kvstore
 blocks of 128 tokens (separate views, as `fetch_with`/`publish_with` hand them out), copied by
-the C routine and by the torch fallback (`KVSTORE_NATIVE_COPY=0`). Each load and save is timed
-alternately; the best of `--repeats` in ms and save/load are printed, then one JSON line.
+the C routine on as many threads as the process may use CPUs (`taskset -c 1` for one), beside
+a plain copy of the same bytes (torch `copy_` between two contiguous tensors). Each is timed in
+turn, `--repeats` times; medians in ms and GB/s are printed, then one JSON line.
+
+- `--against OLD.c` also builds another version of the routine (e.g. `git show
+  REV:client/integrations/vllm_cpu_copy.c > /tmp/old.c`) and times it in the same turns: the
+  ratio of the two is what this machine's noise leaves comparable.
+- `--torch` adds the torch fallback (`KVSTORE_NATIVE_COPY=0`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
+import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -25,50 +34,97 @@ from kvstore.client.integrations.paged import PagedCache
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 128
 
 
-def measure(dtype: torch.dtype, tokens: int, native: bool, repeats: int) -> dict[str, float]:
-    os.environ[paged.NATIVE_ENV] = "1" if native else "0"
+def routines(against: Path | None, with_torch: bool) -> dict[str, object | None]:
+    """The copies to time, by name: the C routine ("C"), the one built from `against`
+    ("against"), torch ("torch", None: `_native` then falls back)."""
+    out: dict[str, object | None] = {}
+    fn = paged.native_copy()
+    if fn is not None:
+        out["C"] = fn
+    if against is not None:
+        current = paged.NATIVE_SOURCE
+        paged.NATIVE_SOURCE = against.resolve()
+        try:
+            other = paged._build_native()
+        finally:
+            paged.NATIVE_SOURCE = current
+        if other is None:
+            raise SystemExit(f"cannot build {against}")
+        out["against"] = other
+    if with_torch or not out:
+        out["torch"] = None
+    return out
+
+
+def measure(dtype: torch.dtype, tokens: int, copies: dict[str, object | None],
+            repeats: int) -> list[dict[str, object]]:
     n = tokens // PAGE
     num_pages = n + 8
     # Filled, not empty: every page touched before the timed copies.
     layers = [torch.ones(num_pages, HEADS, PAGE, 2 * DIM, dtype=dtype) for _ in range(LAYERS)]
     cache = PagedCache.vllm_cpu(layers, "vec")
     blocks = torch.ones(n, LAYERS, 2, PAGE, HEADS, DIM, dtype=dtype)
+    flat = torch.empty_like(blocks)
     pages = random.Random(0).sample(range(num_pages), n)
     views = [(blocks[b], 0, [pages[b]]) for b in range(n)]
-    times: dict[str, list[float]] = {"load": [], "save": []}
+    ops: dict[str, Callable[[], object]] = {
+        "load": lambda: cache.scatter_views(views), "save": lambda: cache.gather_views(views)}
+    times: dict[tuple[str, str], list[float]] = {}
     for _ in range(repeats):
-        for op, copy in (("load", cache.scatter_views), ("save", cache.gather_views)):
-            began = time.perf_counter()
-            copy(views)
-            times[op].append(time.perf_counter() - began)
-    load, save = min(times["load"]) * 1e3, min(times["save"]) * 1e3
-    return {"load_ms": round(load, 1), "save_ms": round(save, 1),
-            "save_per_load": round(save / load, 2)}
+        began = time.perf_counter()
+        flat.copy_(blocks)
+        times.setdefault(("memcpy", ""), []).append(time.perf_counter() - began)
+        for name, fn in copies.items():
+            # None: `native_copy()` is None (its "tried, unavailable" state), torch copies.
+            paged._native_fn = fn if fn is not None else False
+            for op, run in ops.items():
+                began = time.perf_counter()
+                run()
+                times.setdefault((name, op), []).append(time.perf_counter() - began)
+    paged._native_fn = None  # built again (from the cache) on next use
+    gb = blocks.numel() * blocks.element_size() / 1e9
+    med = {key: statistics.median(v) for key, v in times.items()}
+    memcpy = med[("memcpy", "")]
+    rows = []
+    for name in copies:
+        row: dict[str, object] = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                                  "copy": name, "memcpy_gbps": round(gb / memcpy, 2)}
+        for op in ops:
+            row[f"{op}_ms"] = round(med[(name, op)] * 1e3, 1)
+            row[f"{op}_gbps"] = round(gb / med[(name, op)], 2)
+            row[f"{op}_per_memcpy"] = round(med[(name, op)] / memcpy, 2)
+            if "against" in copies and name == "C":
+                row[f"{op}_per_against"] = round(med[(name, op)] / med[("against", op)], 2)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the "
-                        "copies use up to 4 of them)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--tokens", default="2048,8192")
+    parser.add_argument("--against", type=Path, help="another version of "
+                        f"{paged.NATIVE_SOURCE.name} to time in the same turns")
+    parser.add_argument("--torch", action="store_true", help="also time the torch fallback")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    has_c = paged.native_copy() is not None
-    if not has_c:
+    copies = routines(args.against, args.torch)
+    if "C" not in copies:
         print("no C compiler (or KVSTORE_NATIVE_COPY=0): the C routine's rows are skipped")
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for tokens in map(int, args.tokens.split(",")):
-            for native in (True, False) if has_c else (False,):
-                row = {"dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
-                       "copy": "C" if native else "torch",
-                       **measure(dtype, tokens, native, args.repeats)}
-                print(f"{row['dtype']:8} {tokens:5} {row['copy']:5} load {row['load_ms']:7.1f} "
-                      f"ms  save {row['save_ms']:7.1f} ms  save/load {row['save_per_load']:.2f}",
-                      flush=True)
+            for row in measure(dtype, tokens, copies, args.repeats):
+                line = f"{row['dtype']:8} {tokens:5} {row['copy']:7}"
+                for op in ("load", "save"):
+                    line += (f"  {op} {row[f'{op}_ms']:6.1f} ms ({row[f'{op}_gbps']:5.2f} GB/s,"
+                             f" {row[f'{op}_per_memcpy']:.2f}x memcpy")
+                    if f"{op}_per_against" in row:
+                        line += f", {row[f'{op}_per_against']:.2f}x against"
+                    line += ")"
+                print(line, flush=True)
                 rows.append(row)
-    print(json.dumps({"threads": args.threads, "rows": rows}))
+    print(json.dumps({"threads": paged.copy_threads(paged.caller_cpus()),
+                      "against": str(args.against) if args.against else None, "rows": rows}))
 
 
 if __name__ == "__main__":
