@@ -157,6 +157,24 @@ def caller_cpus() -> set[int] | None:
         return None
 
 
+def side_cpus() -> set[int] | None:
+    """CPUs the calling thread (vLLM's worker, bound to its compute CPUs) is not bound to:
+    where a background save should copy, so it does not take turns with the forward pass on
+    the compute CPUs. None where the thread may run anywhere (nothing to move away from)."""
+    bound = caller_cpus()
+    if bound is None:
+        return None
+    return set(range(os.cpu_count() or 1)) - bound or None
+
+
+def load_cpus() -> set[int] | None:
+    """CPUs a synchronous load should copy on, for a caller bound to its compute CPUs (vLLM's
+    worker): those, which the load stalls anyway, and the side ones (`side_cpus`). None where
+    the caller is not bound (it may copy anywhere already)."""
+    bound, side = caller_cpus(), side_cpus()
+    return bound | side if bound and side else None
+
+
 def run_on(cpus: set[int] | None) -> None:
     """Bind the calling thread to `cpus` (no-op for None, or where that is refused)."""
     if cpus:

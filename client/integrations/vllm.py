@@ -129,7 +129,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import re
 import threading
@@ -157,9 +156,10 @@ from kvstore.client.integrations.paged import (
     VLLM_CPU_ISAS,
     PagedCache,
     View,
-    caller_cpus,
+    load_cpus,
     native_copy,
     run_on,
+    side_cpus,
     token_pages,
 )
 from kvstore.client.integrations.settings import read_extra
@@ -675,19 +675,6 @@ def _pieces(items: list[View], bytes_per_page: int) -> Iterable[list[View]]:
             group, size = [], 0
     if group:
         yield group
-
-
-def _side_cpus() -> set[int] | None:
-    """CPUs the calling thread (vLLM's worker, bound to its compute CPUs) is not bound to:
-    where a background save should copy, so it does not take turns with the forward pass on
-    the compute CPUs. None where the thread may run anywhere (nothing to move away from)."""
-    try:
-        bound = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-    every = set(range(os.cpu_count() or 1))
-    side = every - bound
-    return side or None
 
 
 class _Saver:
@@ -1212,9 +1199,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             caches.append(self._group_cache(g.layout, names, [kv_caches[n] for n in names]))
         if any(c.engine is None for c in caches):
             native_copy()  # build (or load) the C copy routine now, not in the first request
-        self._side_cpus = _side_cpus()
-        bound = caller_cpus()
-        self._load_cpus = bound | self._side_cpus if bound and self._side_cpus else None
+        self._side_cpus = side_cpus()
+        self._load_cpus = load_cpus()
         log.info("kvstore: background saves copy on CPUs %s, loads on %s",
                  sorted(self._side_cpus or ()) or "any (vLLM's compute threads are not bound)",
                  sorted(self._load_cpus or ()) or "the worker's CPUs")

@@ -246,3 +246,31 @@ def test_a_layer_range_copies_only_those_layers(dtype, layers, heads, dim, ps, n
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="outside the cache's"):
         cache.scatter_views([(kv, 0, pages, count)], (0, layers + 1))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to bind to")
+def test_saves_copy_off_the_compute_cpus_and_loads_on_all_of_them() -> None:
+    """vLLM's worker thread is bound to its compute CPUs. Its background saves copy on the
+    others (`side_cpus`), off the forward's; a synchronous load, which stalls the forward
+    anyway, on both (`load_cpus`), with a copy thread per CPU. A thread that may run anywhere
+    chooses neither."""
+    every = set(range(os.cpu_count() or 1))
+    mine = os.sched_getaffinity(0)
+    got: dict[str, tuple] = {}
+
+    def worker() -> None:
+        got["as started"] = (paged.side_cpus(), paged.load_cpus())
+        os.sched_setaffinity(0, {min(mine)})  # this thread only
+        side, load = paged.side_cpus(), paged.load_cpus()
+        got["bound"] = (side, load, paged.copy_threads(load))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    others = every - mine or None  # CI may run the tests bound to some CPUs already
+    assert got["as started"] == (others, mine | others if others else None)
+    side, load, threads = got["bound"]
+    assert side == every - {min(mine)}
+    assert load == every
+    assert threads == min(4, len(every))
+    assert os.sched_getaffinity(0) == mine  # the test's own thread was left alone
