@@ -14,9 +14,9 @@ Both directions walk the token-major side in address order, a strip of tokens of
 at a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-bit ones).
 Its token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new
 4 KiB page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes
-V with streaming stores (no read of the cache lines it overwrites). Together: loads in 0.75-0.9x
-the time of the head-by-head walk, saves 0.9-1.0x (`tests/unit/bench_paged_copy.py`,
-PERFORMANCE.md). Streaming K's tiles as well was faster on one thread and up to 1.7x slower on
+V with streaming stores (no read of the cache lines it overwrites). Against the head-by-head
+walk: loads in 0.78-0.91x the time on one core, 0.81-1.04x on two, saves 0.94-1.01x
+(`tests/unit/bench_paged_copy.py --against`, docs/ENGINES.md). Streaming K's tiles as well was faster on one thread and up to 1.7x slower on
 two (partly written lines), and AVX2 8x8 tiles for 32-bit K gained nothing over SSE2: memory,
 not the shuffles, bounds the transpose. */
 #include <stdint.h>
