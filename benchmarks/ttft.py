@@ -8,7 +8,7 @@ Each run is also given as a multiple of its floor ("x floor"), measured in the s
 suffix forward over a cache already in the model's tensors plus the cached K/V bytes at memcpy
 speed (the "floor" row; issue 16's goal for the host tier is 1.2x). With `--repeats N` the
 host tier's warm prefill and the floor are each measured N times, alternately, and their
-medians compared (one sample of either moves by 20-30% on this 2-core VM); every sample is
+medians compared (one sample of either moved by up to 2x on this 2-core VM); every sample is
 kept in the results file.
 
 Model: a random-weight Llama with Llama-3-8B's KV shape (32 layers x 8 KV heads x 128 dims)
