@@ -69,6 +69,8 @@ def main() -> None:
                    help="allocate each warm cache inside its prefill (CachedPrefill's "
                         "reserve_tokens=0) instead of once per engine, up front")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least one warm prefill is measured")
     lengths = [int(x) for x in args.lengths.split(",")]
     data = Path(args.data_dir)
     shutil.rmtree(data, ignore_errors=True)

@@ -46,7 +46,7 @@ CASES = [  # (dtype, layers, heads, head_dim, page size): SSE tiles, and odd sha
     (torch.float32, 2, 2, 16, 8),
     (torch.float32, 2, 1, 6, 5),  # no whole tile: element by element
     (torch.bfloat16, 1, 2, 12, 12),  # tiles plus remainders
-    (torch.float32, 2, 3, 12, 40),  # 16-token strips, the last one short; tiles + rest
+    (torch.float32, 2, 3, 12, 40),  # 16-token strips, the last one short (5 tokens when partial)
     (torch.bfloat16, 1, 2, 64, 48),  # 32-token strips: one whole, one short
 ]
 
