@@ -48,6 +48,10 @@ CASES = [  # (dtype, layers, heads, head_dim, page size): SSE tiles, and odd sha
     (torch.bfloat16, 1, 2, 12, 12),  # tiles plus remainders
     (torch.float32, 2, 3, 12, 40),  # 16-token strips, the last one short (5 tokens when partial)
     (torch.bfloat16, 1, 2, 64, 48),  # 32-token strips: one whole, one short
+    (torch.float32, 2, 2, 6, 32),  # a load's streamed K strips, columns past the tiles
+    (torch.bfloat16, 1, 2, 20, 64),  # the same in 16-bit
+    (torch.float32, 1, 2, 8, 18),  # whole strips, page rows of 72 bytes: not streamed
+    (torch.float16, 1, 1, 16, 36),  # the same in 16-bit
 ]
 
 
@@ -88,6 +92,28 @@ def test_partial_last_page_writes_only_its_first_slots(dtype, layers, heads, dim
         cache.gather_views([(back, 0, pages, count)])
         assert torch.equal(back[:, :, :count], kv[:, :, :count])
         assert not back[:, :, count:].any()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_layers_off_16_byte_alignment(dtype) -> None:
+    """Cache layers that start one element past an aligned address (views into a larger
+    buffer): a load's K is not streamed there (streaming stores need 16-byte alignment), and
+    both directions still copy every element."""
+    layers, heads, dim, ps = 2, 2, 16, 64
+    pages = [2, 0]
+    kv = random((layers, 2, 2 * ps, heads, dim), dtype, seed=6)
+    want = reference_pages(kv, pages, 3, ps)
+    got = []
+    for w in want:
+        backing = torch.full((w.numel() + 1,), 7.0, dtype=dtype)
+        got.append(backing[1:].view(w.shape))
+        assert got[-1].data_ptr() % 16 != 0
+    cache = PagedCache.vllm_cpu(got, "vec")
+    cache.scatter(kv, pages, 0)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(cache.gather(pages), kv)
 
 
 @needs_native
