@@ -15,10 +15,11 @@ at a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-
 Its token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new
 4 KiB page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes
 V with streaming stores (no read of the cache lines it overwrites), and K's strips too, one
-whole 64-byte line after another from an L1 buffer (`scatter_strip_streaming`). Against the
-head-by-head walk: loads in 0.78-0.91x the time on one core, 0.81-1.04x on two, saves
-0.94-1.01x; K streamed in whole lines: loads in another 0.72-0.79x on one core, 0.63-0.84x on
-two (`tests/unit/bench_paged_copy.py --against`, docs/ENGINES.md). Streaming K's tiles' 16-byte
+whole 64-byte line after another from an L1 buffer (`transpose_streaming`); a save does the
+same into kvstore's rows. Against the head-by-head walk: loads in 0.78-0.91x the time on one
+core, 0.81-1.04x on two, saves 0.94-1.01x; K streamed in whole lines: loads in another
+0.63-0.84x, then saves streamed: saves in 0.70-0.87x (`tests/unit/bench_paged_copy.py
+--against`, docs/ENGINES.md). Streaming K's tiles' 16-byte
 pieces as they came was up to 1.7x slower on two threads (lines left half-written), and AVX2
 8x8 tiles for 32-bit K gained nothing over SSE2: memory, not the shuffles, bounds the
 transpose. */
@@ -131,40 +132,54 @@ static void copy_streaming(char* dst, const char* src, size_t n) {
     memcpy(dst, src, n);
 }
 
-/* A load's K strip: dst[c][r] = src[r][c] for the 64 / es tokens r of one strip (dst rows of
-   one whole 64-byte line each), all `dim` columns. Each group of 4 tiles along the strip fills
-   its rows' lines in an L1 buffer, which is then streamed out one line after another: no read
-   of the lines it overwrites, and no line left half-written in the write-combining buffers
-   (streaming the tiles' 16-byte pieces as they came was up to 1.7x slower on two threads).
-   Returns 0, having copied nothing, where dst or its row stride is not 16-byte aligned. */
-static int scatter_strip_streaming(const char* src, int64_t ss, char* dst, int64_t ds, int dim,
-                                   int es) {
+/* The body of transpose_streaming, for one element size. */
 #if defined(__SSE2__)
-    if (((uintptr_t)dst & 15) || (ds * es) % 16 || (es != 2 && es != 4))
-        return 0;
-    const int t = es == 2 ? 8 : 4;  /* tile size: 4 tiles make a 64-byte line */
+static inline __attribute__((always_inline)) void streamed_tiles(
+    const char* src, int64_t ss, char* dst, int64_t ds, int rows, int cols, int es) {
+    const int t = es == 2 ? 8 : 4, line = 64 / es;  /* a tile's size; elements per line */
     _Alignas(64) char lines[8 * 64];
-    for (int c = 0; c + t <= dim; c += t) {
-        for (int q = 0; q < 4; q++) {
-            const char* s = src + ((int64_t)q * t * ss + c) * es;
-            if (es == 2)
-                tile16x8(s, ss, lines + q * 16, 32);
-            else
-                tile32x4(s, ss, lines + q * 16, 16);
-        }
-        for (int j = 0; j < t; j++) {
-            __m128i* d = (__m128i*)(dst + (int64_t)(c + j) * ds * es);
-            const __m128i* b = (const __m128i*)(lines + j * 64);
-            _mm_stream_si128(d, b[0]);
-            _mm_stream_si128(d + 1, b[1]);
-            _mm_stream_si128(d + 2, b[2]);
-            _mm_stream_si128(d + 3, b[3]);
+    for (int c = 0; c + t <= cols; c += t) {
+        for (int r0 = 0; r0 < rows; r0 += line) {
+            for (int q = 0; q < 4; q++) {
+                const char* s = src + ((int64_t)(r0 + q * t) * ss + c) * es;
+                if (es == 2)
+                    tile16x8(s, ss, lines + q * 16, 32);
+                else
+                    tile32x4(s, ss, lines + q * 16, 16);
+            }
+            for (int j = 0; j < t; j++) {
+                __m128i* d = (__m128i*)(dst + ((int64_t)(c + j) * ds + r0) * es);
+                const __m128i* b = (const __m128i*)(lines + j * 64);
+                _mm_stream_si128(d, b[0]);
+                _mm_stream_si128(d + 1, b[1]);
+                _mm_stream_si128(d + 2, b[2]);
+                _mm_stream_si128(d + 3, b[3]);
+            }
         }
     }
-    transpose_scalar(src, ss, dst, ds, 0, 64 / es, dim / t * t, dim, es);  /* columns past */
+    transpose_scalar(src, ss, dst, ds, 0, rows, cols / t * t, cols, es);  /* columns past */
+}
+#endif
+
+/* transpose() with streaming stores, for dst rows that get whole 64-byte lines: dst[c][r] =
+   src[r][c], rows a multiple of 64 / es. Each group of four tiles along r fills its dst rows'
+   lines in an L1 buffer, which is then streamed out one line after another: no read of the
+   lines it overwrites, and no line left half-written in the write-combining buffers
+   (streaming the tiles' 16-byte pieces as they came was up to 1.7x slower on two threads).
+   Returns 0, having copied nothing, where that does not apply (dst or its row stride not
+   16-byte aligned, rows not whole lines, no SSE2 tile for es). */
+static int transpose_streaming(const char* src, int64_t ss, char* dst, int64_t ds, int rows,
+                               int cols, int es) {
+#if defined(__SSE2__)
+    if (((uintptr_t)dst & 15) || (ds * es) % 16 || (es != 2 && es != 4) || (rows * es) % 64)
+        return 0;
+    if (es == 2)  /* a constant element size per call: the tiles' loops unroll */
+        streamed_tiles(src, ss, dst, ds, rows, cols, 2);
+    else
+        streamed_tiles(src, ss, dst, ds, rows, cols, 4);
     return 1;
 #else
-    (void)src; (void)ss; (void)dst; (void)ds; (void)dim; (void)es;
+    (void)src; (void)ss; (void)dst; (void)ds; (void)rows; (void)cols; (void)es;
     return 0;
 #endif
 }
@@ -198,10 +213,12 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
                 for (int h = 0; h < heads; h++) {
                     char* ck = page + (int64_t)(head0 + h) * 2 * ps * dim * es + (int64_t)t0 * es;
                     char* sk = k + ((int64_t)t0 * hd + (int64_t)h * dim) * es;
-                    if (gather)
-                        transpose(ck, ps, sk, hd, dim, rn, es);
-                    else if (rn < strip || !scatter_strip_streaming(sk, hd, ck, ps, dim, es))
+                    if (gather) {
+                        if (!transpose_streaming(ck, ps, sk, hd, dim, rn, es))
+                            transpose(ck, ps, sk, hd, dim, rn, es);
+                    } else if (!transpose_streaming(sk, hd, ck, ps, rn, dim, es)) {
                         transpose(sk, hd, ck, ps, rn, dim, es);
+                    }
                 }
             }
             for (int t = 0; t < n; t++) {
@@ -211,7 +228,7 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
                     if (!gather)
                         copy_streaming(cv, sv, row);
                     else
-                        memcpy(sv, cv, row);
+                        copy_streaming(sv, cv, row);
                 }
             }
         }

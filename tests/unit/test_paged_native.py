@@ -97,9 +97,9 @@ def test_partial_last_page_writes_only_its_first_slots(dtype, layers, heads, dim
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_layers_off_16_byte_alignment(dtype) -> None:
-    """Cache layers that start one element past an aligned address (views into a larger
-    buffer): a load's K is not streamed there (streaming stores need 16-byte alignment), and
-    both directions still copy every element."""
+    """Cache layers, and a KV tensor, that start one element past an aligned address (views
+    into a larger buffer): no streaming stores there (they need 16-byte alignment), and both
+    directions still copy every element."""
     layers, heads, dim, ps = 2, 2, 16, 64
     pages = [2, 0]
     kv = random((layers, 2, 2 * ps, heads, dim), dtype, seed=6)
@@ -113,7 +113,9 @@ def test_cache_layers_off_16_byte_alignment(dtype) -> None:
     cache.scatter(kv, pages, 0)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    assert torch.equal(cache.gather(pages), kv)
+    back = torch.zeros(kv.numel() + 1, dtype=dtype)[1:].view(kv.shape)
+    cache.gather_views([(back, 0, pages)])
+    assert torch.equal(back, kv)
 
 
 @needs_native
