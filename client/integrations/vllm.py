@@ -10,7 +10,8 @@ Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.bl
 (a multiple of vLLM's block size; default: vLLM's block size), `kvstore.model` (the model id in
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
 `kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`,
-`kvstore.shared_model`, `kvstore.async_load`, `kvstore.layerwise_load`.
+`kvstore.shared_model`, `kvstore.async_load`, `kvstore.layerwise_load`,
+`kvstore.layerwise_min_tokens`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -30,18 +31,19 @@ loads, copying each block once, from the daemon's shared memory straight into vL
 (`KVClient.fetch_with`, under the fetch's lease): layer by layer in a thread beside the
 forward, each attention layer waiting (`wait_for_layer_load`) only for its own layer, the
 forward's thread copying unclaimed layers while it waits (`kvstore.layerwise_load`, the
-default on CPU caches; the result is settled after the forward, in `wait_for_save`);
-otherwise whole, before the forward. `wait_for_save` hands the
-prompt's full blocks to a background thread, which copies them from vLLM's pages straight into
-blocks reserved in the daemon's memory (`KVClient.publish_with`) and commits them: the step that
-returns the first token does not wait for the store. Until that thread is done with a request,
-vLLM keeps its blocks (`request_finished` delays their free and `get_finished` reports the end;
-a preempted request's pending saves are waited for in `handle_preemptions`, before its blocks
-can be reused). A full save queue drops the save (a future miss), never blocks the step.
-`kvstore.async_save=false` publishes synchronously in `wait_for_save` instead.
-`kvstore.async_load=true` loads in a background thread instead (on the CPUs vLLM's compute
-threads are not bound to), reported to vLLM as an asynchronous load: the request waits,
-unscheduled, while the engine runs the others; a load that comes short is recomputed whole.
+default on CPU caches, for steps that load at least `kvstore.layerwise_min_tokens`; the result
+is settled after the forward, in `wait_for_save`); otherwise whole, before the forward.
+`wait_for_save` hands the prompt's full blocks to a background thread, which copies them from
+vLLM's pages straight into blocks reserved in the daemon's memory (`KVClient.publish_with`) and
+commits them: the step that returns the first token does not wait for the store. Until that
+thread is done with a request, vLLM keeps its blocks (`request_finished` delays their free and
+`get_finished` reports the end; a preempted request's pending saves are waited for in
+`handle_preemptions`, before its blocks can be reused). A full save queue drops the save (a
+future miss), never blocks the step. `kvstore.async_save=false` publishes synchronously in
+`wait_for_save` instead. `kvstore.async_load=true` loads in a background thread instead (on the
+CPUs vLLM's compute threads are not bound to), reported to vLLM as an asynchronous load: the
+request waits, unscheduled, while the engine runs the others; a load that comes short is
+recomputed whole.
 
 A load's deadline follows its size and the measured bandwidth, and the time this engine takes
 to recompute what it carries (learnt from its own full prefills): it is abandoned only when
@@ -245,6 +247,12 @@ class ConnectorConfig:
     (`wait_for_layer_load`) only for its own layer's K/V, and the forward's thread copies
     while it waits. False: the whole load is copied before the forward starts. CPU caches
     only (the kernels' engine caches copy every layer at once)."""
+    layerwise_min_tokens: int = 3072
+    """With `layerwise_load`, a step whose loads come to fewer tokens than this copies them
+    whole before the forward instead, on every CPU: a short load is over sooner that way than
+    beside a forward that waits for its first layer anyway (2,048 tokens of 128 KiB: 0.076 s
+    of TTFT whole, 0.093 s layer by layer; 4,096: 0.139 s against 0.114 s; docs/PERFORMANCE.md,
+    "Layer-by-layer loads"). 0: every load layer by layer."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
@@ -268,6 +276,9 @@ class ConnectorConfig:
         if cfg.shared_model is not None and not cfg.shared_model.strip():
             raise ConnectorConfigError("kvstore.shared_model must name the model, got an empty "
                                        "string (leave it out to keep parallel degrees apart)")
+        if cfg.layerwise_min_tokens < 0:
+            raise ConnectorConfigError(f"kvstore.layerwise_min_tokens must not be negative, "
+                                       f"got {cfg.layerwise_min_tokens}")
         if cfg.consumer_wait_s < 0:
             raise ConnectorConfigError(f"kvstore.consumer_wait_s must not be negative, got "
                                        f"{cfg.consumer_wait_s}")
@@ -1298,7 +1309,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # fails it when any rank does: all ranks then recompute it from its first token.
             self._load_groups(loads)
             return
-        if loads and self._layerwise is not None:
+        if loads and self._layerwise is not None and sum(
+                spec.end - spec.start for spec in loads) >= self._cfg.layerwise_min_tokens:
             # Copied beside this step's forward: each attention layer waits for its own K/V
             # (`wait_for_layer_load`); settled after the forward (`_settle_layerwise`).
             step = [(spec, LayerwiseLoad(self._layout.num_layers)) for spec in loads]

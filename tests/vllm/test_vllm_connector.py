@@ -379,23 +379,43 @@ def test_chunked_prefill_saves_and_loads(model_dir: Path, tmp_path: Path) -> Non
         daemon.kill()
 
 
+@pytest.mark.parametrize(("extra", "error"), [
+    ({"kvstore.layerwise_min_tokens": -1}, "layerwise_min_tokens must not be negative"),
+    ({"kvstore.save_queue": 0}, "save_queue must be positive"),
+    ({"kvstore.consumer_wait_s": -0.5}, "consumer_wait_s must not be negative"),
+    ({"kvstore.transfer": "carrier pigeon"}, "transfer must be auto, shm or stream"),
+    ({"kvstore.layerwise_min_tokens": "many"}, "layerwise_min_tokens"),
+])
+def test_settings_out_of_range_are_refused_at_engine_start(extra: dict[str, Any],
+                                                           error: str) -> None:
+    from kvstore.client.integrations.vllm import ConnectorConfig, ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match=error):
+        ConnectorConfig.from_extra(extra)
+    assert ConnectorConfig.from_extra({"kvstore.layerwise_min_tokens": 0}
+                                      ).layerwise_min_tokens == 0
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layerwise", [True, False])
-def test_each_layer_waits_for_its_load(model_dir: Path, tmp_path: Path, layerwise: bool) -> None:
+@pytest.mark.parametrize(("layerwise", "min_tokens"), [(True, 0), (False, 0), (True, 10**6)])
+def test_each_layer_waits_for_its_load(model_dir: Path, tmp_path: Path, layerwise: bool,
+                                       min_tokens: int) -> None:
     """Every copy into vLLM's pages is 50 ms late, into pages filled with NaN when the step's
     loads start (tests/vllm/flaky_connector.py): layer by layer (the default), each attention
     layer waits for its own K/V and the forward's thread copies layers while it waits; whole
-    (`kvstore.layerwise_load=false`), the load is done before the forward. Either way the
+    (`kvstore.layerwise_load=false`, or a step loading fewer tokens than
+    `kvstore.layerwise_min_tokens`), the load is done before the forward. Either way the
     output is the cold run's: no layer was read before its K/V were in place."""
     daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB").start()
     engine = Engine(model_dir, daemon.target, connector="SlowLayerKVStoreConnector",
                     module="tests.vllm.flaky_connector", deadline_s=10.0,
-                    extra={"kvstore.layerwise_load": layerwise})
+                    extra={"kvstore.layerwise_load": layerwise,
+                           "kvstore.layerwise_min_tokens": min_tokens})
     try:
         loads_as_computed(engine, prompts(seed=7))
         helped = [int(n) for n in re.findall(r"(\d+) of \d+ pieces copied by the forward",
                                             engine.tail(400))]
-        if layerwise:
+        if layerwise and min_tokens == 0:
             assert helped and max(helped) > 0, engine.tail(100)
         else:
             assert not helped
@@ -413,7 +433,8 @@ def test_a_layer_that_never_waits_fails_the_load_and_turns_layerwise_off(
     copies later loads whole before the forward (which then load and match)."""
     daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB").start()
     engine = Engine(model_dir, daemon.target, connector="SkippedLayerWaitKVStoreConnector",
-                    module="tests.vllm.flaky_connector", deadline_s=10.0)
+                    module="tests.vllm.flaky_connector", deadline_s=10.0,
+                    extra={"kvstore.layerwise_min_tokens": 0})
     try:
         batch = prompts(seed=8)
         cold = engine.generate(batch)
