@@ -281,6 +281,9 @@ def main() -> None:
                    help="also a kvstore engine that copies each load whole before the forward "
                         "(kvstore.layerwise_load=false), on the same daemon after the default "
                         "one: rows 'kvstore whole host'")
+    p.add_argument("--connector-extra", type=json.loads, default={}, metavar="JSON",
+                   help="more kv_connector_extra_config for the first kvstore engine, e.g. "
+                        "'{\"kvstore.layerwise_min_tokens\": 0}'")
     p.add_argument("--no-lmcache", action="store_true")
     p.add_argument("--no-disk", action="store_true")
     p.add_argument("--wait-prefault", action="store_true",
@@ -416,7 +419,7 @@ def run(args: argparse.Namespace) -> None:
         settings[name.replace("-", " ")] = engine.settings
         return engine
 
-    engine = kvstore_engine("kvstore", {})
+    engine = kvstore_engine("kvstore", args.connector_extra)
     sync_s: list[float] = []  # `--sync-after-stop`: each restart's sync
     try:
         cold_then_warm(engine, "kvstore cold", "kvstore host")

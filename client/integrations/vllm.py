@@ -247,12 +247,12 @@ class ConnectorConfig:
     (`wait_for_layer_load`) only for its own layer's K/V, and the forward's thread copies
     while it waits. False: the whole load is copied before the forward starts. CPU caches
     only (the kernels' engine caches copy every layer at once)."""
-    layerwise_min_tokens: int = 3072
+    layerwise_min_tokens: int = 0
     """With `layerwise_load`, a step whose loads come to fewer tokens than this copies them
-    whole before the forward instead, on every CPU: a short load is over sooner that way than
-    beside a forward that waits for its first layer anyway (2,048 tokens of 128 KiB: 0.076 s
-    of TTFT whole, 0.093 s layer by layer; 4,096: 0.139 s against 0.114 s; docs/PERFORMANCE.md,
-    "Layer-by-layer loads"). 0: every load layer by layer."""
+    whole before the forward instead, on every CPU. 0 (the default): every load layer by
+    layer. On this repository's 2-core machine, whole was not faster at 2,048 tokens and was
+    slower from 4,096 on (docs/PERFORMANCE.md, "Layer-by-layer loads"); a machine whose
+    forward is short against its copies may set it."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
