@@ -10,19 +10,18 @@ is column-major `[head_dim, page_size]` and V row-major `[page_size, head_dim]`
 token-major, `[tokens, heads, head_dim]`, so V moves as rows and K is transposed: 8x8 tiles of
 16-bit or 4x4 tiles of 32-bit elements in SSE2 registers, element by element otherwise.
 
-Both directions walk the token-major side in address order, a strip of tokens of every head
-at a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-bit ones).
-Its token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new
-4 KiB page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes
-V with streaming stores (no read of the cache lines it overwrites), and K's strips too, one
-whole 64-byte line after another from an L1 buffer (`transpose_streaming`); a save does the
-same into kvstore's rows. Against the head-by-head walk: loads in 0.78-0.91x the time on one
-core, 0.81-1.04x on two, saves 0.94-1.01x; K streamed in whole lines: loads in another
-0.63-0.84x, then saves streamed: saves in 0.70-0.87x (`tests/unit/bench_paged_copy.py
---against`, docs/ENGINES.md). Streaming K's tiles' 16-byte
-pieces as they came was up to 1.7x slower on two threads (lines left half-written), and AVX2
-8x8 tiles for 32-bit K gained nothing over SSE2: memory, not the shuffles, bounds the
-transpose. */
+Both directions walk the token-major side in address order, a strip of tokens of every head at
+a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-bit ones). Its
+token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new 4 KiB
+page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes V with
+streaming stores (no read of the cache lines it overwrites), and K's strips too, one whole
+64-byte line after another from an L1 buffer (`transpose_streaming`); a save does the same into
+kvstore's rows. Against the head-by-head walk: loads in 0.78-0.91x the time on one core,
+0.81-1.04x on two, saves 0.94-1.01x; K streamed in whole lines: loads in another 0.63-0.84x,
+then saves streamed: saves in 0.70-0.87x (`tests/unit/bench_paged_copy.py --against`,
+docs/ENGINES.md). Streaming K's tiles' 16-byte pieces as they came was up to 1.7x slower on two
+threads (lines left half-written), and AVX2 8x8 tiles for 32-bit K gained nothing over SSE2:
+memory, not the shuffles, bounds the transpose. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
