@@ -162,7 +162,7 @@ def _floor(model: torch.nn.Module, prompt: torch.Tensor, cache: object, cached: 
     already touched). Whatever a tier adds beyond this is lookup, transfer and bookkeeping."""
     import time
 
-    from kvstore.client.integrations.hf import roomy_cache
+    from kvstore.client.integrations.hf import roomy_cache, run_model
 
     layers = cache.layers  # type: ignore[attr-defined]
     room = prompt.shape[1] - cached
@@ -176,7 +176,7 @@ def _floor(model: torch.nn.Module, prompt: torch.Tensor, cache: object, cached: 
         values.append(v)
     ready = roomy_cache(keys, values, cached)
     began = time.perf_counter()
-    out = model(input_ids=prompt[:, cached:], past_key_values=ready, use_cache=True)
+    out, _ = run_model(model, prompt[:, cached:], ready)
     forward = time.perf_counter() - began
     nbytes = sum(2 * k[:, :, :cached].numel() * k.element_size() for k in keys)
     src = torch.ones(nbytes, dtype=torch.uint8)

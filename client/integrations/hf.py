@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -30,16 +31,52 @@ from kvstore.client.aio import prefault_paused
 from kvstore.client.integrations.paged import adjacent_runs
 from kvstore.client.sync import KVClient
 from kvstore.engine_blocks import spans_for, vllm_block_hashes
+from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
 from kvstore.planner import Plan, PrefillModel
 
 log = logging.getLogger("kvstore.hf")
 
 
+# Layer kinds (`config.layer_types`) whose cache is one key and one value per token: kvstore
+# holds every token's K/V for all of them. A sliding-window or chunked layer attends to part
+# of them, by its mask; the cache CachedPrefill gives the model keeps them all (`_prefill`).
+ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention",
+                                   "attention"})  # transformers' older name for full
+MLP_LAYER_KINDS = frozenset({"dense", "sparse"})  # say nothing about the cache
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why kvstore cannot hold the KV cache of a transformers model with this config, or None
+    where it can: every layer is attention with one key and one value of equal size per token
+    and head. A recurrent state (Mamba, linear attention) is not per-token K/V; MLA caches
+    keys and values of different sizes."""
+    kind = getattr(config, "model_type", "") or type(config).__name__
+    if getattr(config, "num_attention_heads", None) is None:
+        return f"{kind} has no attention layers: a state-space model's recurrent state is not " \
+               "per-token K/V"
+    other = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_KINDS \
+        - MLP_LAYER_KINDS
+    if other:
+        return f"{kind} has layers of kind {', '.join(sorted(other))}: kvstore holds per-token " \
+               "K/V of full, sliding-window and chunked attention layers only (a recurrent " \
+               "state would need one saved state per block boundary)"
+    if getattr(config, "kv_lora_rank", None) is not None:
+        return f"{kind} uses MLA: transformers caches its compressed latent and rotary key, " \
+               "of different sizes, where kvstore's transformers integration stores a key " \
+               "and a value of one size per head (vLLM's connector stores MLA's latent: " \
+               "docs/ENGINES.md)"
+    return None
+
+
 def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
                      revision: str = "") -> KVLayout:
-    """The `KVLayout` of a transformers causal LM's KV cache."""
+    """The `KVLayout` of a transformers causal LM's KV cache; `InvalidArgumentError` for a
+    model whose cache kvstore cannot hold (`unsupported_reason`)."""
     cfg = model.config
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise InvalidArgumentError(f"kvstore cannot cache this model: {reason}")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return KVLayout(
@@ -47,6 +84,30 @@ def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None =
         model_revision=revision, num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         dtype=model.dtype, block_tokens=block_tokens)
+
+
+def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None,
+              **kwargs: Any) -> tuple[Any, Any]:
+    """`model(input_ids, **kwargs)` over `cache` (None: a new one), with `use_cache`: (its
+    output, the cache it returns). transformers takes and returns the cache as `cache` since
+    5.x and as `past_key_values` before; the old name warns now and goes in 5.40."""
+    if cache is not None:
+        kwargs[_cache_argument(model)] = cache
+    out = model(input_ids=input_ids, use_cache=True, **kwargs)
+    if "cache" in out:  # read by its old name, the cache warns
+        return out, out["cache"]
+    return out, out.past_key_values
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}  # by model class: its forward's name for the cache
+
+
+def _cache_argument(model: Any) -> str:
+    kind = type(model)
+    if kind not in _CACHE_ARGUMENT:
+        forward = inspect.signature(kind.forward).parameters
+        _CACHE_ARGUMENT[kind] = "cache" if "cache" in forward else "past_key_values"
+    return _CACHE_ARGUMENT[kind]
 
 
 def kv_to_cache(kv: torch.Tensor) -> Any:
@@ -392,6 +453,26 @@ def cache_to_kv(cache: Any, num_tokens: int) -> torch.Tensor:
     return torch.stack(layers).transpose(2, 3)
 
 
+def cache_mismatch(cache: Any, layout: KVLayout, tokens: int) -> str | None:
+    """How a batch-1 `DynamicCache` differs from `layout` for its first `tokens` tokens (each
+    layer's K and V `[1, heads, >= tokens, head_dim]` of the layout's dtype), or None."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) != layout.num_layers:
+        return f"the cache has {len(layers) if layers is not None else 'no'} layers, the " \
+               f"layout {layout.num_layers}"
+    for i, layer in enumerate(layers):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 \
+                    or t.shape[1] != layout.num_kv_heads or t.shape[2] < tokens \
+                    or t.shape[3] != layout.head_dim or t.dtype != layout.torch_dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                return f"layer {i}'s {name} are {got}, the layout wants (1, " \
+                       f"{layout.num_kv_heads}, >= {tokens}, {layout.head_dim}) " \
+                       f"{layout.torch_dtype}"
+    return None
+
+
 def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
     """Publish the full blocks of `tokens` straight from a batch-1 `DynamicCache` into the
     daemon's memory (one copy; no `[layers, 2, n, heads, head_dim]` tensor in between).
@@ -488,6 +569,7 @@ class CachedPrefill:
         # then runs between requests, not inside the first prefill after the first publish.
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
         client.prepare(pin=self.device.type == "cuda")
+        self._mismatch_logged = False
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
@@ -519,8 +601,7 @@ class CachedPrefill:
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
                                                room=1 + decode_tokens, buffers=self.buffers,
                                                device=self.device)
-            out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
-                             use_cache=True)
+            out, cache = run_model(self.model, input_ids[:, cached:], cache)
             got = loading.finish()
             if got != cached:
                 # Less came than the lookup found (evicted since, a deadline, the daemon gone):
@@ -537,26 +618,38 @@ class CachedPrefill:
             if cache is None:
                 from transformers import DynamicCache
 
-                cache = DynamicCache(config=self.model.config)
+                # Plain layers, not the model's own (`DynamicCache(config=...)`): a
+                # sliding-window layer of those keeps only its window's tokens, and kvstore
+                # stores every token's K/V. The masks, built from the config, keep each
+                # layer's attention to its window either way.
+                cache = DynamicCache()
             began = time.perf_counter()
-            out = self.model(input_ids=input_ids[:, cached:], past_key_values=cache,
-                             use_cache=True)
+            out, cache = run_model(self.model, input_ids[:, cached:], cache)
         logits = out.logits[0, -1].float()
         if logits.is_cuda:  # the first token exists once the device has computed it
             torch.cuda.synchronize(logits.device)
         ttft = time.perf_counter() - start
         if cached == 0 and n >= self.client.layout.block_tokens:
             self.prefill_model.observe(n, time.perf_counter() - began)
-        result = PrefillResult(logits, out.past_key_values, cached, n - cached, ttft,
+        result = PrefillResult(logits, cache, cached, n - cached, ttft,
                                plan=plan)
         full = (n // self.client.layout.block_tokens) * self.client.layout.block_tokens
-        if publish and full > cached:
-            result.published_tokens = publish_cache(self.client, tokens[:full],
-                                                    out.past_key_values)
+        if publish and full > cached and not self._unlike_layout(cache, full):
+            result.published_tokens = publish_cache(self.client, tokens[:full], cache)
             if result.published_tokens:
                 describe_for_events(self.client, tokens[:full], self.event_block_size,
                                     self.event_hash_algo)
         return result
+
+    def _unlike_layout(self, cache: Any, tokens: int) -> bool:
+        """Whether the forward's cache differs from the layout (a config that misdescribes its
+        model): then nothing is published, and that is logged once. The result stands: its
+        logits are the model's own."""
+        problem = cache_mismatch(cache, self.client.layout, tokens)
+        if problem and not self._mismatch_logged:
+            self._mismatch_logged = True
+            log.error("kvstore: not publishing this model's prompts: %s", problem)
+        return problem is not None
 
     def end_session(self, input_ids: torch.Tensor, shared_tokens: int = 0) -> int:
         """The conversation whose last prompt was `input_ids` (`[1, n]`, as given to
@@ -594,7 +687,7 @@ class CachedPrefill:
         for _ in range(max_new_tokens):
             nxt = int(torch.argmax(logits))
             out.append(nxt)
-            step = self.model(input_ids=torch.tensor([[nxt]], device=self.device),
-                              past_key_values=cache, use_cache=True)
-            cache, logits = step.past_key_values, step.logits[0, -1].float()
+            step, cache = run_model(self.model, torch.tensor([[nxt]], device=self.device),
+                                    cache)
+            logits = step.logits[0, -1].float()
         return out, first

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
+from kvstore.client.integrations.hf import (
+    CachedPrefill,
+    PrefillResult,
+    layout_for_model,
+    run_model,
+)
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.integration
@@ -37,14 +42,14 @@ class TokenCounter:
 @torch.inference_mode()
 def reference(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor,
                                                                                list[int]]:
-    out = model(ids, use_cache=True)
-    logits, cache = out.logits[0, -1].float(), out.past_key_values
+    out, cache = run_model(model, ids)
+    logits = out.logits[0, -1].float()
     first, tokens = logits, []
     for _ in range(steps):
         nxt = int(torch.argmax(logits))
         tokens.append(nxt)
-        out = model(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-        logits, cache = out.logits[0, -1].float(), out.past_key_values
+        out, cache = run_model(model, torch.tensor([[nxt]]), cache)
+        logits = out.logits[0, -1].float()
     # A random model whose greedy output is one repeated token makes "same tokens" prove
     # nothing: refuse it (raise initializer_range in its config).
     assert steps < 16 or len(set(tokens[:16])) > 1, f"degenerate test model: {tokens[:16]}"
@@ -194,8 +199,8 @@ def test_second_request_runs_only_its_suffix(daemon):
     # attention reduces over the 198 queries in another order. That is the engine's split,
     # not the cache: the cached K/V bytes are the ones the prefix pass produced.)
     with torch.inference_mode():
-        prefix = model(b[:, :128], use_cache=True).past_key_values
-        split = model(b[:, 128:], past_key_values=prefix, use_cache=True).logits[0, -1].float()
+        prefix = run_model(model, b[:, :128])[1]
+        split = run_model(model, b[:, 128:], prefix)[0].logits[0, -1].float()
     assert (r.logits - split).abs().max().item() == 0.0
     full, _ = reference(model, b, 0)
     assert torch.allclose(r.logits, full, atol=1e-5, rtol=0)
@@ -255,12 +260,11 @@ def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torc
     """Without kvstore: the K/V of a full pass over `ids` (the pass that published them),
     cut to the first `cached` tokens, then the rest of the prompt over them. A cached prefill
     of `cached` tokens must give exactly these logits."""
-    out = model(ids, use_cache=True)
+    out, cache = run_model(model, ids)
     if cached == 0:
         return out.logits[0, -1].float()
-    cache = out.past_key_values
     cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
-    return model(ids[:, cached:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+    return run_model(model, ids[:, cached:], cache)[0].logits[0, -1].float()
 
 
 def test_planner_loads_host_blocks_and_recomputes_slow_disk_ones(daemon_factory):

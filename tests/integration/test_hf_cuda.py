@@ -9,7 +9,7 @@ import torch
 
 from kvstore.client import KVClient
 from kvstore.client.integrations import hf
-from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model, run_model
 from tests.reliability import stats, tier, wait_quiescent, wait_until
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -34,13 +34,11 @@ def llama_on(device: str) -> torch.nn.Module:
 def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int,
               ) -> tuple[torch.Tensor, list[int]]:
     """The model's own computation over the same split: prefix, then suffix, then greedy."""
-    cache = model(ids[:, :cached], use_cache=True).past_key_values
-    out = model(ids[:, cached:], past_key_values=cache, use_cache=True)
+    out, cache = run_model(model, ids[:, cached:], run_model(model, ids[:, :cached])[1])
     first, logits, tokens = out.logits[0, -1].float(), out.logits[0, -1].float(), []
     for _ in range(steps):
         tokens.append(int(torch.argmax(logits)))
-        out = model(torch.tensor([[tokens[-1]]], device=ids.device),
-                    past_key_values=out.past_key_values, use_cache=True)
+        out, cache = run_model(model, torch.tensor([[tokens[-1]]], device=ids.device), cache)
         logits = out.logits[0, -1].float()
     assert len(set(tokens)) > 1, f"degenerate test model: {tokens}"
     return first, tokens
@@ -66,7 +64,7 @@ def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, mon
     assert torch.equal(warm.logits, want_logits)
     assert tokens == want_tokens
     # The published bytes are the cache's: what came back equals the model's own prefix K/V.
-    own = model(ids[:, :960], use_cache=True).past_key_values
+    own = run_model(model, ids[:, :960])[1]
     for got, want in zip(warm.cache.layers, own.layers, strict=True):
         assert torch.equal(got.keys[..., :960, :], want.keys)
         assert torch.equal(got.values[..., :960, :], want.values)
@@ -92,8 +90,8 @@ def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
         again = engine.prefill(ids, publish=False)  # out of the pinned arena, by the kernel
         assert again.cached_tokens == 960
     with torch.inference_mode():
-        cache = model(ids[:, :960], use_cache=True).past_key_values
-        want = model(ids[:, 960:], past_key_values=cache, use_cache=True).logits[0, -1].float()
+        cache = run_model(model, ids[:, :960])[1]
+        want = run_model(model, ids[:, 960:], cache)[0].logits[0, -1].float()
     assert torch.equal(warm.logits, want) and torch.equal(again.logits, want)
     del first  # its mapping is unregistered, then unmapped, on the unmap thread
     assert d.stop() == 0

@@ -1,0 +1,163 @@
+"""transformers architectures beyond Llama through `CachedPrefill`: sliding-window, hybrid and
+chunked attention give the logits and tokens of the model's own computation; models whose
+cache kvstore cannot hold are refused when the engine is made, with the reason."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvstore import InvalidArgumentError
+from kvstore.client import KVClient
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model, run_model
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+pytestmark = pytest.mark.integration
+
+T = transformers
+WINDOW = 48  # tokens a sliding-window or chunked layer attends to: well under the prompt
+PROMPT = 200  # 6 blocks of 32 tokens cached, 8 tokens computed
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=0.3)  # varied greedy outputs (a random model's default repeats)
+
+# name -> (model factory, the config field that sets its window: None for none)
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
+    "mistral-sliding": (lambda: T.MistralForCausalLM(T.MistralConfig(
+        sliding_window=WINDOW, **COMMON)), "sliding_window"),
+    "gemma3-sliding-and-full": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        # Untied: Gemma scales its embeddings up, and with the head tied to them a random
+        # model predicts its last input token, over and over.
+        head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2,
+        tie_word_embeddings=False, **COMMON)),
+        "sliding_window"),
+    "llama4-chunked": (lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
+        head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2,
+        intermediate_size_mlp=128, **COMMON)), "attention_chunk_size"),
+    "gpt-oss-sliding-sinks-moe": (lambda: T.GptOssForCausalLM(T.GptOssConfig(
+        head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+        **COMMON)), "sliding_window"),
+    "qwen3": (lambda: T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=32, **COMMON)), None),
+    "phi3": (lambda: T.Phi3ForCausalLM(T.Phi3Config(pad_token_id=0, **COMMON)), None),
+    "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
+        vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=1024,
+        initializer_range=0.3)), None),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][0]().eval()
+
+
+@torch.inference_mode()
+def own_generate(model: torch.nn.Module, ids: torch.Tensor, steps: int,
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Without kvstore, the model's own way (its default cache: sliding-window layers keep
+    only their window): the first logits and `steps` greedy tokens."""
+    out, cache = run_model(model, ids)
+    logits = out.logits[0, -1].float()
+    first, tokens = logits, []
+    for _ in range(steps):
+        tokens.append(int(torch.argmax(logits)))
+        out, cache = run_model(model, torch.tensor([[tokens[-1]]]), cache)
+        logits = out.logits[0, -1].float()
+    assert len(set(tokens)) > 1, f"degenerate test model: {tokens}"
+    return first, tokens
+
+
+@torch.inference_mode()
+def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torch.Tensor:
+    """Without kvstore: the K/V of a pass over the whole prompt (the pass that published
+    them; a cache of plain layers keeps every token), cut to its first `cached` tokens, then
+    the rest of the prompt over them: what a cached prefill computes."""
+    cache = run_model(model, ids, T.DynamicCache())[1]
+    cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
+    return run_model(model, ids[:, cached:], cache)[0].logits[0, -1].float()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_architecture_matches_its_own_computation(daemon, name):
+    model = build(name)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    want_logits, want_tokens = own_generate(model, ids, 16)
+    layout = layout_for_model(model, block_tokens=32, model_id=name)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        cold_tokens, cold = engine.generate(ids, 16)
+        warm_tokens, warm = engine.generate(ids, 16)
+    assert (cold.cached_tokens, cold.published_tokens) == (0, 192)
+    assert (warm.cached_tokens, warm.computed_tokens) == (192, 8)
+    assert (cold.logits - want_logits).abs().max().item() == 0.0
+    # Bit for bit what the model computes over the same split; within float noise of the
+    # whole prompt at once (8 query rows against 200 take other kernel paths).
+    assert (warm.logits - split_logits(model, ids, 192)).abs().max().item() == 0.0
+    assert (warm.logits - want_logits).abs().max().item() < 1e-4
+    assert cold_tokens == want_tokens
+    assert warm_tokens == want_tokens
+
+
+@pytest.mark.parametrize("name", [n for n, (_, field) in MODELS.items() if field])
+def test_the_window_matters_to_these_prompts(name):
+    """The check above could not fail on a window the prompt never reaches: with it widened
+    past the prompt, the same weights give other logits."""
+    model = build(name)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        windowed = model(ids).logits[0, -1].float()
+        setattr(model.config, MODELS[name][1] or "", 10 * PROMPT)
+        wide = model(ids).logits[0, -1].float()
+    assert (windowed - wide).abs().max().item() > 1e-2
+
+
+REFUSED: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
+    "mamba": (lambda: T.MambaForCausalLM(T.MambaConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2)), "no attention layers"),
+    "jamba-linear-attention": (lambda: T.JambaForCausalLM(T.JambaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=4, num_experts=2, use_mamba_kernels=False)),
+        "layers of kind linear_attention"),
+    "deepseek-v2-mla": (lambda: T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
+        "uses MLA"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_models_whose_cache_kvstore_cannot_hold_are_refused(daemon, name):
+    factory, reason = REFUSED[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    with pytest.raises(InvalidArgumentError, match=reason):
+        layout_for_model(model)
+    some_layout = layout_for_model(build("qwen3"), block_tokens=32)
+    with KVClient(daemon.target, some_layout) as c, \
+            pytest.raises(InvalidArgumentError, match=reason):
+        CachedPrefill(model, c)
+
+
+def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog):
+    """A config claiming 4 KV heads on a model built with 2 passes the layout check; its
+    caches do not match that layout, so nothing is published (logged once), and the prefill
+    still returns the model's own logits."""
+    model = build("qwen3")
+    model.config.num_key_value_heads = 4
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(ids).logits[0, -1].float()
+    with KVClient(daemon.target, layout) as c, caplog.at_level(logging.ERROR, "kvstore.hf"):
+        engine = CachedPrefill(model, c)
+        results = [engine.prefill(ids), engine.prefill(ids)]
+        assert c.lookup(ids[0]) == 0
+    assert [r.published_tokens for r in results] == [0, 0]
+    assert all((r.logits - want).abs().max().item() == 0.0 for r in results)
+    logged = [r.getMessage() for r in caplog.records if "not publishing" in r.getMessage()]
+    assert len(logged) == 1 and "layer 0's keys are (1, 2, 200, 32)" in logged[0], logged
