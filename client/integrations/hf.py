@@ -46,6 +46,12 @@ ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunk
 MLP_LAYER_KINDS = frozenset({"dense", "sparse"})  # say nothing about the cache
 
 
+def text_config(config: Any) -> Any:
+    """The config of the model's text decoder: its own, or a multimodal model's part."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def unsupported_reason(config: Any) -> str | None:
     """Why kvstore cannot hold the KV cache of a transformers model with this config, or None
     where it can: every layer is attention with one key and one value of equal size per token
@@ -72,15 +78,17 @@ def unsupported_reason(config: Any) -> str | None:
 def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
                      revision: str = "") -> KVLayout:
     """The `KVLayout` of a transformers causal LM's KV cache; `InvalidArgumentError` for a
-    model whose cache kvstore cannot hold (`unsupported_reason`)."""
-    cfg = model.config
+    model whose cache kvstore cannot hold (`unsupported_reason`). A multimodal model's is its
+    text decoder's (prompts of tokens only: `CachedPrefill` takes no images)."""
+    top = model.config
+    cfg = text_config(top)
     reason = unsupported_reason(cfg)
     if reason:
         raise InvalidArgumentError(f"kvstore cannot cache this model: {reason}")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return KVLayout(
-        model=model_id or getattr(cfg, "name_or_path", "") or cfg.model_type,
+        model=model_id or getattr(top, "name_or_path", "") or top.model_type,
         model_revision=revision, num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
         dtype=model.dtype, block_tokens=block_tokens)

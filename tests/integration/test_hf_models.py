@@ -12,7 +12,12 @@ import torch
 
 from kvstore import InvalidArgumentError
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, layout_for_model, run_model
+from kvstore.client.integrations.hf import (
+    CachedPrefill,
+    layout_for_model,
+    run_model,
+    text_config,
+)
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.integration
@@ -34,6 +39,14 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
         head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2,
         tie_word_embeddings=False, **COMMON)),
         "sliding_window"),
+    "gemma3-multimodal-text-only": (lambda: T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+        text_config=T.Gemma3TextConfig(head_dim=16, sliding_window=WINDOW,
+                                       tie_word_embeddings=False, **COMMON),
+        vision_config=T.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2,
+                                           image_size=28, patch_size=14),
+        tie_word_embeddings=False, mm_tokens_per_image=4, image_token_index=509,
+        boi_token_index=510, eoi_token_index=511)), "sliding_window"),
     "llama4-chunked": (lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
         head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2,
         intermediate_size_mlp=128, **COMMON)), "attention_chunk_size"),
@@ -82,7 +95,7 @@ def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torc
 @pytest.mark.parametrize("name", list(MODELS))
 def test_architecture_matches_its_own_computation(daemon, name):
     model = build(name)
-    ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     want_logits, want_tokens = own_generate(model, ids, 16)
     layout = layout_for_model(model, block_tokens=32, model_id=name)
     with KVClient(daemon.target, layout) as c:
@@ -105,10 +118,10 @@ def test_the_window_matters_to_these_prompts(name):
     """The check above could not fail on a window the prompt never reaches: with it widened
     past the prompt, the same weights give other logits."""
     model = build(name)
-    ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         windowed = model(ids).logits[0, -1].float()
-        setattr(model.config, MODELS[name][1] or "", 10 * PROMPT)
+        setattr(text_config(model.config), MODELS[name][1] or "", 10 * PROMPT)
         wide = model(ids).logits[0, -1].float()
     assert (windowed - wide).abs().max().item() > 1e-2
 
