@@ -46,6 +46,18 @@ ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunk
 MLP_LAYER_KINDS = frozenset({"dense", "sparse"})  # say nothing about the cache
 
 
+def kv_shapes(config: Any) -> list[tuple[int, int]]:
+    """Each layer's (KV heads, head dim), from its own config where transformers gives one
+    per layer (`per_layer_config`: a model whose layers differ refuses the global value)."""
+    layers = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
+    shapes = []
+    for layer in layers:
+        heads = layer.num_attention_heads
+        shapes.append((getattr(layer, "num_key_value_heads", None) or heads,
+                       getattr(layer, "head_dim", None) or layer.hidden_size // heads))
+    return shapes
+
+
 def text_config(config: Any) -> Any:
     """The config of the model's text decoder: its own, or a multimodal model's part."""
     get = getattr(config, "get_text_config", None)
@@ -67,6 +79,14 @@ def unsupported_reason(config: Any) -> str | None:
         return f"{kind} has layers of kind {', '.join(sorted(other))}: kvstore holds per-token " \
                "K/V of full, sliding-window and chunked attention layers only (a recurrent " \
                "state would need one saved state per block boundary)"
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared or "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
+        return f"{kind} shares K/V between layers (layers reading other layers' cache): " \
+               "kvstore stores one key and one value per layer and token"
+    shapes = sorted(set(kv_shapes(config)))
+    if len(shapes) > 1:
+        return f"{kind}'s layers cache K/V of different shapes (KV heads x head dim: " \
+               f"{', '.join(f'{h}x{d}' for h, d in shapes)}), where a layout has one"
     if getattr(config, "kv_lora_rank", None) is not None:
         return f"{kind} uses MLA: transformers caches its compressed latent and rotary key, " \
                "of different sizes, where kvstore's transformers integration stores a key " \
@@ -85,13 +105,11 @@ def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None =
     reason = unsupported_reason(cfg)
     if reason:
         raise InvalidArgumentError(f"kvstore cannot cache this model: {reason}")
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, head_dim = kv_shapes(cfg)[0]
     return KVLayout(
         model=model_id or getattr(top, "name_or_path", "") or top.model_type,
-        model_revision=revision, num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        dtype=model.dtype, block_tokens=block_tokens)
+        model_revision=revision, num_layers=cfg.num_hidden_layers, num_kv_heads=heads,
+        head_dim=head_dim, dtype=model.dtype, block_tokens=block_tokens)
 
 
 def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None,

@@ -47,6 +47,9 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
                                            image_size=28, patch_size=14),
         tie_word_embeddings=False, mm_tokens_per_image=4, image_token_index=509,
         boi_token_index=510, eoi_token_index=511)), "sliding_window"),
+    "gemma4-one-head-dim": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        head_dim=16, global_head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)), "sliding_window"),
     "llama4-chunked": (lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
         head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2,
         intermediate_size_mlp=128, **COMMON)), "attention_chunk_size"),
@@ -134,6 +137,17 @@ REFUSED: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
         num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
         attn_layer_offset=1, expert_layer_period=4, num_experts=2, use_mamba_kernels=False)),
         "layers of kind linear_attention"),
+    "gemma3n-kv-sharing": (lambda: T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+        vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
+        hidden_size_per_layer_input=8, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3,
+        laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6)),
+        "shares K/V between layers"),
+    "gemma4-head-dims-per-layer": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)),
+        r"K/V of different shapes \(KV heads x head dim: 2x16, 2x32\)"),
     "deepseek-v2-mla": (lambda: T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
