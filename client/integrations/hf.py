@@ -479,6 +479,31 @@ def cache_to_kv(cache: Any, num_tokens: int) -> torch.Tensor:
     return torch.stack(layers).transpose(2, 3)
 
 
+def with_own_windows(model: Any, cache: Any) -> Any:
+    """`cache` (plain layers: every token kept, as kvstore stores them) with each layer that
+    the model's own cache makes a sliding window (`DynamicSlidingWindowLayer`: sliding-window
+    and chunked layers) replaced by such a window over its last tokens, as the model's own
+    cache would hold them: decoding then attends to, and keeps, the window only. Where this
+    transformers has no such layer, `cache` is returned as it is (correct, larger)."""
+    from transformers import DynamicCache
+
+    try:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        own = DynamicCache(config=model.config).layers
+    except Exception:  # an older transformers, a config it cannot build a cache from
+        return cache
+    for i, (mine, theirs) in enumerate(zip(cache.layers, own, strict=False)):
+        if type(theirs) is not DynamicSlidingWindowLayer or getattr(mine, "keys", None) is None \
+                or not hasattr(theirs, "cumulative_length"):
+            continue
+        n, keep = mine.keys.shape[-2], theirs.sliding_window - 1
+        theirs.update(mine.keys[:, :, -keep:], mine.values[:, :, -keep:])  # a copy: small
+        theirs.cumulative_length = n  # the tokens seen, as if it had seen them all
+        cache.layers[i] = theirs
+    return cache
+
+
 def cache_mismatch(cache: Any, layout: KVLayout, tokens: int) -> str | None:
     """How a batch-1 `DynamicCache` differs from `layout` for its first `tokens` tokens (each
     layer's K and V `[1, heads, >= tokens, head_dim]` of the layout's dtype), or None."""
@@ -665,6 +690,7 @@ class CachedPrefill:
             if result.published_tokens:
                 describe_for_events(self.client, tokens[:full], self.event_block_size,
                                     self.event_hash_algo)
+        result.cache = with_own_windows(self.model, cache)  # published: the window will do
         return result
 
     def _unlike_layout(self, cache: Any, tokens: int) -> bool:

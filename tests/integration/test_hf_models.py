@@ -69,11 +69,19 @@ def build(name: str) -> torch.nn.Module:
     return MODELS[name][0]().eval()
 
 
+def kinds(cache) -> list[tuple[str, int]]:
+    """Each layer of a cache: its class and the tokens it holds. (A loaded full-attention
+    layer is a `DynamicLayer` that appends in place, `_RoomyLayer`.)"""
+    return [("DynamicLayer" if type(layer).__name__ == "_RoomyLayer" else type(layer).__name__,
+             layer.keys.shape[-2]) for layer in cache.layers]
+
+
 @torch.inference_mode()
 def own_generate(model: torch.nn.Module, ids: torch.Tensor, steps: int,
-                 ) -> tuple[torch.Tensor, list[int]]:
+                 ) -> tuple[torch.Tensor, list[int], list[tuple[str, int]]]:
     """Without kvstore, the model's own way (its default cache: sliding-window layers keep
-    only their window): the first logits and `steps` greedy tokens."""
+    only their window): the first logits, `steps` greedy tokens, and its cache's layers
+    after them."""
     out, cache = run_model(model, ids)
     logits = out.logits[0, -1].float()
     first, tokens = logits, []
@@ -82,7 +90,7 @@ def own_generate(model: torch.nn.Module, ids: torch.Tensor, steps: int,
         out, cache = run_model(model, torch.tensor([[tokens[-1]]]), cache)
         logits = out.logits[0, -1].float()
     assert len(set(tokens)) > 1, f"degenerate test model: {tokens}"
-    return first, tokens
+    return first, tokens, kinds(cache)
 
 
 @torch.inference_mode()
@@ -99,7 +107,7 @@ def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torc
 def test_architecture_matches_its_own_computation(daemon, name):
     model = build(name)
     ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    want_logits, want_tokens = own_generate(model, ids, 16)
+    want_logits, want_tokens, want_layers = own_generate(model, ids, 16)
     layout = layout_for_model(model, block_tokens=32, model_id=name)
     with KVClient(daemon.target, layout) as c:
         engine = CachedPrefill(model, c)
@@ -114,6 +122,10 @@ def test_architecture_matches_its_own_computation(daemon, name):
     assert (warm.logits - want_logits).abs().max().item() < 1e-4
     assert cold_tokens == want_tokens
     assert warm_tokens == want_tokens
+    # Once published, a sliding-window layer keeps its window only, as the model's own cache
+    # does: decoding attends to and holds what the model's own would.
+    assert kinds(cold.cache) == want_layers
+    assert kinds(warm.cache) == want_layers
 
 
 @pytest.mark.parametrize("name", [n for n, (_, field) in MODELS.items() if field])
