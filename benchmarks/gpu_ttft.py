@@ -114,7 +114,8 @@ def from_device_memory(model: Any, slab: torch.Tensor, prompt: torch.Tensor, n: 
     keys, values = hf._cache_tensors(layout, prompt.shape[1] + 1, None, prompt.device)
     kernels.scatter(slab, EngineKV.transformers(keys, values),
                     [[b] for b in range(slab.shape[0])])
-    out, _ = hf.run_model(model, prompt[:, n:], hf.roomy_cache(keys, values, n))
+    out, _ = hf.run_model(model, prompt[:, n:], hf.roomy_cache(keys, values, n),
+                          last_logits_only=True)
     return out.logits[0, -1].float()
 
 
@@ -206,9 +207,10 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
                                      device=device), device)[0] for _ in range(args.repeats))
 
     # The same split computed by the model itself: prefix forward, suffix over its cache.
-    cache = hf.run_model(model, prompt[:, :n], logits_to_keep=1)[1]
+    cache = hf.run_model(model, prompt[:, :n], last_logits_only=True)[1]
     hbm: torch.Tensor | None = in_device_memory(cache, client.layout, n)  # (CPU: a smoke test)
-    suffix_s, (out, _) = timed(lambda: hf.run_model(model, prompt[:, n:], cache), device)
+    suffix_s, (out, _) = timed(lambda: hf.run_model(model, prompt[:, n:], cache,
+                                                    last_logits_only=True), device)
     own_logits = out.logits[0, -1].float()
     del out
     hbm_s, hbm_same = float("nan"), None

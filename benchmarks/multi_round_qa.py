@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, llama_8b_kv_shaped, save, table, write_results
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model, run_model
 from kvstore.server.process import DaemonProcess
 
 
@@ -47,7 +47,7 @@ def run(engine: CachedPrefill | None, model: torch.nn.Module, prompts: list[torc
         if engine is None:
             with torch.inference_mode():
                 t = time.perf_counter()
-                model(p, use_cache=True)
+                run_model(model, p, last_logits_only=True)  # as `generate` prefills
                 ttfts.append(time.perf_counter() - t)
         else:
             r = engine.prefill(p)

@@ -54,7 +54,12 @@ from benchmarks.common import (
     write_results,
 )
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, PrefillResult, layout_for_model
+from kvstore.client.integrations.hf import (
+    CachedPrefill,
+    PrefillResult,
+    layout_for_model,
+    run_model,
+)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.process import DaemonProcess
@@ -210,7 +215,8 @@ class Bench:
     @torch.inference_mode()
     def recompute(self, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
         start = time.perf_counter()
-        logits = self.model(ids, use_cache=True).logits[0, -1].float()  # as an engine does
+        out, _ = run_model(self.model, ids, last_logits_only=True)  # as `generate` prefills
+        logits = out.logits[0, -1].float()
         return time.perf_counter() - start, logits
 
 

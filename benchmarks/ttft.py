@@ -176,7 +176,7 @@ def _floor(model: torch.nn.Module, prompt: torch.Tensor, cache: object, cached: 
         values.append(v)
     ready = roomy_cache(keys, values, cached)
     began = time.perf_counter()
-    out, _ = run_model(model, prompt[:, cached:], ready)
+    out, _ = run_model(model, prompt[:, cached:], ready, last_logits_only=True)
     forward = time.perf_counter() - began
     nbytes = sum(2 * k[:, :, :cached].numel() * k.element_size() for k in keys)
     src = torch.ones(nbytes, dtype=torch.uint8)

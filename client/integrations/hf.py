@@ -112,28 +112,33 @@ def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None =
         head_dim=head_dim, dtype=model.dtype, block_tokens=block_tokens)
 
 
-def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None,
-              **kwargs: Any) -> tuple[Any, Any]:
+def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None, *,
+              last_logits_only: bool = False, **kwargs: Any) -> tuple[Any, Any]:
     """`model(input_ids, **kwargs)` over `cache` (None: a new one), with `use_cache`: (its
     output, the cache it returns). transformers takes and returns the cache as `cache` since
-    5.x and as `past_key_values` before; the old name warns now and goes in 5.40."""
+    5.x and as `past_key_values` before; the old name warns now and goes in 5.40.
+    `last_logits_only`: the logits of the last token only (`logits_to_keep=1`, as
+    transformers' own `generate` prefills), where the model takes it: the others would cost
+    a `[tokens, vocab]` product and tensor (4 GiB for 16k tokens of a 128k vocabulary)."""
+    forward = _forward_arguments(model)
     if cache is not None:
-        kwargs[_cache_argument(model)] = cache
+        kwargs["cache" if "cache" in forward else "past_key_values"] = cache
+    if last_logits_only and "logits_to_keep" in forward:
+        kwargs["logits_to_keep"] = 1
     out = model(input_ids=input_ids, use_cache=True, **kwargs)
     if "cache" in out:  # read by its old name, the cache warns
         return out, out["cache"]
     return out, out.past_key_values
 
 
-_CACHE_ARGUMENT: dict[type, str] = {}  # by model class: its forward's name for the cache
+_FORWARD_ARGUMENTS: dict[type, frozenset[str]] = {}  # by model class: its forward's arguments
 
 
-def _cache_argument(model: Any) -> str:
+def _forward_arguments(model: Any) -> frozenset[str]:
     kind = type(model)
-    if kind not in _CACHE_ARGUMENT:
-        forward = inspect.signature(kind.forward).parameters
-        _CACHE_ARGUMENT[kind] = "cache" if "cache" in forward else "past_key_values"
-    return _CACHE_ARGUMENT[kind]
+    if kind not in _FORWARD_ARGUMENTS:
+        _FORWARD_ARGUMENTS[kind] = frozenset(inspect.signature(kind.forward).parameters)
+    return _FORWARD_ARGUMENTS[kind]
 
 
 def kv_to_cache(kv: torch.Tensor) -> Any:
@@ -652,7 +657,8 @@ class CachedPrefill:
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
                                                room=1 + decode_tokens, buffers=self.buffers,
                                                device=self.device)
-            out, cache = run_model(self.model, input_ids[:, cached:], cache)
+            out, cache = run_model(self.model, input_ids[:, cached:], cache,
+                                   last_logits_only=True)
             got = loading.finish()
             if got != cached:
                 # Less came than the lookup found (evicted since, a deadline, the daemon gone):
@@ -675,7 +681,8 @@ class CachedPrefill:
                 # layer's attention to its window either way.
                 cache = DynamicCache()
             began = time.perf_counter()
-            out, cache = run_model(self.model, input_ids[:, cached:], cache)
+            out, cache = run_model(self.model, input_ids[:, cached:], cache,
+                                   last_logits_only=True)
         logits = out.logits[0, -1].float()
         if logits.is_cuda:  # the first token exists once the device has computed it
             torch.cuda.synchronize(logits.device)

@@ -42,7 +42,7 @@ class TokenCounter:
 @torch.inference_mode()
 def reference(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor,
                                                                                list[int]]:
-    out, cache = run_model(model, ids)
+    out, cache = run_model(model, ids, last_logits_only=True)
     logits = out.logits[0, -1].float()
     first, tokens = logits, []
     for _ in range(steps):
@@ -200,7 +200,7 @@ def test_second_request_runs_only_its_suffix(daemon):
     # not the cache: the cached K/V bytes are the ones the prefix pass produced.)
     with torch.inference_mode():
         prefix = run_model(model, b[:, :128])[1]
-        split = run_model(model, b[:, 128:], prefix)[0].logits[0, -1].float()
+        split = run_model(model, b[:, 128:], prefix, last_logits_only=True)[0].logits[0, -1].float()
     assert (r.logits - split).abs().max().item() == 0.0
     full, _ = reference(model, b, 0)
     assert torch.allclose(r.logits, full, atol=1e-5, rtol=0)
@@ -260,11 +260,11 @@ def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torc
     """Without kvstore: the K/V of a full pass over `ids` (the pass that published them),
     cut to the first `cached` tokens, then the rest of the prompt over them. A cached prefill
     of `cached` tokens must give exactly these logits."""
-    out, cache = run_model(model, ids)
+    out, cache = run_model(model, ids, last_logits_only=True)
     if cached == 0:
         return out.logits[0, -1].float()
     cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
-    return run_model(model, ids[:, cached:], cache)[0].logits[0, -1].float()
+    return run_model(model, ids[:, cached:], cache, last_logits_only=True)[0].logits[0, -1].float()
 
 
 def test_planner_loads_host_blocks_and_recomputes_slow_disk_ones(daemon_factory):

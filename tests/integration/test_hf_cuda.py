@@ -34,7 +34,8 @@ def llama_on(device: str) -> torch.nn.Module:
 def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int,
               ) -> tuple[torch.Tensor, list[int]]:
     """The model's own computation over the same split: prefix, then suffix, then greedy."""
-    out, cache = run_model(model, ids[:, cached:], run_model(model, ids[:, :cached])[1])
+    out, cache = run_model(model, ids[:, cached:], run_model(model, ids[:, :cached])[1],
+                           last_logits_only=True)
     first, logits, tokens = out.logits[0, -1].float(), out.logits[0, -1].float(), []
     for _ in range(steps):
         tokens.append(int(torch.argmax(logits)))
@@ -91,7 +92,7 @@ def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
         assert again.cached_tokens == 960
     with torch.inference_mode():
         cache = run_model(model, ids[:, :960])[1]
-        want = run_model(model, ids[:, 960:], cache)[0].logits[0, -1].float()
+        want = run_model(model, ids[:, 960:], cache, last_logits_only=True)[0].logits[0, -1].float()
     assert torch.equal(warm.logits, want) and torch.equal(again.logits, want)
     del first  # its mapping is unregistered, then unmapped, on the unmap thread
     assert d.stop() == 0

@@ -82,7 +82,7 @@ def own_generate(model: torch.nn.Module, ids: torch.Tensor, steps: int,
     """Without kvstore, the model's own way (its default cache: sliding-window layers keep
     only their window): the first logits, `steps` greedy tokens, and its cache's layers
     after them."""
-    out, cache = run_model(model, ids)
+    out, cache = run_model(model, ids, last_logits_only=True)
     logits = out.logits[0, -1].float()
     first, tokens = logits, []
     for _ in range(steps):
@@ -100,7 +100,7 @@ def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torc
     the rest of the prompt over them: what a cached prefill computes."""
     cache = run_model(model, ids, T.DynamicCache())[1]
     cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
-    return run_model(model, ids[:, cached:], cache)[0].logits[0, -1].float()
+    return run_model(model, ids[:, cached:], cache, last_logits_only=True)[0].logits[0, -1].float()
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -191,7 +191,7 @@ def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog):
     layout = layout_for_model(model, block_tokens=32)
     ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        want = model(ids).logits[0, -1].float()
+        want = run_model(model, ids, last_logits_only=True)[0].logits[0, -1].float()
     with KVClient(daemon.target, layout) as c, caplog.at_level(logging.ERROR, "kvstore.hf"):
         engine = CachedPrefill(model, c)
         results = [engine.prefill(ids), engine.prefill(ids)]
