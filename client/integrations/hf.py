@@ -257,21 +257,26 @@ class Loading:
 
 
 def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
-                      buffers: KVBuffers | None = None,
-                      device: str | torch.device = "cpu") -> tuple[Any, Loading]:
+                      buffers: KVBuffers | None = None, device: str | torch.device = "cpu",
+                      windows: list[int | None] | None = None) -> tuple[Any, Loading]:
     """`fetch_cache`'s copy, started in the background for the `blocks` blocks a lookup
     found, layer by layer: the returned cache's layer l waits (in its first `update`, i.e.
     in the forward, at layer l's attention) only for layer l's K/V, so the forward of the
     first layers runs while the later ones are still copied. The caller must check
     `Loading.finish() == blocks * block_tokens` after its forward: a fetch that brought less
     (a block evicted since the lookup, a deadline) leaves layers partly stale, and that
-    forward must be thrown away."""
+    forward must be thrown away. `windows` (`own_windows`): a layer with a window reads only
+    the blocks holding the prefix's last `window - 1` tokens, all the suffix attends to, and
+    holds them as transformers' own sliding-window layer does (`_LoadedWindow`)."""
     layout = client.layout
     bt = layout.block_tokens
     keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
                                   device)
     on = keys[0].device
     loading = Loading(layout.num_layers)
+    windows = windows if windows and len(windows) == layout.num_layers else None
+    first = [max(0, blocks * bt - (w - 1)) // bt if w else 0  # each layer's first block
+             for w in windows or [None] * layout.num_layers]
     inference = torch.is_inference_mode_enabled()
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
@@ -291,6 +296,8 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
                         return 0  # stopped between layers: no block is whole in all of them
+                    if i < first[layer]:
+                        continue  # before the layer's window
                     # A CUDA cache: this layer of the block crosses in one copy (its
                     # `[2, bt, heads, dim]` is contiguous in the block).
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt),
@@ -310,7 +317,7 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
             loading.done.set()
 
     threading.Thread(target=run, name="kvstore-load", daemon=True).start()
-    return roomy_cache(keys, values, blocks * bt, loading.ready), loading
+    return roomy_cache(keys, values, blocks * bt, loading.ready, windows), loading
 
 
 def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
@@ -402,18 +409,73 @@ def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
 
 
 def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
-                ready: list[threading.Event] | None = None) -> Any:
+                ready: list[threading.Event] | None = None,
+                windows: list[int | None] | None = None) -> Any:
     """A `DynamicCache` holding the first `length` tokens of each layer's `[1, heads, capacity,
     head_dim]` `keys` and `values` without copying them, whose forwards write the tokens they
     add into the room past `length` (`_RoomyLayer`). With `ready`, layer l's first `update`
-    waits for `ready[l]` (its K/V still being copied in: `start_fetch_cache`)."""
+    waits for `ready[l]` (its K/V still being copied in: `start_fetch_cache`). A layer with a
+    window (`windows[l]`) holds its last `window - 1` tokens instead (`_LoadedWindow`)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()  # no layers yet: the forward would add plain DynamicLayers
     gates = ready if ready is not None else [None] * len(keys)
-    cache.layers.extend(_roomy_layer()(k, v, length, g)
-                        for k, v, g in zip(keys, values, gates, strict=True))
+    for k, v, g, w in zip(keys, values, gates, windows or [None] * len(keys), strict=True):
+        cache.layers.append(_loaded_window()(k, v, length, w, g) if w
+                            else _roomy_layer()(k, v, length, g))
     return cache
+
+
+@functools.cache
+def _loaded_window() -> type:
+    """`_LoadedWindow`, made on first use (transformers is imported only by its users)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class _LoadedWindow(DynamicSlidingWindowLayer):  # type: ignore[no-untyped-call]
+        """transformers' sliding-window layer over a loaded prefix of `length` tokens: it holds
+        their last `window - 1` (views of `keys` and `values`, `[1, heads, capacity, dim]`
+        buffers whose earlier blocks a load may leave unread), and also writes the tokens each
+        forward adds into the buffers, so that a prompt's new blocks can be published
+        (`stored`)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int,
+                     window: int, ready: threading.Event | None = None) -> None:
+            super().__init__(sliding_window=window)
+            self._ready = ready  # set once the loaded K/V are in place (None: they are)
+            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
+            start = max(0, length - (window - 1))
+            self.dtype, self.device = keys.dtype, keys.device
+            self.keys, self.values = keys[:, :, start:length], values[:, :, start:length]
+            self.cumulative_length = length
+            self.is_initialized = True
+            sw = getattr(self, "_sliding_window_tensor", None)  # set by lazy initialization
+            if isinstance(sw, torch.Tensor):
+                self._sliding_window_tensor = sw.to(self.device)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._ready is not None:  # the loaded prefix is still being copied in
+                self._ready.wait()
+                self._ready = None
+            start = self.cumulative_length
+            end = start + key_states.shape[-2]
+            if self._buffers is not None and key_states.shape[0] == 1 \
+                    and end <= self._buffers[0].shape[-2]:
+                self._buffers[0][:, :, start:end].copy_(key_states)
+                self._buffers[1][:, :, start:end].copy_(value_states)
+            else:
+                self._buffers = None  # past its room: nothing more to publish from
+            return super().update(key_states, value_states, *args, **kwargs)
+
+        def stored(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+            """The buffers up to the last token seen (before the window: as loaded, or not),
+            None once they were outgrown."""
+            if self._buffers is None:
+                return None
+            n = self.cumulative_length
+            return self._buffers[0][:, :, :n], self._buffers[1][:, :, :n]
+
+    return _LoadedWindow
 
 
 @functools.cache
@@ -484,29 +546,48 @@ def cache_to_kv(cache: Any, num_tokens: int) -> torch.Tensor:
     return torch.stack(layers).transpose(2, 3)
 
 
-def with_own_windows(model: Any, cache: Any) -> Any:
-    """`cache` (plain layers: every token kept, as kvstore stores them) with each layer that
-    the model's own cache makes a sliding window (`DynamicSlidingWindowLayer`: sliding-window
-    and chunked layers) replaced by such a window over its last tokens, as the model's own
-    cache would hold them: decoding then attends to, and keeps, the window only. Where this
-    transformers has no such layer, `cache` is returned as it is (correct, larger)."""
+def own_windows(model: Any) -> list[int | None] | None:
+    """Per layer, the tokens the model's own cache keeps of a sliding-window or chunked layer
+    (transformers' `DynamicSlidingWindowLayer`), None for a layer that keeps every token;
+    None where this transformers does not say (an older one)."""
     from transformers import DynamicCache
 
     try:
         from transformers.cache_utils import DynamicSlidingWindowLayer
 
-        own = DynamicCache(config=model.config).layers
+        layers = DynamicCache(config=model.config).layers
     except Exception:  # an older transformers, a config it cannot build a cache from
+        return None
+    windows = [layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None
+               for layer in layers]
+    return windows if any(windows) else None
+
+
+def with_own_windows(cache: Any, windows: list[int | None] | None) -> Any:
+    """`cache` with each layer that has a window (`own_windows`) replaced by transformers' own
+    sliding-window layer over its last tokens, as the model's own cache would hold them:
+    decoding then attends to, and keeps, the window only. Other layers stay as they are."""
+    if not windows:
         return cache
-    for i, (mine, theirs) in enumerate(zip(cache.layers, own, strict=False)):
-        if type(theirs) is not DynamicSlidingWindowLayer or getattr(mine, "keys", None) is None \
-                or not hasattr(theirs, "cumulative_length"):
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    for i, (mine, window) in enumerate(zip(cache.layers, windows, strict=False)):
+        if not window or getattr(mine, "keys", None) is None:
             continue
-        n, keep = mine.keys.shape[-2], theirs.sliding_window - 1
+        theirs = DynamicSlidingWindowLayer(sliding_window=window)
+        n, keep = mine.get_seq_length(), window - 1  # the tokens seen; the window keeps these
         theirs.update(mine.keys[:, :, -keep:], mine.values[:, :, -keep:])  # a copy: small
-        theirs.cumulative_length = n  # the tokens seen, as if it had seen them all
+        theirs.cumulative_length = n  # as if it had seen them all
         cache.layers[i] = theirs
     return cache
+
+
+def _stored(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's keys and values from the prompt's first token on: a loaded window's
+    buffers (`_LoadedWindow.stored`), else its own."""
+    stored = getattr(layer, "stored", None)
+    got = stored() if callable(stored) else None
+    return got if got is not None else (layer.keys, layer.values)
 
 
 def cache_mismatch(cache: Any, layout: KVLayout, tokens: int) -> str | None:
@@ -517,8 +598,7 @@ def cache_mismatch(cache: Any, layout: KVLayout, tokens: int) -> str | None:
         return f"the cache has {len(layers) if layers is not None else 'no'} layers, the " \
                f"layout {layout.num_layers}"
     for i, layer in enumerate(layers):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
+        for name, t in zip(("keys", "values"), _stored(layer), strict=True):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 \
                     or t.shape[1] != layout.num_kv_heads or t.shape[2] < tokens \
                     or t.shape[3] != layout.head_dim or t.dtype != layout.torch_dtype:
@@ -536,6 +616,7 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
     layout = client.layout
     bt = layout.block_tokens
     inference = torch.is_inference_mode_enabled()
+    kv = [_stored(layer) for layer in cache.layers]
 
     def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference):
@@ -543,16 +624,15 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks written in full: only they are committed
                 span = slice(i * bt, (i + 1) * bt)
-                if cache.layers[0].keys.device.type != "cpu":
+                if kv[0][0].device.type != "cpu":
                     # Transposed on the device, then one copy across for the whole block.
                     view.copy_(torch.stack([
-                        torch.stack((lc.keys[0, :, span].transpose(0, 1),
-                                     lc.values[0, :, span].transpose(0, 1)))
-                        for lc in cache.layers]))
+                        torch.stack((k[0, :, span].transpose(0, 1),
+                                     v[0, :, span].transpose(0, 1))) for k, v in kv]))
                     continue
-                for layer, lc in enumerate(cache.layers):
-                    view[layer, 0].copy_(lc.keys[0, :, span].transpose(0, 1))
-                    view[layer, 1].copy_(lc.values[0, :, span].transpose(0, 1))
+                for layer, (k, v) in enumerate(kv):
+                    view[layer, 0].copy_(k[0, :, span].transpose(0, 1))
+                    view[layer, 1].copy_(v[0, :, span].transpose(0, 1))
         return len(indices)
 
     return client.publish_with(tokens, produce)
@@ -626,6 +706,7 @@ class CachedPrefill:
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
         client.prepare(pin=self.device.type == "cuda")
         self._mismatch_logged = False
+        self.windows = own_windows(model)  # sliding-window and chunked layers' windows
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
@@ -656,7 +737,7 @@ class CachedPrefill:
             cached = blocks * bt
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
                                                room=1 + decode_tokens, buffers=self.buffers,
-                                               device=self.device)
+                                               device=self.device, windows=self.windows)
             out, cache = run_model(self.model, input_ids[:, cached:], cache,
                                    last_logits_only=True)
             got = loading.finish()
@@ -697,7 +778,7 @@ class CachedPrefill:
             if result.published_tokens:
                 describe_for_events(self.client, tokens[:full], self.event_block_size,
                                     self.event_hash_algo)
-        result.cache = with_own_windows(self.model, cache)  # published: the window will do
+        result.cache = with_own_windows(cache, self.windows)  # published: windows will do
         return result
 
     def _unlike_layout(self, cache: Any, tokens: int) -> bool:

@@ -15,8 +15,10 @@ from kvstore.client import KVClient
 from kvstore.client.integrations.hf import (
     CachedPrefill,
     layout_for_model,
+    own_windows,
     run_model,
     text_config,
+    with_own_windows,
 )
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -96,10 +98,12 @@ def own_generate(model: torch.nn.Module, ids: torch.Tensor, steps: int,
 @torch.inference_mode()
 def split_logits(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> torch.Tensor:
     """Without kvstore: the K/V of a pass over the whole prompt (the pass that published
-    them; a cache of plain layers keeps every token), cut to its first `cached` tokens, then
-    the rest of the prompt over them: what a cached prefill computes."""
+    them; a cache of plain layers keeps every token), cut to its first `cached` tokens, its
+    sliding-window layers then holding their window only, as the model's own do, then the
+    rest of the prompt over them: what a cached prefill computes."""
     cache = run_model(model, ids, T.DynamicCache())[1]
     cache.crop(cached - ids.shape[1])  # a negative count: drop that many tokens at the end
+    cache = with_own_windows(cache, own_windows(model))
     return run_model(model, ids[:, cached:], cache, last_logits_only=True)[0].logits[0, -1].float()
 
 
@@ -200,3 +204,46 @@ def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog):
     assert all((r.logits - want).abs().max().item() == 0.0 for r in results)
     logged = [r.getMessage() for r in caplog.records if "not publishing" in r.getMessage()]
     assert len(logged) == 1 and "layer 0's keys are (1, 2, 200, 32)" in logged[0], logged
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-sliding-and-full"])
+def test_window_layers_load_their_window_and_publish_what_follows(daemon, monkeypatch, name):
+    """A warm prefill copies, for a sliding-window layer, only the blocks its window reaches
+    (the suffix attends to nothing older), every block for a full-attention layer; a later
+    prompt that goes on past the window publishes its new blocks with their real K/V in
+    every layer, the window layers' included."""
+    from kvstore.client.integrations import hf
+
+    model = build(name)
+    windows = own_windows(model)
+    assert windows is not None and any(w is None for w in windows) == ("gemma3" in name)
+    a = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    b = torch.cat([a[:, :192], torch.randint(0, 500, (1, 150),
+                                             generator=torch.Generator().manual_seed(4))], 1)
+    copied: dict[int, set[int]] = {}
+    real_copy = hf._copy_in
+
+    def counting(keys, values, layer, span, view, src_layer=None):
+        copied.setdefault(layer, set()).add(span.start // 32)
+        real_copy(keys, values, layer, span, view, src_layer)
+
+    monkeypatch.setattr(hf, "_copy_in", counting)
+    layout = layout_for_model(model, block_tokens=32, model_id=name)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        engine.prefill(a)
+        copied.clear()
+        warm = engine.prefill(b)  # 192 cached, 150 computed: 320 now in whole blocks
+        assert (warm.cached_tokens, warm.published_tokens) == (192, 320)
+        # The window's 47 tokens before token 192 lie in blocks 4 and 5.
+        assert copied == {layer: {4, 5} if w else set(range(6))
+                          for layer, w in enumerate(windows)}
+        n, kv = c.fetch(b[0, :320])
+    assert n == 320
+    own = run_model(model, b, T.DynamicCache())[1]  # every layer's K/V of the whole prompt
+    for layer, cached in enumerate(own.layers):
+        for i, t in enumerate((cached.keys, cached.values)):
+            want = t[0, :, :320].transpose(0, 1)  # [tokens, heads, dim], as stored
+            # The first 192 tokens: the bytes the first prompt's pass published; the next
+            # 128: the suffix forward's (another batch shape: float noise only).
+            assert (kv[layer, i] - want).abs().max().item() < 1e-4, (layer, i)
