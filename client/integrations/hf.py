@@ -558,8 +558,9 @@ def own_windows(model: Any) -> list[int | None] | None:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # an older transformers, a config it cannot build a cache from
         return None
-    windows = [layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None
-               for layer in layers]
+    windows = [layer.sliding_window if type(layer) is DynamicSlidingWindowLayer
+               and isinstance(layer.sliding_window, int) and layer.sliding_window > 1 else None
+               for layer in layers]  # (a window of 1 keeps nothing: kept whole, correct)
     return windows if any(windows) else None
 
 
