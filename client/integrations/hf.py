@@ -39,8 +39,8 @@ log = logging.getLogger("kvstore.hf")
 
 
 # Layer kinds (`config.layer_types`) whose cache is one key and one value per token: kvstore
-# holds every token's K/V for all of them. A sliding-window or chunked layer attends to part
-# of them, by its mask; the cache CachedPrefill gives the model keeps them all (`_prefill`).
+# stores every token's K/V for all of them. A sliding-window or chunked layer attends to its
+# window only, by its mask; a warm prefill loads only that (`own_windows`).
 ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention",
                                    "attention"})  # transformers' older name for full
 MLP_LAYER_KINDS = frozenset({"dense", "sparse"})  # say nothing about the cache
@@ -67,8 +67,8 @@ def text_config(config: Any) -> Any:
 def unsupported_reason(config: Any) -> str | None:
     """Why kvstore cannot hold the KV cache of a transformers model with this config, or None
     where it can: every layer is attention with one key and one value of equal size per token
-    and head. A recurrent state (Mamba, linear attention) is not per-token K/V; MLA caches
-    keys and values of different sizes."""
+    and head, of one shape in every layer, no layer reading another's. A recurrent state
+    (Mamba, linear attention) is not per-token K/V; transformers caches MLA as a latent."""
     kind = getattr(config, "model_type", "") or type(config).__name__
     if getattr(config, "num_attention_heads", None) is None:
         return f"{kind} has no attention layers: a state-space model's recurrent state is not " \
