@@ -35,6 +35,9 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
     "mistral-sliding": (lambda: T.MistralForCausalLM(T.MistralConfig(
         sliding_window=WINDOW, **COMMON)), "sliding_window"),
+    "gemma2-sliding-and-full": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+        head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False, **COMMON)),
+        "sliding_window"),
     "gemma3-sliding-and-full": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
         # Untied: Gemma scales its embeddings up, and with the head tied to them a random
         # model predicts its last input token, over and over.
