@@ -67,12 +67,16 @@ def text_config(config: Any) -> Any:
 def unsupported_reason(config: Any) -> str | None:
     """Why kvstore cannot hold the KV cache of a transformers model with this config, or None
     where it can: every layer is attention with one key and one value of equal size per token
-    and head, of one shape in every layer, no layer reading another's. A recurrent state
-    (Mamba, linear attention) is not per-token K/V; transformers caches MLA as a latent."""
+    and head (or MLA's one latent: `mla_latent_dims`), of one shape in every layer, no layer reading
+    another's. A recurrent state (Mamba, linear attention) is not per-token K/V."""
     kind = getattr(config, "model_type", "") or type(config).__name__
     if getattr(config, "num_attention_heads", None) is None:
         return f"{kind} has no attention layers: a state-space model's recurrent state is not " \
                "per-token K/V"
+    if getattr(config, "index_topk", None) is not None:
+        return f"{kind} uses sparse attention with an indexer (DeepSeek Sparse Attention): " \
+               "its cache holds the indexer's keys as well as MLA's latent, and kvstore " \
+               "stores the latent only"
     other = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_KINDS \
         - MLP_LAYER_KINDS
     if other:
@@ -87,12 +91,17 @@ def unsupported_reason(config: Any) -> str | None:
     if len(shapes) > 1:
         return f"{kind}'s layers cache K/V of different shapes (KV heads x head dim: " \
                f"{', '.join(f'{h}x{d}' for h, d in shapes)}), where a layout has one"
-    if getattr(config, "kv_lora_rank", None) is not None:
-        return f"{kind} uses MLA: transformers caches its compressed latent and rotary key, " \
-               "of different sizes, where kvstore's transformers integration stores a key " \
-               "and a value of one size per head (vLLM's connector stores MLA's latent: " \
-               "docs/ENGINES.md)"
     return None
+
+
+def mla_latent_dims(config: Any) -> int | None:
+    """For an MLA model (DeepSeek V2/V3, Kimi K2, MiniCPM3, GLM-4.7-Flash...), the dims of its
+    compressed latent (`kv_lora_rank`): transformers caches the latent as a layer's keys and
+    the rotary key as its values, one "head" each; kvstore stores them side by side, latent
+    first, as one `kv_lora_rank + qk_rope_head_dim` vector per token, vLLM's MLA layout. None
+    for a model with separate K and V per head."""
+    rank = getattr(config, "kv_lora_rank", None)
+    return int(rank) if rank is not None else None
 
 
 def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
@@ -106,10 +115,14 @@ def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None =
     if reason:
         raise InvalidArgumentError(f"kvstore cannot cache this model: {reason}")
     heads, head_dim = kv_shapes(cfg)[0]
+    split = mla_latent_dims(cfg)
+    if split is not None:  # one latent per token: the compressed latent, then the rotary key
+        heads, head_dim = 1, split + int(cfg.qk_rope_head_dim)
     return KVLayout(
         model=model_id or getattr(top, "name_or_path", "") or top.model_type,
         model_revision=revision, num_layers=cfg.num_hidden_layers, num_kv_heads=heads,
-        head_dim=head_dim, dtype=model.dtype, block_tokens=block_tokens)
+        head_dim=head_dim, dtype=model.dtype, block_tokens=block_tokens,
+        kv_kind="mla" if split is not None else "kv")
 
 
 def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None, *,
@@ -169,11 +182,15 @@ class KVBuffers:
     overwritten: while it is taken, a load allocates fresh tensors as before."""
 
     def __init__(self, layout: KVLayout, tokens: int,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", mla_split: int | None = None) -> None:
+        """`mla_split`: for an MLA layout, the latent's dims (`mla_latent_dims`)."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ValueError(f"KVBuffers needs a positive number of tokens, got {tokens!r}")
+        cache_dims(layout, mla_split)  # validates the split
         self.layout, self.tokens, self.device = layout, tokens, torch.device(device)
-        shape = (layout.num_layers, 2, 1, layout.num_kv_heads, tokens, layout.head_dim)
+        self.mla_split = mla_split
+        shape = (layout.num_layers, layout.kv_count, 1, layout.num_kv_heads, tokens,
+                 layout.head_dim)
         self._memory = torch.zeros(shape, dtype=layout.torch_dtype,  # zeros: touched now
                                    device=self.device)
         self._idle = _storage_uses(self._memory)
@@ -184,20 +201,58 @@ class KVBuffers:
         return self._memory.numel() * self._memory.element_size()
 
     def take(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Each layer's `[1, heads, self.tokens, head_dim]` keys and values, if the buffers
-        hold `tokens` and nothing uses them; else None."""
-        layers = range(self.layout.num_layers)
+        """Each layer's `[1, heads, self.tokens, head_dim]` keys and values (an MLA layer's
+        latent and rotary key: `cache_dims`), if the buffers hold `tokens` and nothing uses
+        them; else None."""
         with self._lock:  # the views made here are what makes it busy for the next caller
             if tokens > self.tokens or self._idle is None \
                     or _storage_uses(self._memory) != self._idle:
                 return None
-            return [self._memory[i, 0] for i in layers], [self._memory[i, 1] for i in layers]
+            return _key_value_views(list(self._memory), self.mla_split)
+
+
+def cache_dims(layout: KVLayout, mla_split: int | None = None) -> tuple[int, int, int]:
+    """A transformers cache layer's (heads, key dims, value dims) for `layout`: its K/V heads
+    and head dim; for an MLA layout, one "head" of the latent's first `mla_split` dims as keys
+    and one of the rest (the rotary key) as values, as transformers caches MLA."""
+    if layout.kv_kind != "mla":
+        if mla_split is not None:
+            raise InvalidArgumentError(f"mla_split={mla_split} is for an MLA layout; this one "
+                                       f"has separate K and V ({layout.kv_kind!r})")
+        return layout.num_kv_heads, layout.head_dim, layout.head_dim
+    if not isinstance(mla_split, int) or not 0 < mla_split < layout.head_dim:
+        raise InvalidArgumentError(
+            f"an MLA layout's transformers cache needs mla_split, the dims of its latent (the "
+            f"model's kv_lora_rank), between 1 and {layout.head_dim - 1}; got {mla_split!r}")
+    return 1, mla_split, layout.head_dim - mla_split
+
+
+def _key_value_views(layers: list[torch.Tensor], mla_split: int | None,
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's `[kv, 1, heads, tokens, dim]` memory as the cache's keys and values
+    `[1, heads, tokens, dims]`: K and V; an MLA latent's first `mla_split` dims and the rest
+    (two views of one tensor, laid out token by token as a stored block is)."""
+    if mla_split is None:
+        return [m[0] for m in layers], [m[1] for m in layers]
+    return [m[0][..., :mla_split] for m in layers], [m[0][..., mla_split:] for m in layers]
+
+
+def _block_parts(block_layer: torch.Tensor, mla_split: int | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a stored block, `[kv, bt, heads, dim]`, as views shaped like a cache
+    layer's keys and values, `[heads, bt, dims]`: its K and V; an MLA latent's first
+    `mla_split` dims and the rest."""
+    if mla_split is None:
+        return block_layer[0].transpose(0, 1), block_layer[1].transpose(0, 1)
+    latent = block_layer[0].transpose(0, 1)  # [1, bt, dim]
+    return latent[..., :mla_split], latent[..., mla_split:]
 
 
 def fetch_cache(client: KVClient, tokens: torch.Tensor,
                 max_blocks: int | None = None, room: int = 1,
                 buffers: KVBuffers | None = None,
-                device: str | torch.device = "cpu") -> tuple[int, Any]:
+                device: str | torch.device = "cpu",
+                mla_split: int | None = None) -> tuple[int, Any]:
     """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
     `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
     `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again, and none
@@ -206,7 +261,8 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     (`roomy_cache`) where a plain `DynamicCache` would concatenate, copying the whole prefix
     once when the cache is built and again at every forward. With `buffers` (idle and large
     enough), the tensors are theirs: memory already touched (`KVBuffers`). On a CUDA
-    `device` each block crosses to the device in one copy and is transposed there.
+    `device` each block crosses to the device in one copy and is transposed there. An MLA
+    layout's cache needs `mla_split` (`cache_dims`).
 
     Returns (cached tokens, cache), or (0, None) on a miss."""
     layout = client.layout
@@ -215,13 +271,13 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     if blocks <= 0:
         return 0, None
     keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
-                                  device)
+                                  device, mla_split)
     on = keys[0].device
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference), _copies_done_on_return(on):
-            queued = _kernel_scatter(keys, values, indices, views, stop)
+            queued = _kernel_scatter(keys, values, indices, views, stop, mla_split)
             if queued is not None:
                 return queued
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
@@ -229,7 +285,8 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
                     return done  # the blocks copied in full: the prefix kept
                 view = _to(view, on)  # a CUDA cache: the whole block crosses in one copy
                 for layer in range(layout.num_layers):
-                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view)
+                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view,
+                             mla_split=mla_split)
         return len(indices)
 
     end = client.fetch_with(tokens, consume, max_blocks=blocks)
@@ -258,7 +315,8 @@ class Loading:
 
 def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
                       buffers: KVBuffers | None = None, device: str | torch.device = "cpu",
-                      windows: list[int | None] | None = None) -> tuple[Any, Loading]:
+                      windows: list[int | None] | None = None,
+                      mla_split: int | None = None) -> tuple[Any, Loading]:
     """`fetch_cache`'s copy, started in the background for the `blocks` blocks a lookup
     found, layer by layer: the returned cache's layer l waits (in its first `update`, i.e.
     in the forward, at layer l's attention) only for layer l's K/V, so the forward of the
@@ -267,11 +325,12 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
     (a block evicted since the lookup, a deadline) leaves layers partly stale, and that
     forward must be thrown away. `windows` (`own_windows`): a layer with a window reads only
     the blocks holding the prefix's last `window - 1` tokens, all the suffix attends to, and
-    holds them as transformers' own sliding-window layer does (`_LoadedWindow`)."""
+    holds them as transformers' own sliding-window layer does (`_LoadedWindow`). An MLA
+    layout's cache needs `mla_split` (`cache_dims`)."""
     layout = client.layout
     bt = layout.block_tokens
     keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
-                                  device)
+                                  device, mla_split)
     on = keys[0].device
     loading = Loading(layout.num_layers)
     windows = windows if windows and len(windows) == layout.num_layers else None
@@ -286,7 +345,7 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         with torch.inference_mode(inference), _copies_done_on_return(on):
             # The copy kernel moves every layer of a run of blocks in one launch: the layers
             # are released all at once, once queued (the forward's kernels queue behind).
-            queued = _kernel_scatter(keys, values, indices, views, stop)
+            queued = _kernel_scatter(keys, values, indices, views, stop, mla_split)
             if queued is not None:
                 if whole and queued == len(indices):
                     for event in loading.ready:
@@ -301,7 +360,8 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
                     # A CUDA cache: this layer of the block crosses in one copy (its
                     # `[2, bt, heads, dim]` is contiguous in the block).
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt),
-                             _to(view[layer : layer + 1], on), src_layer=0)
+                             _to(view[layer : layer + 1], on), src_layer=0,
+                             mla_split=mla_split)
                 if whole:
                     loading.ready[layer].set()
         return len(indices)
@@ -321,13 +381,14 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
 
 
 def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
-             view: torch.Tensor, src_layer: int | None = None) -> None:
+             view: torch.Tensor, src_layer: int | None = None,
+             mla_split: int | None = None) -> None:
     """One layer of one stored block (`view`: `[layers, 2, bt, heads, dim]`; its layer
     `src_layer`, default `layer`) into the cache's `[1, heads, tokens, dim]` K and V at
-    `span`."""
-    src = layer if src_layer is None else src_layer
-    keys[layer][0, :, span].copy_(view[src, 0].transpose(0, 1))
-    values[layer][0, :, span].copy_(view[src, 1].transpose(0, 1))
+    `span` (an MLA latent's two parts: `_block_parts`)."""
+    k, v = _block_parts(view[layer if src_layer is None else src_layer], mla_split)
+    keys[layer][0, :, span].copy_(k)
+    values[layer][0, :, span].copy_(v)
 
 
 def _to(view: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -348,14 +409,16 @@ pinned both fall back to `torch`."""
 
 
 def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indices: list[int],
-                    views: list[torch.Tensor], stop: threading.Event) -> int | None:
+                    views: list[torch.Tensor], stop: threading.Event,
+                    mla_split: int | None = None) -> int | None:
     """Blocks `indices` of a CUDA cache from `views` (pinned daemon memory, or the daemon's
     gpu slab on the cache's device) by the copy kernel, queued on the current stream: one
     launch per run of blocks lying back to back in the arena or the slab (`block_runs`), all
     layers at once. Returns the leading blocks queued (fewer when `stop` is set between
     runs), or None where it does not apply: a CPU cache, memory neither pinned nor on the
-    cache's device, or `CUDA_LOAD` says torch."""
-    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not views or not all(
+    cache's device, an MLA cache (its latent is split in two), or `CUDA_LOAD` says torch."""
+    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or mla_split is not None or not views \
+            or not all(
             v.is_pinned() or v.device == keys[0].device for v in views):
         return None
     from kvstore import kernels
@@ -393,19 +456,20 @@ def _copies_done_on_return(device: torch.device) -> Iterator[None]:
 
 
 def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
-                   device: str | torch.device = "cpu",
+                   device: str | torch.device = "cpu", mla_split: int | None = None,
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's `[1, heads, capacity, head_dim]` K and V on `device`: the reserved
-    buffers when they are there, idle and large enough, else new ones (untouched pages cost
-    nothing until filled)."""
+    """Each layer's `[1, heads, capacity, head_dim]` K and V on `device` (an MLA layer's
+    latent and rotary key: `cache_dims`): the reserved buffers when they are there, idle and
+    large enough, else new ones (untouched pages cost nothing until filled)."""
+    cache_dims(layout, mla_split)  # validates the split
     device = torch.device(device)
-    taken = None if buffers is None or buffers.device != device else buffers.take(capacity)
+    taken = None if buffers is None or buffers.device != device \
+        or buffers.mla_split != mla_split else buffers.take(capacity)
     if taken is not None:
         return taken
-    shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
-    dtype = layout.torch_dtype
-    return ([torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)],
-            [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)])
+    shape = (layout.kv_count, 1, layout.num_kv_heads, capacity, layout.head_dim)
+    return _key_value_views([torch.empty(shape, dtype=layout.torch_dtype, device=device)
+                             for _ in range(layout.num_layers)], mla_split)
 
 
 def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
@@ -591,33 +655,38 @@ def _stored(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return got if got is not None else (layer.keys, layer.values)
 
 
-def cache_mismatch(cache: Any, layout: KVLayout, tokens: int) -> str | None:
+def cache_mismatch(cache: Any, layout: KVLayout, tokens: int,
+                   mla_split: int | None = None) -> str | None:
     """How a batch-1 `DynamicCache` differs from `layout` for its first `tokens` tokens (each
-    layer's K and V `[1, heads, >= tokens, head_dim]` of the layout's dtype), or None."""
+    layer's K and V `[1, heads, >= tokens, dims]` of the layout's dtype, `cache_dims`), or
+    None."""
+    heads, key_dim, value_dim = cache_dims(layout, mla_split)
     layers = getattr(cache, "layers", None)
     if layers is None or len(layers) != layout.num_layers:
         return f"the cache has {len(layers) if layers is not None else 'no'} layers, the " \
                f"layout {layout.num_layers}"
     for i, layer in enumerate(layers):
-        for name, t in zip(("keys", "values"), _stored(layer), strict=True):
+        for name, t, dim in zip(("keys", "values"), _stored(layer), (key_dim, value_dim),
+                                strict=True):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 \
-                    or t.shape[1] != layout.num_kv_heads or t.shape[2] < tokens \
-                    or t.shape[3] != layout.head_dim or t.dtype != layout.torch_dtype:
+                    or t.shape[1] != heads or t.shape[2] < tokens or t.shape[3] != dim \
+                    or t.dtype != layout.torch_dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                return f"layer {i}'s {name} are {got}, the layout wants (1, " \
-                       f"{layout.num_kv_heads}, >= {tokens}, {layout.head_dim}) " \
-                       f"{layout.torch_dtype}"
+                return f"layer {i}'s {name} are {got}, the layout wants (1, {heads}, " \
+                       f">= {tokens}, {dim}) {layout.torch_dtype}"
     return None
 
 
 def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
     """Publish the full blocks of `tokens` straight from a batch-1 `DynamicCache` into the
     daemon's memory (one copy; no `[layers, 2, n, heads, head_dim]` tensor in between).
-    Returns the prompt tokens now cached."""
+    An MLA layout's block holds each token's latent (the cache's keys) and rotary key (its
+    values) side by side. Returns the prompt tokens now cached."""
     layout = client.layout
     bt = layout.block_tokens
     inference = torch.is_inference_mode_enabled()
     kv = [_stored(layer) for layer in cache.layers]
+    split = kv[0][0].shape[-1] if layout.kv_kind == "mla" else None  # the latent's dims
 
     def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference):
@@ -626,17 +695,25 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
                     return done  # the blocks written in full: only they are committed
                 span = slice(i * bt, (i + 1) * bt)
                 if kv[0][0].device.type != "cpu":
-                    # Transposed on the device, then one copy across for the whole block.
-                    view.copy_(torch.stack([
-                        torch.stack((k[0, :, span].transpose(0, 1),
-                                     v[0, :, span].transpose(0, 1))) for k, v in kv]))
+                    # Laid out on the device, then one copy across for the whole block.
+                    staged = torch.empty(view.shape, dtype=view.dtype, device=kv[0][0].device)
+                    _write_block(staged, kv, span, split)
+                    view.copy_(staged)
                     continue
-                for layer, (k, v) in enumerate(kv):
-                    view[layer, 0].copy_(k[0, :, span].transpose(0, 1))
-                    view[layer, 1].copy_(v[0, :, span].transpose(0, 1))
+                _write_block(view, kv, span, split)
         return len(indices)
 
     return client.publish_with(tokens, produce)
+
+
+def _write_block(block: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], span: slice,
+                 mla_split: int | None) -> None:
+    """Tokens `span` of each layer's cached keys and values (`[1, heads, tokens, dims]`) into
+    `block` (`[layers, kv, bt, heads, dim]`), laid out as stored (`_block_parts`)."""
+    for layer, (k, v) in enumerate(kv):
+        key_part, value_part = _block_parts(block[layer], mla_split)
+        key_part.copy_(k[0, :, span])
+        value_part.copy_(v[0, :, span])
 
 
 def describe_for_events(client: KVClient, tokens: torch.Tensor, engine_block_size: int,
@@ -695,13 +772,15 @@ class CachedPrefill:
         self.prefill_model = PrefillModel()
         # Loaded K/V go where the model runs: a CUDA model's cache is on its GPU.
         self.device = next(model.parameters()).device
-        self.buffers = KVBuffers(client.layout, reserve_tokens, self.device) \
-            if reserve_tokens else None
         expected = layout_for_model(model, client.layout.block_tokens, client.layout.model,
                                     client.layout.model_revision)
         if expected != client.layout:
             raise ValueError(f"client layout {client.layout} does not match the model's "
                              f"KV cache {expected}")
+        # MLA: the latent's dims, the keys of transformers' cache (the rotary key: values).
+        self.mla_split = mla_latent_dims(text_config(model.config))
+        self.buffers = KVBuffers(client.layout, reserve_tokens, self.device, self.mla_split) \
+            if reserve_tokens else None
         # Map the daemon's arena now, as vLLM's connector does at engine start: its prefault
         # then runs between requests, not inside the first prefill after the first publish.
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
@@ -738,7 +817,8 @@ class CachedPrefill:
             cached = blocks * bt
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
                                                room=1 + decode_tokens, buffers=self.buffers,
-                                               device=self.device, windows=self.windows)
+                                               device=self.device, windows=self.windows,
+                                               mla_split=self.mla_split)
             out, cache = run_model(self.model, input_ids[:, cached:], cache,
                                    last_logits_only=True)
             got = loading.finish()
@@ -752,7 +832,7 @@ class CachedPrefill:
                 if got:
                     cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
                                                 room=1 + decode_tokens, buffers=self.buffers,
-                                                device=self.device)
+                                                device=self.device, mla_split=self.mla_split)
         if out is None:
             if cache is None:
                 from transformers import DynamicCache
@@ -786,7 +866,7 @@ class CachedPrefill:
         """Whether the forward's cache differs from the layout (a config that misdescribes its
         model): then nothing is published, and that is logged once. The result stands: its
         logits are the model's own."""
-        problem = cache_mismatch(cache, self.client.layout, tokens)
+        problem = cache_mismatch(cache, self.client.layout, tokens, self.mla_split)
         if problem and not self._mismatch_logged:
             self._mismatch_logged = True
             log.error("kvstore: not publishing this model's prompts: %s", problem)

@@ -31,6 +31,14 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
               initializer_range=0.3)  # varied greedy outputs (a random model's default repeats)
 
+# MLA: a latent of 32 dims and a rotary key of 8 per token (DeepSeek's are 512 and 64).
+MLA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024,
+           initializer_range=0.3)
+MOE = dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+           num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
+
 # name -> (model factory, the config field that sets its window: None for none)
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
     "mistral-sliding": (lambda: T.MistralForCausalLM(T.MistralConfig(
@@ -62,6 +70,11 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
         head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
         **COMMON)), "sliding_window"),
     "qwen3": (lambda: T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=32, **COMMON)), None),
+    "deepseek-v2-mla": (lambda: T.DeepseekV2ForCausalLM(T.DeepseekV2Config(**MLA, **MOE)),
+                        None),
+    "deepseek-v3-mla": (lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(  # Kimi K2's too
+        **{**MLA, "q_lora_rank": 16}, **MOE)), None),
+    "minicpm3-mla": (lambda: T.MiniCPM3ForCausalLM(T.MiniCPM3Config(**MLA)), None),
     "phi3": (lambda: T.Phi3ForCausalLM(T.Phi3Config(pad_token_id=0, **COMMON)), None),
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=1024,
@@ -167,12 +180,9 @@ REFUSED: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
         head_dim=16, global_head_dim=32, sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)),
         r"K/V of different shapes \(KV heads x head dim: 2x16, 2x32\)"),
-    "deepseek-v2-mla": (lambda: T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
-        "uses MLA"),
+    "deepseek-v32-sparse-indexer": (lambda: T.DeepseekV32ForCausalLM(T.DeepseekV32Config(
+        **{**MLA, "q_lora_rank": 16}, **MOE, index_n_heads=2, index_head_dim=16,
+        index_topk=8)), "indexer"),
 }
 
 
@@ -226,9 +236,9 @@ def test_window_layers_load_their_window_and_publish_what_follows(daemon, monkey
     copied: dict[int, set[int]] = {}
     real_copy = hf._copy_in
 
-    def counting(keys, values, layer, span, view, src_layer=None):
+    def counting(keys, values, layer, span, view, **kw):
         copied.setdefault(layer, set()).add(span.start // 32)
-        real_copy(keys, values, layer, span, view, src_layer)
+        real_copy(keys, values, layer, span, view, **kw)
 
     monkeypatch.setattr(hf, "_copy_in", counting)
     layout = layout_for_model(model, block_tokens=32, model_id=name)
@@ -250,3 +260,65 @@ def test_window_layers_load_their_window_and_publish_what_follows(daemon, monkey
             # The first 192 tokens: the bytes the first prompt's pass published; the next
             # 128: the suffix forward's (another batch shape: float noise only).
             assert (kv[layer, i] - want).abs().max().item() < 1e-4, (layer, i)
+
+
+@torch.inference_mode()
+def test_mla_blocks_hold_the_latent_then_the_rotary_key(daemon):
+    """An MLA model's block holds each token's compressed latent (transformers' keys) and then
+    its rotary key (its values) in one vector of kv_lora_rank + qk_rope_head_dim dims: the
+    layout vLLM's MLA cache and kvstore's vLLM connector use."""
+    model = build("deepseek-v3-mla")
+    layout = layout_for_model(model, block_tokens=32, model_id="mla")
+    assert (layout.kv_kind, layout.num_kv_heads, layout.head_dim) == ("mla", 1, 40)
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    with KVClient(daemon.target, layout) as c:
+        assert CachedPrefill(model, c).prefill(ids).published_tokens == 192
+        n, kv = c.fetch(ids[0, :192])
+    assert n == 192 and tuple(kv.shape) == (3, 1, 192, 1, 40)
+    own = run_model(model, ids, T.DynamicCache())[1]
+    for layer, cached in enumerate(own.layers):
+        assert tuple(cached.keys.shape[-1:]) + tuple(cached.values.shape[-1:]) == (32, 8)
+        assert torch.equal(kv[layer, 0, :, 0, :32], cached.keys[0, 0, :192]), layer
+        assert torch.equal(kv[layer, 0, :, 0, 32:], cached.values[0, 0, :192]), layer
+
+
+@torch.inference_mode()
+def test_mla_loads_into_reserved_buffers_and_by_the_whole_block_path(daemon):
+    """The other ways an MLA prefix is loaded give the same logits: into memory reserved up
+    front (`reserve_tokens`), and by `fetch_cache` (the path taken after a partial load)."""
+    from kvstore.client.integrations.hf import fetch_cache
+
+    model = build("minicpm3-mla")
+    layout = layout_for_model(model, block_tokens=32, model_id="mla-reserved")
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    want = split_logits(model, ids, 192)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c, reserve_tokens=256)
+        engine.prefill(ids)
+        warm = engine.prefill(ids)
+        assert warm.cached_tokens == 192
+        keys = warm.cache.layers[0].keys
+        assert keys.untyped_storage().data_ptr() \
+            == engine.buffers._memory.untyped_storage().data_ptr()  # the reserved memory
+        assert (warm.logits - want).abs().max().item() == 0.0
+        del warm, keys
+        cached, cache = fetch_cache(c, ids[0, :199], mla_split=32)
+        assert cached == 192
+        out, _ = run_model(model, ids[:, 192:], cache, last_logits_only=True)
+        assert (out.logits[0, -1].float() - want).abs().max().item() == 0.0
+        with pytest.raises(InvalidArgumentError, match="needs mla_split"):
+            fetch_cache(c, ids[0, :199])
+
+
+def test_cache_dims_say_what_an_mla_split_must_be():
+    from kvstore.client.integrations.hf import cache_dims
+    from kvstore.layout import KVLayout
+
+    mla = KVLayout("m", 2, 1, 40, kv_kind="mla")
+    assert cache_dims(mla, 32) == (1, 32, 8)
+    assert cache_dims(KVLayout("m", 2, 4, 16)) == (4, 16, 16)
+    for bad in (None, 0, 40, 41):
+        with pytest.raises(InvalidArgumentError, match="between 1 and 39"):
+            cache_dims(mla, bad)
+    with pytest.raises(InvalidArgumentError, match="is for an MLA layout"):
+        cache_dims(KVLayout("m", 2, 4, 16), 8)
