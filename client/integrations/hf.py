@@ -28,6 +28,22 @@ from typing import Any, Literal
 import torch
 
 from kvstore.client.aio import prefault_paused
+from kvstore.client.integrations.hf_layers import (
+    ATTENTION_LAYER_KINDS,
+    MLP_LAYER_KINDS,
+    LayerMap,
+    LayerShape,
+    cache_elements,
+    carve,
+    copy_from_block,
+    copy_to_block,
+    kv_shapes,
+    layer_map,
+    layer_shapes,
+    layout_for_model,
+    text_config,
+    unsupported_reason,
+)
 from kvstore.client.integrations.paged import adjacent_runs
 from kvstore.client.sync import KVClient
 from kvstore.engine_blocks import spans_for, vllm_block_hashes
@@ -37,92 +53,11 @@ from kvstore.planner import Plan, PrefillModel
 
 log = logging.getLogger("kvstore.hf")
 
-
-# Layer kinds (`config.layer_types`) whose cache is one key and one value per token: kvstore
-# stores every token's K/V for all of them. A sliding-window or chunked layer attends to its
-# window only, by its mask; a warm prefill loads only that (`own_windows`).
-ATTENTION_LAYER_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention",
-                                   "attention"})  # transformers' older name for full
-MLP_LAYER_KINDS = frozenset({"dense", "sparse"})  # say nothing about the cache
-
-
-def kv_shapes(config: Any) -> list[tuple[int, int]]:
-    """Each layer's (KV heads, head dim), from its own config where transformers gives one
-    per layer (`per_layer_config`: a model whose layers differ refuses the global value)."""
-    layers = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
-    shapes = []
-    for layer in layers:
-        heads = layer.num_attention_heads
-        shapes.append((getattr(layer, "num_key_value_heads", None) or heads,
-                       getattr(layer, "head_dim", None) or layer.hidden_size // heads))
-    return shapes
-
-
-def text_config(config: Any) -> Any:
-    """The config of the model's text decoder: its own, or a multimodal model's part."""
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
-
-
-def unsupported_reason(config: Any) -> str | None:
-    """Why kvstore cannot hold the KV cache of a transformers model with this config, or None
-    where it can: every layer is attention with one key and one value of equal size per token
-    and head (or MLA's one latent: `mla_latent_dims`), of one shape in every layer, no layer reading
-    another's. A recurrent state (Mamba, linear attention) is not per-token K/V."""
-    kind = getattr(config, "model_type", "") or type(config).__name__
-    if getattr(config, "num_attention_heads", None) is None:
-        return f"{kind} has no attention layers: a state-space model's recurrent state is not " \
-               "per-token K/V"
-    if getattr(config, "index_topk", None) is not None:
-        return f"{kind} uses sparse attention with an indexer (DeepSeek Sparse Attention): " \
-               "its cache holds the indexer's keys as well as MLA's latent, and kvstore " \
-               "stores the latent only"
-    other = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_KINDS \
-        - MLP_LAYER_KINDS
-    if other:
-        return f"{kind} has layers of kind {', '.join(sorted(other))}: kvstore holds per-token " \
-               "K/V of full, sliding-window and chunked attention layers only (a recurrent " \
-               "state would need one saved state per block boundary)"
-    shared = getattr(config, "num_kv_shared_layers", 0) or 0
-    if shared or "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
-        return f"{kind} shares K/V between layers (layers reading other layers' cache): " \
-               "kvstore stores one key and one value per layer and token"
-    shapes = sorted(set(kv_shapes(config)))
-    if len(shapes) > 1:
-        return f"{kind}'s layers cache K/V of different shapes (KV heads x head dim: " \
-               f"{', '.join(f'{h}x{d}' for h, d in shapes)}), where a layout has one"
-    return None
-
-
-def mla_latent_dims(config: Any) -> int | None:
-    """For an MLA model (DeepSeek V2/V3, Kimi K2, MiniCPM3, GLM-4.7-Flash...), the dims of its
-    compressed latent (`kv_lora_rank`): transformers caches the latent as a layer's keys and
-    the rotary key as its values, one "head" each; kvstore stores them side by side, latent
-    first, as one `kv_lora_rank + qk_rope_head_dim` vector per token, vLLM's MLA layout. None
-    for a model with separate K and V per head."""
-    rank = getattr(config, "kv_lora_rank", None)
-    return int(rank) if rank is not None else None
-
-
-def layout_for_model(model: Any, block_tokens: int = 256, model_id: str | None = None,
-                     revision: str = "") -> KVLayout:
-    """The `KVLayout` of a transformers causal LM's KV cache; `InvalidArgumentError` for a
-    model whose cache kvstore cannot hold (`unsupported_reason`). A multimodal model's is its
-    text decoder's (prompts of tokens only: `CachedPrefill` takes no images)."""
-    top = model.config
-    cfg = text_config(top)
-    reason = unsupported_reason(cfg)
-    if reason:
-        raise InvalidArgumentError(f"kvstore cannot cache this model: {reason}")
-    heads, head_dim = kv_shapes(cfg)[0]
-    split = mla_latent_dims(cfg)
-    if split is not None:  # one latent per token: the compressed latent, then the rotary key
-        heads, head_dim = 1, split + int(cfg.qk_rope_head_dim)
-    return KVLayout(
-        model=model_id or getattr(top, "name_or_path", "") or top.model_type,
-        model_revision=revision, num_layers=cfg.num_hidden_layers, num_kv_heads=heads,
-        head_dim=head_dim, dtype=model.dtype, block_tokens=block_tokens,
-        kv_kind="mla" if split is not None else "kv")
+__all__ = [  # the model analysis lives in hf_layers; importable from here as before
+    "ATTENTION_LAYER_KINDS", "MLP_LAYER_KINDS", "CachedPrefill", "KVBuffers", "LayerShape",
+    "fetch_cache", "kv_shapes", "layer_shapes", "layout_for_model", "publish_cache",
+    "start_fetch_cache", "text_config", "unsupported_reason",
+]
 
 
 def run_model(model: Any, input_ids: torch.Tensor, cache: Any = None, *,
@@ -181,18 +116,16 @@ class KVBuffers:
     back to its own), so a cache the caller still holds, or any view of one, is never
     overwritten: while it is taken, a load allocates fresh tensors as before."""
 
-    def __init__(self, layout: KVLayout, tokens: int,
-                 device: str | torch.device = "cpu", mla_split: int | None = None) -> None:
-        """`mla_split`: for an MLA layout, the latent's dims (`mla_latent_dims`)."""
+    def __init__(self, layout: KVLayout, tokens: int, device: str | torch.device = "cpu",
+                 shapes: tuple[LayerShape, ...] | None = None) -> None:
+        """`shapes`: each layer's keys and values, where they are not the layout's slot (an
+        MLA latent, layers of different shapes: `layer_shapes(config)`)."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             raise ValueError(f"KVBuffers needs a positive number of tokens, got {tokens!r}")
-        cache_dims(layout, mla_split)  # validates the split
+        self.shapes = layer_map(layout, shapes).shapes  # validated
         self.layout, self.tokens, self.device = layout, tokens, torch.device(device)
-        self.mla_split = mla_split
-        shape = (layout.num_layers, layout.kv_count, 1, layout.num_kv_heads, tokens,
-                 layout.head_dim)
-        self._memory = torch.zeros(shape, dtype=layout.torch_dtype,  # zeros: touched now
-                                   device=self.device)
+        self._memory = torch.zeros(cache_elements(self.shapes, tokens),  # zeros: touched now
+                                   dtype=layout.torch_dtype, device=self.device)
         self._idle = _storage_uses(self._memory)
         self._lock = threading.Lock()  # two threads never both find it idle
 
@@ -201,58 +134,20 @@ class KVBuffers:
         return self._memory.numel() * self._memory.element_size()
 
     def take(self, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Each layer's `[1, heads, self.tokens, head_dim]` keys and values (an MLA layer's
-        latent and rotary key: `cache_dims`), if the buffers hold `tokens` and nothing uses
-        them; else None."""
+        """Each layer's `[1, heads, self.tokens, dims]` keys and values (`LayerShape`), if
+        the buffers hold `tokens` and nothing uses them; else None."""
         with self._lock:  # the views made here are what makes it busy for the next caller
             if tokens > self.tokens or self._idle is None \
                     or _storage_uses(self._memory) != self._idle:
                 return None
-            return _key_value_views(list(self._memory), self.mla_split)
-
-
-def cache_dims(layout: KVLayout, mla_split: int | None = None) -> tuple[int, int, int]:
-    """A transformers cache layer's (heads, key dims, value dims) for `layout`: its K/V heads
-    and head dim; for an MLA layout, one "head" of the latent's first `mla_split` dims as keys
-    and one of the rest (the rotary key) as values, as transformers caches MLA."""
-    if layout.kv_kind != "mla":
-        if mla_split is not None:
-            raise InvalidArgumentError(f"mla_split={mla_split} is for an MLA layout; this one "
-                                       f"has separate K and V ({layout.kv_kind!r})")
-        return layout.num_kv_heads, layout.head_dim, layout.head_dim
-    if not isinstance(mla_split, int) or not 0 < mla_split < layout.head_dim:
-        raise InvalidArgumentError(
-            f"an MLA layout's transformers cache needs mla_split, the dims of its latent (the "
-            f"model's kv_lora_rank), between 1 and {layout.head_dim - 1}; got {mla_split!r}")
-    return 1, mla_split, layout.head_dim - mla_split
-
-
-def _key_value_views(layers: list[torch.Tensor], mla_split: int | None,
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's `[kv, 1, heads, tokens, dim]` memory as the cache's keys and values
-    `[1, heads, tokens, dims]`: K and V; an MLA latent's first `mla_split` dims and the rest
-    (two views of one tensor, laid out token by token as a stored block is)."""
-    if mla_split is None:
-        return [m[0] for m in layers], [m[1] for m in layers]
-    return [m[0][..., :mla_split] for m in layers], [m[0][..., mla_split:] for m in layers]
-
-
-def _block_parts(block_layer: torch.Tensor, mla_split: int | None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of a stored block, `[kv, bt, heads, dim]`, as views shaped like a cache
-    layer's keys and values, `[heads, bt, dims]`: its K and V; an MLA latent's first
-    `mla_split` dims and the rest."""
-    if mla_split is None:
-        return block_layer[0].transpose(0, 1), block_layer[1].transpose(0, 1)
-    latent = block_layer[0].transpose(0, 1)  # [1, bt, dim]
-    return latent[..., :mla_split], latent[..., mla_split:]
+            return carve(self._memory, self.shapes, self.tokens)
 
 
 def fetch_cache(client: KVClient, tokens: torch.Tensor,
                 max_blocks: int | None = None, room: int = 1,
                 buffers: KVBuffers | None = None,
                 device: str | torch.device = "cpu",
-                mla_split: int | None = None) -> tuple[int, Any]:
+                shapes: tuple[LayerShape, ...] | None = None) -> tuple[int, Any]:
     """Fetch the cached prefix of `tokens` straight into a `DynamicCache`'s own
     `[1, heads, n, head_dim]` tensors: one copy out of the daemon's memory, no intermediate
     `[layers, 2, n, heads, head_dim]` tensor to allocate, fill and transpose again, and none
@@ -261,8 +156,9 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     (`roomy_cache`) where a plain `DynamicCache` would concatenate, copying the whole prefix
     once when the cache is built and again at every forward. With `buffers` (idle and large
     enough), the tensors are theirs: memory already touched (`KVBuffers`). On a CUDA
-    `device` each block crosses to the device in one copy and is transposed there. An MLA
-    layout's cache needs `mla_split` (`cache_dims`).
+    `device` each block crosses to the device in one copy and is transposed there.
+    `shapes`: each layer's keys and values where they are not the layout's slot (an MLA
+    latent, layers of different shapes: `layer_shapes(config)`).
 
     Returns (cached tokens, cache), or (0, None) on a miss."""
     layout = client.layout
@@ -270,23 +166,23 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     blocks = len(tokens) // bt if max_blocks is None else min(len(tokens) // bt, max_blocks)
     if blocks <= 0:
         return 0, None
+    lmap = layer_map(layout, shapes)
     keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
-                                  device, mla_split)
+                                  device, lmap.shapes)
     on = keys[0].device
     inference = torch.is_inference_mode_enabled()  # the worker thread must match the caller
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference), _copies_done_on_return(on):
-            queued = _kernel_scatter(keys, values, indices, views, stop, mla_split)
+            queued = _kernel_scatter(keys, values, indices, views, stop, lmap.uniform)
             if queued is not None:
                 return queued
             for done, (i, view) in enumerate(zip(indices, views, strict=True)):
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks copied in full: the prefix kept
                 view = _to(view, on)  # a CUDA cache: the whole block crosses in one copy
-                for layer in range(layout.num_layers):
-                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view,
-                             mla_split=mla_split)
+                for layer in range(len(keys)):
+                    _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt), view, lmap)
         return len(indices)
 
     end = client.fetch_with(tokens, consume, max_blocks=blocks)
@@ -316,7 +212,7 @@ class Loading:
 def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room: int = 1,
                       buffers: KVBuffers | None = None, device: str | torch.device = "cpu",
                       windows: list[int | None] | None = None,
-                      mla_split: int | None = None) -> tuple[Any, Loading]:
+                      shapes: tuple[LayerShape, ...] | None = None) -> tuple[Any, Loading]:
     """`fetch_cache`'s copy, started in the background for the `blocks` blocks a lookup
     found, layer by layer: the returned cache's layer l waits (in its first `update`, i.e.
     in the forward, at layer l's attention) only for layer l's K/V, so the forward of the
@@ -325,17 +221,19 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
     (a block evicted since the lookup, a deadline) leaves layers partly stale, and that
     forward must be thrown away. `windows` (`own_windows`): a layer with a window reads only
     the blocks holding the prefix's last `window - 1` tokens, all the suffix attends to, and
-    holds them as transformers' own sliding-window layer does (`_LoadedWindow`). An MLA
-    layout's cache needs `mla_split` (`cache_dims`)."""
+    holds them as transformers' own sliding-window layer does (`_LoadedWindow`). `shapes`:
+    as for `fetch_cache`."""
     layout = client.layout
     bt = layout.block_tokens
+    lmap = layer_map(layout, shapes)
     keys, values = _cache_tensors(layout, max(blocks * bt, len(tokens) + room), buffers,
-                                  device, mla_split)
+                                  device, lmap.shapes)
     on = keys[0].device
-    loading = Loading(layout.num_layers)
-    windows = windows if windows and len(windows) == layout.num_layers else None
+    layers = len(keys)  # the cache's (a layer may span several of the layout's: `LayerMap`)
+    loading = Loading(layers)
+    windows = windows if windows and len(windows) == layers else None
     first = [max(0, blocks * bt - (w - 1)) // bt if w else 0  # each layer's first block
-             for w in windows or [None] * layout.num_layers]
+             for w in windows or [None] * layers]
     inference = torch.is_inference_mode_enabled()
 
     def consume(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
@@ -345,23 +243,23 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         with torch.inference_mode(inference), _copies_done_on_return(on):
             # The copy kernel moves every layer of a run of blocks in one launch: the layers
             # are released all at once, once queued (the forward's kernels queue behind).
-            queued = _kernel_scatter(keys, values, indices, views, stop, mla_split)
+            queued = _kernel_scatter(keys, values, indices, views, stop, lmap.uniform)
             if queued is not None:
                 if whole and queued == len(indices):
                     for event in loading.ready:
                         event.set()
                 return queued  # stopped between runs: `run` releases the layers
-            for layer in range(layout.num_layers):
+            for layer in range(layers):
+                slots = lmap.slots(layer)
                 for i, view in zip(indices, views, strict=True):  # [layers, 2, bt, heads, dim]
                     if stop.is_set():
                         return 0  # stopped between layers: no block is whole in all of them
                     if i < first[layer]:
                         continue  # before the layer's window
                     # A CUDA cache: this layer of the block crosses in one copy (its
-                    # `[2, bt, heads, dim]` is contiguous in the block).
+                    # `[slots, 2, bt, heads, dim]` is contiguous in the block).
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt),
-                             _to(view[layer : layer + 1], on), src_layer=0,
-                             mla_split=mla_split)
+                             _to(view[slots], on), lmap, first_slot=slots.start)
                 if whole:
                     loading.ready[layer].set()
         return len(indices)
@@ -381,14 +279,11 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
 
 
 def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
-             view: torch.Tensor, src_layer: int | None = None,
-             mla_split: int | None = None) -> None:
-    """One layer of one stored block (`view`: `[layers, 2, bt, heads, dim]`; its layer
-    `src_layer`, default `layer`) into the cache's `[1, heads, tokens, dim]` K and V at
-    `span` (an MLA latent's two parts: `_block_parts`)."""
-    k, v = _block_parts(view[layer if src_layer is None else src_layer], mla_split)
-    keys[layer][0, :, span].copy_(k)
-    values[layer][0, :, span].copy_(v)
+             view: torch.Tensor, lmap: LayerMap, first_slot: int = 0) -> None:
+    """Cache layer `layer` of one stored block (`view`: `[layers, 2, bt, heads, dim]`, the
+    layout's layers from `first_slot` on) into the cache's `[1, heads, tokens, dims]` K and V
+    at `span` (where the block holds it: `LayerMap`)."""
+    copy_from_block(view, lmap, layer, keys[layer], values[layer], span, first_slot)
 
 
 def _to(view: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -410,15 +305,15 @@ pinned both fall back to `torch`."""
 
 def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indices: list[int],
                     views: list[torch.Tensor], stop: threading.Event,
-                    mla_split: int | None = None) -> int | None:
+                    uniform: bool) -> int | None:
     """Blocks `indices` of a CUDA cache from `views` (pinned daemon memory, or the daemon's
     gpu slab on the cache's device) by the copy kernel, queued on the current stream: one
     launch per run of blocks lying back to back in the arena or the slab (`block_runs`), all
     layers at once. Returns the leading blocks queued (fewer when `stop` is set between
     runs), or None where it does not apply: a CPU cache, memory neither pinned nor on the
-    cache's device, an MLA cache (its latent is split in two), or `CUDA_LOAD` says torch."""
-    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or mla_split is not None or not views \
-            or not all(
+    cache's device, layers that are not the layout's slot (an MLA latent split in two,
+    layers of different shapes: `LayerMap.uniform`), or `CUDA_LOAD` says torch."""
+    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not uniform or not views or not all(
             v.is_pinned() or v.device == keys[0].device for v in views):
         return None
     from kvstore import kernels
@@ -456,20 +351,18 @@ def _copies_done_on_return(device: torch.device) -> Iterator[None]:
 
 
 def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
-                   device: str | torch.device = "cpu", mla_split: int | None = None,
+                   device: str | torch.device, shapes: tuple[LayerShape, ...],
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's `[1, heads, capacity, head_dim]` K and V on `device` (an MLA layer's
-    latent and rotary key: `cache_dims`): the reserved buffers when they are there, idle and
-    large enough, else new ones (untouched pages cost nothing until filled)."""
-    cache_dims(layout, mla_split)  # validates the split
+    """Each layer's `[1, heads, capacity, dims]` K and V on `device` (`LayerShape`): the
+    reserved buffers when they are there, idle and large enough, else new ones (untouched
+    pages cost nothing until filled)."""
     device = torch.device(device)
     taken = None if buffers is None or buffers.device != device \
-        or buffers.mla_split != mla_split else buffers.take(capacity)
+        or buffers.shapes != shapes else buffers.take(capacity)
     if taken is not None:
         return taken
-    shape = (layout.kv_count, 1, layout.num_kv_heads, capacity, layout.head_dim)
-    return _key_value_views([torch.empty(shape, dtype=layout.torch_dtype, device=device)
-                             for _ in range(layout.num_layers)], mla_split)
+    return carve(torch.empty(cache_elements(shapes, capacity), dtype=layout.torch_dtype,
+                             device=device), shapes, capacity)
 
 
 def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
@@ -647,6 +540,19 @@ def with_own_windows(cache: Any, windows: list[int | None] | None) -> Any:
     return cache
 
 
+def with_readers(cache: Any, readers: int) -> Any:
+    """`cache` followed by `readers` layers that hold nothing (transformers' `DummyLayer`), as
+    the model's own cache has for its last layers when they read earlier layers' K/V (a
+    cache that has them already, or a transformers without them, is left as it is)."""
+    try:
+        from transformers.cache_utils import DummyLayer
+    except ImportError:  # an older transformers: its caches have no such layers
+        return cache
+    if readers and all(getattr(layer, "keys", None) is not None for layer in cache.layers):
+        cache.layers.extend(DummyLayer() for _ in range(readers))  # type: ignore[no-untyped-call]
+    return cache
+
+
 def _stored(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A cache layer's keys and values from the prompt's first token on: a loaded window's
     buffers (`_LoadedWindow.stored`), else its own."""
@@ -656,37 +562,47 @@ def _stored(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cache_mismatch(cache: Any, layout: KVLayout, tokens: int,
-                   mla_split: int | None = None) -> str | None:
-    """How a batch-1 `DynamicCache` differs from `layout` for its first `tokens` tokens (each
-    layer's K and V `[1, heads, >= tokens, dims]` of the layout's dtype, `cache_dims`), or
-    None."""
-    heads, key_dim, value_dim = cache_dims(layout, mla_split)
+                   shapes: tuple[LayerShape, ...] | None = None) -> str | None:
+    """How a batch-1 `DynamicCache` differs from `layout` for its first `tokens` tokens, or
+    None: each cached layer's K and V `[1, heads, >= tokens, dims]` (`shapes`, default the
+    layout's slot) of the layout's dtype; any layers after them cache nothing (a model's
+    layers that read earlier layers' K/V)."""
+    shapes = layer_map(layout, shapes).shapes
     layers = getattr(cache, "layers", None)
-    if layers is None or len(layers) != layout.num_layers:
+    if layers is None or len(layers) < len(shapes):
         return f"the cache has {len(layers) if layers is not None else 'no'} layers, the " \
-               f"layout {layout.num_layers}"
-    for i, layer in enumerate(layers):
-        for name, t, dim in zip(("keys", "values"), _stored(layer), (key_dim, value_dim),
-                                strict=True):
+               f"layout {len(shapes)}"
+    for i, layer in enumerate(layers[len(shapes) :], len(shapes)):
+        if getattr(layer, "keys", None) is not None:
+            return f"layer {i} caches K/V, past the layout's {len(shapes)} layers"
+    for i, (layer, shape) in enumerate(zip(layers, shapes, strict=False)):
+        for name, t, dim in zip(("keys", "values"), _stored(layer),
+                                (shape.key_dim, shape.value_dim), strict=True):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 \
-                    or t.shape[1] != heads or t.shape[2] < tokens or t.shape[3] != dim \
+                    or t.shape[1] != shape.heads or t.shape[2] < tokens or t.shape[3] != dim \
                     or t.dtype != layout.torch_dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                return f"layer {i}'s {name} are {got}, the layout wants (1, {heads}, " \
+                return f"layer {i}'s {name} are {got}, the layout wants (1, {shape.heads}, " \
                        f">= {tokens}, {dim}) {layout.torch_dtype}"
     return None
 
 
-def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
+def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any,
+                  shapes: tuple[LayerShape, ...] | None = None) -> int:
     """Publish the full blocks of `tokens` straight from a batch-1 `DynamicCache` into the
     daemon's memory (one copy; no `[layers, 2, n, heads, head_dim]` tensor in between).
-    An MLA layout's block holds each token's latent (the cache's keys) and rotary key (its
-    values) side by side. Returns the prompt tokens now cached."""
+    `shapes`: its layers' keys and values where they are not the layout's slot (an MLA
+    latent, layers of different shapes: `layer_shapes(config)`); a cache unlike them is
+    `InvalidArgumentError`. Returns the prompt tokens now cached."""
     layout = client.layout
     bt = layout.block_tokens
+    lmap = layer_map(layout, shapes)
+    problem = cache_mismatch(cache, layout, len(tokens) // bt * bt, lmap.shapes)
+    if problem:
+        raise InvalidArgumentError(f"the cache is not this layout's: {problem}")
     inference = torch.is_inference_mode_enabled()
-    kv = [_stored(layer) for layer in cache.layers]
-    split = kv[0][0].shape[-1] if layout.kv_kind == "mla" else None  # the latent's dims
+    kv = [_stored(layer) for layer in cache.layers[: len(lmap.shapes)]]
+    on = kv[0][0].device
 
     def produce(indices: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
         with torch.inference_mode(inference):
@@ -694,26 +610,24 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any) -> int:
                 if stop.is_set():  # [layers, 2, bt, heads, dim] each
                     return done  # the blocks written in full: only they are committed
                 span = slice(i * bt, (i + 1) * bt)
-                if kv[0][0].device.type != "cpu":
+                if on.type != "cpu":
                     # Laid out on the device, then one copy across for the whole block.
-                    staged = torch.empty(view.shape, dtype=view.dtype, device=kv[0][0].device)
-                    _write_block(staged, kv, span, split)
+                    staged = torch.empty(view.shape, dtype=view.dtype, device=on)
+                    _write_block(staged, kv, span, lmap)
                     view.copy_(staged)
                     continue
-                _write_block(view, kv, span, split)
+                _write_block(view, kv, span, lmap)
         return len(indices)
 
     return client.publish_with(tokens, produce)
 
 
 def _write_block(block: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], span: slice,
-                 mla_split: int | None) -> None:
+                 lmap: LayerMap) -> None:
     """Tokens `span` of each layer's cached keys and values (`[1, heads, tokens, dims]`) into
-    `block` (`[layers, kv, bt, heads, dim]`), laid out as stored (`_block_parts`)."""
+    `block` (`[layers, kv, bt, heads, dim]`), where it holds them (`LayerMap`)."""
     for layer, (k, v) in enumerate(kv):
-        key_part, value_part = _block_parts(block[layer], mla_split)
-        key_part.copy_(k[0, :, span])
-        value_part.copy_(v[0, :, span])
+        copy_to_block(block, lmap, layer, k, v, span)
 
 
 def describe_for_events(client: KVClient, tokens: torch.Tensor, engine_block_size: int,
@@ -777,16 +691,21 @@ class CachedPrefill:
         if expected != client.layout:
             raise ValueError(f"client layout {client.layout} does not match the model's "
                              f"KV cache {expected}")
-        # MLA: the latent's dims, the keys of transformers' cache (the rotary key: values).
-        self.mla_split = mla_latent_dims(text_config(model.config))
-        self.buffers = KVBuffers(client.layout, reserve_tokens, self.device, self.mla_split) \
+        # Each cached layer's keys and values (an MLA latent, Gemma 4's head dims per layer);
+        # the layers after them read earlier layers' K/V (Gemma 3n, Gemma 4 E2B/E4B).
+        config = text_config(model.config)
+        self.shapes = layer_shapes(config)
+        self.reader_layers = config.num_hidden_layers - len(self.shapes)
+        self.buffers = KVBuffers(client.layout, reserve_tokens, self.device, self.shapes) \
             if reserve_tokens else None
         # Map the daemon's arena now, as vLLM's connector does at engine start: its prefault
         # then runs between requests, not inside the first prefill after the first publish.
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
         client.prepare(pin=self.device.type == "cuda")
         self._mismatch_logged = False
-        self.windows = own_windows(model)  # sliding-window and chunked layers' windows
+        # The cached layers' windows (sliding-window and chunked layers).
+        windows = (own_windows(model) or [])[: len(self.shapes)]
+        self.windows = windows if any(windows) else None
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
@@ -818,7 +737,7 @@ class CachedPrefill:
             cache, loading = start_fetch_cache(self.client, tokens[: n - 1], blocks,
                                                room=1 + decode_tokens, buffers=self.buffers,
                                                device=self.device, windows=self.windows,
-                                               mla_split=self.mla_split)
+                                               shapes=self.shapes)
             out, cache = run_model(self.model, input_ids[:, cached:], cache,
                                    last_logits_only=True)
             got = loading.finish()
@@ -832,7 +751,7 @@ class CachedPrefill:
                 if got:
                     cached, cache = fetch_cache(self.client, tokens[: n - 1], blocks,
                                                 room=1 + decode_tokens, buffers=self.buffers,
-                                                device=self.device, mla_split=self.mla_split)
+                                                device=self.device, shapes=self.shapes)
         if out is None:
             if cache is None:
                 from transformers import DynamicCache
@@ -855,18 +774,21 @@ class CachedPrefill:
                                plan=plan)
         full = (n // self.client.layout.block_tokens) * self.client.layout.block_tokens
         if publish and full > cached and not self._unlike_layout(cache, full):
-            result.published_tokens = publish_cache(self.client, tokens[:full], cache)
+            result.published_tokens = publish_cache(self.client, tokens[:full], cache,
+                                                    self.shapes)
             if result.published_tokens:
                 describe_for_events(self.client, tokens[:full], self.event_block_size,
                                     self.event_hash_algo)
-        result.cache = with_own_windows(cache, self.windows)  # published: windows will do
+        # Published: windows will do, and the layers reading others' K/V hold none, as in
+        # the model's own cache.
+        result.cache = with_readers(with_own_windows(cache, self.windows), self.reader_layers)
         return result
 
     def _unlike_layout(self, cache: Any, tokens: int) -> bool:
         """Whether the forward's cache differs from the layout (a config that misdescribes its
         model): then nothing is published, and that is logged once. The result stands: its
         logits are the model's own."""
-        problem = cache_mismatch(cache, self.client.layout, tokens, self.mla_split)
+        problem = cache_mismatch(cache, self.client.layout, tokens, self.shapes)
         if problem and not self._mismatch_logged:
             self._mismatch_logged = True
             log.error("kvstore: not publishing this model's prompts: %s", problem)

@@ -5,6 +5,8 @@ cache kvstore cannot hold are refused when the engine is made, with the reason."
 from __future__ import annotations
 
 import logging
+import re
+import types
 from collections.abc import Callable
 
 import pytest
@@ -14,12 +16,16 @@ from kvstore import InvalidArgumentError
 from kvstore.client import KVClient
 from kvstore.client.integrations.hf import (
     CachedPrefill,
+    LayerShape,
+    layer_shapes,
     layout_for_model,
     own_windows,
     run_model,
     text_config,
+    unsupported_reason,
     with_own_windows,
 )
+from kvstore.client.integrations.hf_layers import cached_layers, layer_map
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.integration
@@ -63,6 +69,29 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
     "gemma4-one-head-dim": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
         head_dim=16, global_head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False,
         layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)), "sliding_window"),
+    # Gemma 4 as released: full layers of head dim 512 beside sliding ones of 256 (here 32 and
+    # 16); Gemma-4-31B's full layers also have fewer KV heads, and their keys are their values'
+    # projection (attention_k_eq_v); E2B/E4B's last layers read earlier layers' K/V.
+    "gemma4-head-dims-per-layer": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        head_dim=16, global_head_dim=32, sliding_window=WINDOW, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)), "sliding_window"),
+    "gemma4-31b-shaped": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        head_dim=16, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+        sliding_window=WINDOW, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        **{**COMMON, "num_hidden_layers": 6})), "sliding_window"),
+    "gemma4-e2b-shaped-kv-sharing": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        head_dim=16, global_head_dim=32, sliding_window=WINDOW, tie_word_embeddings=False,
+        num_kv_shared_layers=2, vocab_size_per_layer_input=512, hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        **{**COMMON, "num_hidden_layers": 6})), "sliding_window"),
+    "gemma3n-kv-sharing": (lambda: T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+        vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
+        hidden_size_per_layer_input=8, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3,
+        laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6,
+        max_position_embeddings=1024, initializer_range=0.3)), "sliding_window"),
     "llama4-chunked": (lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(
         head_dim=16, attention_chunk_size=WINDOW, num_local_experts=2,
         intermediate_size_mlp=128, **COMMON)), "attention_chunk_size"),
@@ -91,7 +120,7 @@ def kinds(cache) -> list[tuple[str, int]]:
     """Each layer of a cache: its class and the tokens it holds. (A loaded full-attention
     layer is a `DynamicLayer` that appends in place, `_RoomyLayer`.)"""
     return [("DynamicLayer" if type(layer).__name__ == "_RoomyLayer" else type(layer).__name__,
-             layer.keys.shape[-2]) for layer in cache.layers]
+             layer.keys.shape[-2] if layer.keys is not None else 0) for layer in cache.layers]
 
 
 @torch.inference_mode()
@@ -169,17 +198,6 @@ REFUSED: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
         num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
         attn_layer_offset=1, expert_layer_period=4, num_experts=2, use_mamba_kernels=False)),
         "layers of kind linear_attention"),
-    "gemma3n-kv-sharing": (lambda: T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
-        vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64,
-        hidden_size_per_layer_input=8, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3,
-        laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 6)),
-        "shares K/V between layers"),
-    "gemma4-head-dims-per-layer": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
-        head_dim=16, global_head_dim=32, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)),
-        r"K/V of different shapes \(KV heads x head dim: 2x16, 2x32\)"),
     "deepseek-v32-sparse-indexer": (lambda: T.DeepseekV32ForCausalLM(T.DeepseekV32Config(
         **{**MLA, "q_lora_rank": 16}, **MOE, index_n_heads=2, index_head_dim=16,
         index_topk=8)), "indexer"),
@@ -236,9 +254,9 @@ def test_window_layers_load_their_window_and_publish_what_follows(daemon, monkey
     copied: dict[int, set[int]] = {}
     real_copy = hf._copy_in
 
-    def counting(keys, values, layer, span, view, **kw):
+    def counting(keys, values, layer, span, *args, **kw):
         copied.setdefault(layer, set()).add(span.start // 32)
-        real_copy(keys, values, layer, span, view, **kw)
+        real_copy(keys, values, layer, span, *args, **kw)
 
     monkeypatch.setattr(hf, "_copy_in", counting)
     layout = layout_for_model(model, block_tokens=32, model_id=name)
@@ -302,23 +320,113 @@ def test_mla_loads_into_reserved_buffers_and_by_the_whole_block_path(daemon):
             == engine.buffers._memory.untyped_storage().data_ptr()  # the reserved memory
         assert (warm.logits - want).abs().max().item() == 0.0
         del warm, keys
-        cached, cache = fetch_cache(c, ids[0, :199], mla_split=32)
+        cached, cache = fetch_cache(c, ids[0, :199], shapes=layer_shapes(model.config))
         assert cached == 192
         out, _ = run_model(model, ids[:, 192:], cache, last_logits_only=True)
         assert (out.logits[0, -1].float() - want).abs().max().item() == 0.0
-        with pytest.raises(InvalidArgumentError, match="needs mla_split"):
+        with pytest.raises(InvalidArgumentError, match="needs the model's layer shapes"):
             fetch_cache(c, ids[0, :199])
 
 
-def test_cache_dims_say_what_an_mla_split_must_be():
-    from kvstore.client.integrations.hf import cache_dims
+def test_layer_shapes_that_do_not_fit_the_layout_are_refused():
     from kvstore.layout import KVLayout
 
     mla = KVLayout("m", 2, 1, 40, kv_kind="mla")
-    assert cache_dims(mla, 32) == (1, 32, 8)
-    assert cache_dims(KVLayout("m", 2, 4, 16)) == (4, 16, 16)
-    for bad in (None, 0, 40, 41):
-        with pytest.raises(InvalidArgumentError, match="between 1 and 39"):
-            cache_dims(mla, bad)
-    with pytest.raises(InvalidArgumentError, match="is for an MLA layout"):
-        cache_dims(KVLayout("m", 2, 4, 16), 8)
+    latent = LayerShape(1, 32, 8, latent=True)
+    assert layer_map(mla, (latent,) * 2).shapes == (latent,) * 2
+    assert layer_map(KVLayout("m", 2, 4, 16)).shapes == (LayerShape(4, 16, 16),) * 2
+    slot = KVLayout("m", 3, 4, 16)  # 64 values per token for K, and as many for V
+    assert layer_map(slot, (LayerShape(2, 64, 64), LayerShape(1, 64, 64))).pieces[0][1].slot \
+        == 1  # the first layer spans slots 0 and 1
+    for layout, bad, match in [
+            (mla, (latent,), "1 layers of these shapes fill 1 of the layout's layers, not its 2"),
+            (mla, (LayerShape(1, 30, 8, latent=True),) * 2, "does not fit"),
+            (mla, (LayerShape(1, 32, 8),) * 2, "separate K and V in a layout of kv_kind 'mla'"),
+            (slot, (LayerShape(1, 8, 8, latent=True),) * 3, "an MLA latent in a layout"),
+            (slot, (LayerShape(1, 48, 48),) * 3, "made of whole slots"),  # 48 of 64
+            (slot, (LayerShape(4, 16, 8),) * 3, "must be equal"),
+            (slot, (LayerShape(3, 64, 64),) * 3, "fill 9 of the layout's layers, not its 3")]:
+        with pytest.raises(InvalidArgumentError, match=re.escape(match)):
+            layer_map(layout, bad)
+    with pytest.raises(InvalidArgumentError, match="needs the model's layer shapes"):
+        layer_map(mla, None)
+
+
+@pytest.mark.parametrize(("shapes", "slot"), [
+    ((LayerShape(4, 16, 16), LayerShape(2, 64, 64)), (4, 16)),  # 2 slots of 1 head, 1 of 4
+    ((LayerShape(1, 64, 64), LayerShape(2, 16, 16)), (2, 16)),  # a head cut in 2; 1 of 2
+    # rows of 48 and 32: 16 divides both but would straddle two heads of 24; 8 cuts inside
+    ((LayerShape(2, 24, 24), LayerShape(1, 32, 32)), (1, 8)),
+])
+def test_layers_of_other_shapes_fill_whole_slots_and_come_back_exactly(shapes, slot):
+    """Layers of different shapes in one layout: each K (and V) row of a token is cut into
+    slots of the largest size that divides every layer's row between heads or inside a head,
+    so no value of a block is padding, and every value comes back where it was."""
+    from kvstore.client.integrations.hf_layers import copy_from_block, copy_to_block
+
+    model = types.SimpleNamespace(dtype=torch.float32, config=types.SimpleNamespace(
+        model_type="mixed", num_attention_heads=8, num_hidden_layers=len(shapes),
+        per_layer_config=[types.SimpleNamespace(num_attention_heads=8,
+                                                num_key_value_heads=s.heads,
+                                                head_dim=s.key_dim) for s in shapes]))
+    layout = layout_for_model(model, block_tokens=4)
+    assert (layout.num_kv_heads, layout.head_dim) == slot
+    size = slot[0] * slot[1]
+    assert layout.num_layers == sum(s.heads * s.key_dim for s in shapes) // size
+    lmap = layer_map(layout, layer_shapes(model.config))
+    gen = torch.Generator().manual_seed(0)
+    cache = [(torch.randn(1, s.heads, 6, s.key_dim, generator=gen),
+              torch.randn(1, s.heads, 6, s.value_dim, generator=gen)) for s in shapes]
+    block = torch.full(layout.block_shape, float("nan"))
+    for layer, (k, v) in enumerate(cache):
+        copy_to_block(block, lmap, layer, k, v, slice(1, 5))
+    assert not block.isnan().any()  # every value of the block is some layer's
+    for layer, (k, v) in enumerate(cache):  # a K row of a token: its slots' rows in order
+        held = block[lmap.slots(layer)].reshape(-1, 2, 4, size)
+        assert torch.equal(torch.cat(list(held[:, 0]), dim=-1),
+                           k[0, :, 1:5].transpose(0, 1).reshape(4, -1))
+        assert torch.equal(torch.cat(list(held[:, 1]), dim=-1),
+                           v[0, :, 1:5].transpose(0, 1).reshape(4, -1))
+        got_k, got_v = torch.zeros_like(k), torch.zeros_like(v)
+        copy_from_block(block, lmap, layer, got_k, got_v, slice(1, 5))
+        assert torch.equal(got_k[:, :, 1:5], k[:, :, 1:5])
+        assert torch.equal(got_v[:, :, 1:5], v[:, :, 1:5])
+        assert not got_k[:, :, [0, 5]].any()
+
+
+def test_sharing_anywhere_but_the_last_layers_is_refused():
+    """Layers that read K/V come after every layer that caches its own (transformers' own
+    models); a config saying otherwise is refused rather than stored misaligned."""
+    config = types.SimpleNamespace(model_type="odd", num_attention_heads=4,
+                                   num_hidden_layers=3, kv_sharing_modes=[None, "reuse", None])
+    assert "other than its last ones" in unsupported_reason(config)
+    config.kv_sharing_modes = [None, "store", "reuse"]
+    assert unsupported_reason(config) is None and cached_layers(config) == 2
+
+
+@torch.inference_mode()
+def test_a_model_of_two_head_dims_is_stored_without_padding(daemon):
+    """Gemma 4 E2B-shaped: sliding layers of 2 heads of 16, full ones of 2 of 32, the last two
+    layers reading earlier layers' K/V. The layout's slot is the small layers' row; a full
+    layer spans two slots (a head each); only the layers that cache K/V of their own are
+    stored, and the daemon holds their bytes exactly."""
+    model = build("gemma4-e2b-shaped-kv-sharing")
+    layout = layout_for_model(model, block_tokens=32, model_id="slots")
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (6, 2, 16)
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    with KVClient(daemon.target, layout) as c:
+        assert CachedPrefill(model, c).prefill(ids).published_tokens == 192
+        n, kv = c.fetch(ids[0, :192])  # [6 slots, 2, 192, 2, 16]
+    assert n == 192
+    own = run_model(model, ids, T.DynamicCache())[1]
+    assert len(own.layers) == 4  # the last two layers read the K/V of layers 2 and 3
+    slot = 0
+    for layer, cached in enumerate(own.layers):
+        heads, dim = cached.keys.shape[1], cached.keys.shape[-1]
+        assert (heads, dim) == (2, 16 if layer % 2 == 0 else 32)
+        span = 1 if dim == 16 else 2
+        for i, t in enumerate((cached.keys, cached.values)):
+            rows = torch.cat([kv[s, i].reshape(192, -1) for s in range(slot, slot + span)], -1)
+            assert torch.equal(rows, t[0, :, :192].transpose(0, 1).reshape(192, -1)), (layer, i)
+        slot += span
+    assert slot == 6

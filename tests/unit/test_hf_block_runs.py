@@ -8,7 +8,9 @@ import torch
 
 from kvstore import kernels
 from kvstore.client.integrations.hf import _copy_in, block_runs
+from kvstore.client.integrations.hf_layers import layer_map
 from kvstore.kernels import EngineKV
+from kvstore.layout import KVLayout
 
 LAYERS, BT, HEADS, DIM = 3, 8, 2, 4
 BLOCK = (LAYERS, 2, BT, HEADS, DIM)
@@ -50,7 +52,8 @@ def test_runs_scatter_what_the_per_block_copies_write():
     want_k, want_v = cache()
     for i, view in zip(indices, views, strict=True):
         for layer in range(LAYERS):
-            _copy_in(want_k, want_v, layer, slice(i * BT, (i + 1) * BT), view)
+            _copy_in(want_k, want_v, layer, slice(i * BT, (i + 1) * BT), view,
+                     layer_map(KVLayout("m", LAYERS, HEADS, DIM, block_tokens=BT)))
     for got, want in zip(keys + values, want_k + want_v, strict=True):
         assert torch.equal(got[..., : 6 * BT, :], want[..., : 6 * BT, :])
         assert got[..., 6 * BT :, :].isnan().all()  # past the blocks: untouched
