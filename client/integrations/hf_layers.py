@@ -13,10 +13,10 @@ values are and where they lie in its slot, for the three kinds of model that dif
   every layer's K row of a token (`heads * dims` values) and cuts it between heads or inside
   one, and a layer of k times that size spans k consecutive slots, each holding the next part
   of its K row and of its V row (`Piece`). Nothing is padded. (Padding every layer to the
-  largest one would leave 42% of a block zero with `Gemma4TextConfig()`'s defaults, 4 heads
-  of 256 beside 4 of 512 on one layer in six; one layout per shape would cost a lookup, a
-  lease and a fetch per shape for every prompt, and a prefix could stay cached in one and be
-  evicted from the other.)
+  largest one would leave 5/12 of a block zero with `Gemma4TextConfig()`'s defaults: 4 heads
+  of 256 on five layers in six, half of the 4 x 512 of the sixth. One layout per shape would
+  cost a lookup, a lease and a fetch per shape for every prompt, and a prefix could stay
+  cached in one and be evicted from the other.)
 - **K/V shared between layers** (Gemma 3n, Gemma 4 E2B/E4B): the last `num_kv_shared_layers`
   layers attend to earlier layers' K/V and cache nothing (transformers' `DummyLayer`); the
   layout holds the layers before them.

@@ -352,6 +352,19 @@ def test_layer_shapes_that_do_not_fit_the_layout_are_refused():
         layer_map(mla, None)
 
 
+def test_gemma4_defaults_span_two_slots_on_full_layers():
+    """`Gemma4TextConfig()` as transformers ships it (30 layers, 4 KV heads of 256 on the
+    sliding ones, of 512 on every sixth): a full layer spans two slots of 4 x 256, so the
+    layout has 35 layers and no padding, where padding each layer to the largest would
+    leave 5/12 of a block zero (hf_layers' docstring)."""
+    model = types.SimpleNamespace(dtype=torch.bfloat16, config=T.Gemma4TextConfig())
+    layout = layout_for_model(model, model_id="gemma4")
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (35, 4, 256)
+    shapes = layer_shapes(model.config)
+    padded = len(shapes) * max(s.heads * s.key_dim for s in shapes)
+    assert 1 - sum(s.heads * s.key_dim for s in shapes) / padded == pytest.approx(5 / 12)
+
+
 @pytest.mark.parametrize(("shapes", "slot"), [
     ((LayerShape(4, 16, 16), LayerShape(2, 64, 64)), (4, 16)),  # 2 slots of 1 head, 1 of 4
     ((LayerShape(1, 64, 64), LayerShape(2, 16, 16)), (2, 16)),  # a head cut in 2; 1 of 2
