@@ -53,10 +53,12 @@ from kvstore.planner import Plan, PrefillModel
 
 log = logging.getLogger("kvstore.hf")
 
-__all__ = [  # the model analysis lives in hf_layers; importable from here as before
-    "ATTENTION_LAYER_KINDS", "MLP_LAYER_KINDS", "CachedPrefill", "KVBuffers", "LayerShape",
-    "fetch_cache", "kv_shapes", "layer_shapes", "layout_for_model", "publish_cache",
-    "start_fetch_cache", "text_config", "unsupported_reason",
+__all__ = [  # with what hf_layers holds (a model's cache against blocks), importable from here
+    "ATTENTION_LAYER_KINDS", "CUDA_LOAD", "MLP_LAYER_KINDS", "CachedPrefill", "KVBuffers",
+    "LayerShape", "Loading", "PrefillResult", "block_runs", "cache_mismatch", "cache_to_kv",
+    "describe_for_events", "fetch_cache", "kv_shapes", "kv_to_cache", "layer_shapes",
+    "layout_for_model", "own_windows", "publish_cache", "roomy_cache", "run_model",
+    "start_fetch_cache", "text_config", "unsupported_reason", "with_own_windows", "with_readers",
 ]
 
 
@@ -351,11 +353,12 @@ def _copies_done_on_return(device: torch.device) -> Iterator[None]:
 
 
 def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
-                   device: str | torch.device, shapes: tuple[LayerShape, ...],
+                   device: str | torch.device, shapes: tuple[LayerShape, ...] | None = None,
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's `[1, heads, capacity, dims]` K and V on `device` (`LayerShape`): the
-    reserved buffers when they are there, idle and large enough, else new ones (untouched
-    pages cost nothing until filled)."""
+    """Each layer's `[1, heads, capacity, dims]` K and V on `device` (`LayerShape`; None:
+    the layout's slot): the reserved buffers when they are there, idle and large enough, else
+    new ones (untouched pages cost nothing until filled)."""
+    shapes = layer_map(layout, shapes).shapes
     device = torch.device(device)
     taken = None if buffers is None or buffers.device != device \
         or buffers.shapes != shapes else buffers.take(capacity)
