@@ -217,13 +217,23 @@ def test_models_whose_cache_kvstore_cannot_hold_are_refused(daemon, name):
         CachedPrefill(model, c)
 
 
-def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog):
-    """A config claiming 4 KV heads on a model built with 2 passes the layout check; its
-    caches do not match that layout, so nothing is published (logged once), and the prefill
-    still returns the model's own logits."""
-    model = build("qwen3")
-    model.config.num_key_value_heads = 4
-    layout = layout_for_model(model, block_tokens=32)
+@pytest.mark.parametrize(("name", "misdescribe", "reason"), [
+    ("qwen3", lambda m: setattr(m.config, "num_key_value_heads", 4),
+     "layer 0's keys are (1, 2, 200, 32) torch.float32, the layout wants (1, 4, >= 192, 32)"),
+    # A Gemma 4 whose config says its full layers have heads of 16 dims, not 32: the layout
+    # follows the config (every layer one slot of 2 x 16), the cache's layer 1 does not.
+    ("gemma4-head-dims-per-layer", lambda m: setattr(m, "config", MODELS["gemma4-one-head-dim"]
+                                                     [0]().config),
+     "layer 1's keys are (1, 2, 200, 32) torch.float32, the layout wants (1, 2, >= 192, 16)"),
+])
+def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog, name,
+                                                                 misdescribe, reason):
+    """A config claiming 4 KV heads on a model built with 2 (or heads of 16 dims on layers
+    built with 32) passes the layout check; its caches do not match that layout, so nothing
+    is published (logged once), and the prefill still returns the model's own logits."""
+    model = build(name)
+    misdescribe(model)
+    layout = layout_for_model(model, block_tokens=32, model_id=name)
     ids = torch.randint(0, 512, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         want = run_model(model, ids, last_logits_only=True)[0].logits[0, -1].float()
@@ -234,7 +244,7 @@ def test_a_config_that_misdescribes_its_cache_publishes_nothing(daemon, caplog):
     assert [r.published_tokens for r in results] == [0, 0]
     assert all((r.logits - want).abs().max().item() == 0.0 for r in results)
     logged = [r.getMessage() for r in caplog.records if "not publishing" in r.getMessage()]
-    assert len(logged) == 1 and "layer 0's keys are (1, 2, 200, 32)" in logged[0], logged
+    assert len(logged) == 1 and reason in logged[0], logged
 
 
 @pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-sliding-and-full"])
