@@ -695,7 +695,7 @@ class CachedPrefill:
             raise ValueError(f"client layout {client.layout} does not match the model's "
                              f"KV cache {expected}")
         # Each cached layer's keys and values (an MLA latent, Gemma 4's head dims per layer);
-        # the layers after them read earlier layers' K/V (Gemma 3n, Gemma 4 E2B/E4B).
+        # the layers after them read earlier layers' K/V (Gemma 3n, Gemma 4's num_kv_shared_layers).
         config = text_config(model.config)
         self.shapes = layer_shapes(config)
         self.reader_layers = config.num_hidden_layers - len(self.shapes)

@@ -17,7 +17,7 @@ values are and where they lie in its slot, for the three kinds of model that dif
   of 256 on five layers in six, half of the 4 x 512 of the sixth. One layout per shape would
   cost a lookup, a lease and a fetch per shape for every prompt, and a prefix could stay
   cached in one and be evicted from the other.)
-- **K/V shared between layers** (Gemma 3n, Gemma 4 E2B/E4B): the last `num_kv_shared_layers`
+- **K/V shared between layers** (Gemma 3n, Gemma 4 with `num_kv_shared_layers`): the last ones
   layers attend to earlier layers' K/V and cache nothing (transformers' `DummyLayer`); the
   layout holds the layers before them.
 """

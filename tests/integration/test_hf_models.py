@@ -69,18 +69,19 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str | None]] = {
     "gemma4-one-head-dim": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
         head_dim=16, global_head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False,
         layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)), "sliding_window"),
-    # Gemma 4 as released: full layers of head dim 512 beside sliding ones of 256 (here 32 and
-    # 16); Gemma-4-31B's full layers also have fewer KV heads, and their keys are their values'
-    # projection (attention_k_eq_v); E2B/E4B's last layers read earlier layers' K/V.
+    # Gemma 4: full layers of head dim 512 beside sliding ones of 256 by default (here 32 and
+    # 16); full layers may have their own number of KV heads and take their keys from the
+    # value projection (attention_k_eq_v), and the last layers may read earlier layers' K/V
+    # (num_kv_shared_layers).
     "gemma4-head-dims-per-layer": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
         head_dim=16, global_head_dim=32, sliding_window=WINDOW, tie_word_embeddings=False,
         layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)), "sliding_window"),
-    "gemma4-31b-shaped": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+    "gemma4-k-eq-v-fewer-full-heads": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
         head_dim=16, global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
         sliding_window=WINDOW, tie_word_embeddings=False,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
         **{**COMMON, "num_hidden_layers": 6})), "sliding_window"),
-    "gemma4-e2b-shaped-kv-sharing": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+    "gemma4-kv-sharing": (lambda: T.Gemma4ForCausalLM(T.Gemma4TextConfig(
         head_dim=16, global_head_dim=32, sliding_window=WINDOW, tie_word_embeddings=False,
         num_kv_shared_layers=2, vocab_size_per_layer_input=512, hidden_size_per_layer_input=8,
         layer_types=["sliding_attention", "full_attention"] * 3,
@@ -429,11 +430,11 @@ def test_sharing_anywhere_but_the_last_layers_is_refused():
 
 @torch.inference_mode()
 def test_a_model_of_two_head_dims_is_stored_without_padding(daemon):
-    """Gemma 4 E2B-shaped: sliding layers of 2 heads of 16, full ones of 2 of 32, the last two
+    """Gemma 4 with K/V shared: sliding layers of 2 heads of 16, full ones of 2 of 32, the last two
     layers reading earlier layers' K/V. The layout's slot is the small layers' row; a full
     layer spans two slots (a head each); only the layers that cache K/V of their own are
     stored, and the daemon holds their bytes exactly."""
-    model = build("gemma4-e2b-shaped-kv-sharing")
+    model = build("gemma4-kv-sharing")
     layout = layout_for_model(model, block_tokens=32, model_id="slots")
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (6, 2, 16)
     ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
