@@ -3,8 +3,16 @@
 Starts `kvstore-server` under .data/demo, builds a random-weight Llama with Llama-3-8B's KV
 shape locally, and prefills one prompt three times through transformers + kvstore:
 cold (computed, then published), warm from the host tier, and warm from the disk tier after
-a daemon restart. Checks that the logits are identical each time, prints a table and writes
-benchmarks/results/demo.json and demo.png.
+a daemon restart. Checks that each warm run's logits are identical to the model's own
+computation over the same split (the K/V of the prompt's cached tokens as the cold pass
+computed them, then the rest: what a correct cache gives, bit for bit), prints a table and
+writes benchmarks/results/demo.json and demo.png.
+
+The warm runs are compared with the cold run too, and that difference is reported, not
+checked: computing the last 32 tokens over a cache and the whole prompt at once are two
+orders of float operations, equal on some CPUs and not on others (on an AVX-512 Xeon,
+2026-11-27: 0.0175 on logits up to 18.5, the same greedy token; without kvstore, the model's
+own split differs from its full pass by exactly as much).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, barh, llama_8b_kv_shaped, table, write_results
 from kvstore.client import KVClient
-from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.client.integrations.hf import CachedPrefill, layout_for_model, run_model
 from kvstore.server.process import DaemonProcess
 
 
@@ -76,12 +84,18 @@ def main() -> None:
         raise SystemExit(f"the daemon at {target} did not answer")
 
     base = runs[0][1]
+    cached = runs[1][1].cached_tokens
+    own = own_split_logits(model, base.cache, prompt, cached) if cached else None
     rows = []
     for label, r in runs:
+        split = base.logits if r is base else own
         rows.append({"run": label, "cached tokens": r.cached_tokens,
                      "computed tokens": r.computed_tokens, "TTFT s": r.ttft_s,
                      "speed-up": base.ttft_s / r.ttft_s,
-                     "max |logit diff|": float((r.logits - base.logits).abs().max())})
+                     "max |logit diff| vs own split": float((r.logits - split).abs().max())
+                     if split is not None else float("nan"),
+                     "max |logit diff| vs cold": float((r.logits - base.logits).abs().max()),
+                     "same next token as cold": bool(r.logits.argmax() == base.logits.argmax())})
     kv_mb = layout.bytes_per_token * runs[1][1].cached_tokens / 2**20
     print(f"\nprompt {args.tokens} tokens, KV {layout.bytes_per_token // 1024} KiB/token "
           f"({kv_mb:.0f} MiB cached); model {args.layers} layers, random weights\n")
@@ -90,13 +104,26 @@ def main() -> None:
     print(f"\ndisk tier: {disk.blocks if disk else 0} blocks; integrity failures "
           f"{stats.integrity_failures}")
     for r in rows[1:]:
-        if r["max |logit diff|"] != 0.0:
-            raise SystemExit(f"logits differ with the cache: {r}")
-    print("logits with the cache are identical to recomputation.")
+        if r["cached tokens"] != cached or r["max |logit diff| vs own split"] != 0.0:
+            raise SystemExit(f"the cache changed the model's output: {r}")
+    print(f"logits with the cache are identical to the model's own computation over the same "
+          f"split; against the cold full prefill they differ by at most "
+          f"{max(r['max |logit diff| vs cold'] for r in rows):.2g} (float order: see "
+          f"benchmarks/demo.py).")
     path = write_results("demo", {"tokens": args.tokens, "layers": args.layers,
                                   "kv_bytes_per_token": layout.bytes_per_token, "runs": rows})
     _plot(rows, RESULTS / "demo.png")
     print(f"results: {path} and {RESULTS / 'demo.png'}")
+
+
+def own_split_logits(model: torch.nn.Module, cold_cache: object, prompt: torch.Tensor,
+                     cached: int) -> torch.Tensor:
+    """Without kvstore: the cold pass's K/V of the prompt's first `cached` tokens (the bytes
+    it published), then the model's forward over the rest; what a warm run must give."""
+    cold_cache.crop(cached - prompt.shape[1])  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        out, _ = run_model(model, prompt[:, cached:], cold_cache, last_logits_only=True)
+    return out.logits[0, -1].float()
 
 
 def _plot(rows: list[dict], path: Path) -> None:
