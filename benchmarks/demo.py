@@ -110,10 +110,12 @@ def main() -> None:
           f"split; against the cold full prefill they differ by at most "
           f"{max(r['max |logit diff| vs cold'] for r in rows):.2g} (float order: see "
           f"benchmarks/demo.py).")
-    path = write_results("demo", {"tokens": args.tokens, "layers": args.layers,
-                                  "kv_bytes_per_token": layout.bytes_per_token, "runs": rows})
-    _plot(rows, RESULTS / "demo.png")
-    print(f"results: {path} and {RESULTS / 'demo.png'}")
+    # Another length gets its own files: the README quotes the default's.
+    name = "demo" if args.tokens == p.get_default("tokens") else f"demo_{args.tokens}"
+    path = write_results(name, {"tokens": args.tokens, "layers": args.layers,
+                                "kv_bytes_per_token": layout.bytes_per_token, "runs": rows})
+    _plot(rows, RESULTS / f"{name}.png")
+    print(f"results: {path} and {RESULTS / f'{name}.png'}")
 
 
 def own_split_logits(model: torch.nn.Module, cold_cache: object, prompt: torch.Tensor,
