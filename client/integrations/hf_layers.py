@@ -3,7 +3,8 @@
 A `KVLayout` stores every layer of a block alike, `[kv, block_tokens, num_kv_heads, head_dim]`:
 a layer's slot. transformers caches each layer as keys and values `[batch, heads, tokens,
 dims]`, of the slot's shape in most models. A layer's `LayerShape` says what its keys and
-values are and where they lie in its slot, for the three kinds of model that differ:
+values are, and a `LayerMap` where they lie in a block, for the three kinds of model that
+differ:
 
 - **MLA** (DeepSeek V2/V3, Kimi K2, MiniCPM3): transformers caches the compressed latent as
   keys and the rotary key as values, one "head" each. The slot holds them side by side in one
@@ -17,9 +18,9 @@ values are and where they lie in its slot, for the three kinds of model that dif
   of 256 on five layers in six, half of the 4 x 512 of the sixth. One layout per shape would
   cost a lookup, a lease and a fetch per shape for every prompt, and a prefix could stay
   cached in one and be evicted from the other.)
-- **K/V shared between layers** (Gemma 3n, Gemma 4 with `num_kv_shared_layers`): the last ones
-  layers attend to earlier layers' K/V and cache nothing (transformers' `DummyLayer`); the
-  layout holds the layers before them.
+- **K/V shared between layers** (Gemma 3n, Gemma 4 with `num_kv_shared_layers`): the last
+  `num_kv_shared_layers` layers attend to earlier layers' K/V and cache nothing
+  (transformers' `DummyLayer`); the layout holds the layers before them.
 """
 
 from __future__ import annotations
