@@ -602,7 +602,9 @@ def publish_cache(client: KVClient, tokens: torch.Tensor, cache: Any,
     lmap = layer_map(layout, shapes)
     problem = cache_mismatch(cache, layout, len(tokens) // bt * bt, lmap.shapes)
     if problem:
-        raise InvalidArgumentError(f"the cache is not this layout's: {problem}")
+        hint = "" if shapes is not None else "; a model whose layers are not the layout's " \
+            "slot (an MLA latent, layers of other shapes) needs shapes=layer_shapes(config)"
+        raise InvalidArgumentError(f"the cache is not this layout's: {problem}{hint}")
     inference = torch.is_inference_mode_enabled()
     kv = [_stored(layer) for layer in cache.layers[: len(lmap.shapes)]]
     on = kv[0][0].device

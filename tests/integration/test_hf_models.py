@@ -454,3 +454,25 @@ def test_a_model_of_two_head_dims_is_stored_without_padding(daemon):
             assert torch.equal(rows, t[0, :, :192].transpose(0, 1).reshape(192, -1)), (layer, i)
         slot += span
     assert slot == 6
+
+
+@torch.inference_mode()
+def test_publishing_a_cache_unlike_the_layout_is_refused_by_name(daemon):
+    """`publish_cache` called directly with another model's cache (or the wrong shapes) is an
+    `InvalidArgumentError` naming the layer that differs; nothing is stored."""
+    from kvstore.client.integrations.hf import publish_cache
+
+    model = build("gemma4-head-dims-per-layer")
+    ids = torch.randint(0, 500, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    cache = run_model(model, ids, T.DynamicCache())[1]
+    layout = layout_for_model(model, block_tokens=32, model_id="refused-publish")
+    with KVClient(daemon.target, layout) as c:
+        # No shapes: every layer taken as the 2 x 16 slot, 6 of them.
+        with pytest.raises(InvalidArgumentError, match=r"the cache has 4 layers, the layout "
+                           r"6; .* needs shapes=layer_shapes\(config\)"):
+            publish_cache(c, ids[0], cache)
+        with pytest.raises(InvalidArgumentError, match=r"layer 0's keys are \(1, 2, 200, 16\)"):
+            publish_cache(c, ids[0], cache, layer_shapes(model.config)[::-1])  # misordered
+        assert c.lookup(ids[0]) == 0
+        assert publish_cache(c, ids[0], cache, layer_shapes(model.config)) == 192
+        assert c.lookup(ids[0]) == 192
