@@ -184,11 +184,16 @@ class Piece:
 class LayerMap:
     """Where each cached layer's keys and values lie in a block of a layout: its `shapes`,
     and per layer the `pieces` of consecutive slots that hold it (one where the layer is the
-    slot's shape). `uniform`: every layer is the slot (what the copy kernels move)."""
+    slot's shape). `whole[l]`: layer l is its slot's `[kv, bt, heads, dim]` as it is (copied
+    without cutting it); `uniform`: every layer is (what the copy kernels move)."""
 
     shapes: tuple[LayerShape, ...]
     pieces: tuple[tuple[Piece, ...], ...]
-    uniform: bool
+    whole: tuple[bool, ...]
+
+    @property
+    def uniform(self) -> bool:
+        return all(self.whole)
 
     def slots(self, layer: int) -> slice:
         """The layout's layers holding cache layer `layer`."""
@@ -238,9 +243,8 @@ def layer_map(layout: KVLayout, shapes: tuple[LayerShape, ...] | None = None) ->
     if at != layout.num_layers:
         raise InvalidArgumentError(f"{len(shapes)} layers of these shapes fill {at} of the "
                                    f"layout's layers, not its {layout.num_layers}")
-    uniform = layout.kv_kind == "kv" and all(
-        s == LayerShape(layout.num_kv_heads, layout.head_dim, layout.head_dim) for s in shapes)
-    return LayerMap(shapes, tuple(pieces), uniform)
+    slot = LayerShape(layout.num_kv_heads, layout.head_dim, layout.head_dim)
+    return LayerMap(shapes, tuple(pieces), tuple(s == slot for s in shapes))
 
 
 def _piece_views(block: torch.Tensor, lmap: LayerMap, layer: int, first_slot: int,
@@ -268,6 +272,11 @@ def copy_from_block(block: torch.Tensor, lmap: LayerMap, layer: int, keys: torch
                     values: torch.Tensor, span: slice, first_slot: int = 0) -> None:
     """Cache layer `layer`'s K/V in one stored block (`[slots, kv, bt, heads, dim]`, from
     slot `first_slot` on) into its keys and values `[1, heads, tokens, dims]` at `span`."""
+    if lmap.whole[layer]:  # most models' every layer: two transposing copies, no cutting
+        held = block[lmap.pieces[layer][0].slot - first_slot]
+        keys[0, :, span].copy_(held[0].transpose(0, 1))
+        values[0, :, span].copy_(held[1].transpose(0, 1))
+        return
     for k, v, heads, key_dims, value_dims in _piece_views(block, lmap, layer, first_slot):
         keys[0, heads, span, key_dims].copy_(k)
         values[0, heads, span, value_dims].copy_(v)
@@ -277,6 +286,11 @@ def copy_to_block(block: torch.Tensor, lmap: LayerMap, layer: int, keys: torch.T
                   values: torch.Tensor, span: slice) -> None:
     """Cache layer `layer`'s keys and values `[1, heads, tokens, dims]` at `span` into its
     place in a block `[slots, kv, bt, heads, dim]`."""
+    if lmap.whole[layer]:
+        held = block[lmap.pieces[layer][0].slot]
+        held[0].copy_(keys[0, :, span].transpose(0, 1))
+        held[1].copy_(values[0, :, span].transpose(0, 1))
+        return
     for k, v, heads, key_dims, value_dims in _piece_views(block, lmap, layer, 0):
         k.copy_(keys[0, heads, span, key_dims])
         v.copy_(values[0, heads, span, value_dims])
