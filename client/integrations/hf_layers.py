@@ -299,6 +299,8 @@ def copy_to_block(block: torch.Tensor, lmap: LayerMap, layer: int, keys: torch.T
 def cache_elements(shapes: tuple[LayerShape, ...], tokens: int) -> int:
     """Values in the keys and values of `tokens` tokens of every layer."""
     return tokens * sum(s.heads * (s.key_dim + s.value_dim) for s in shapes)
+
+
 def carve(memory: torch.Tensor, shapes: tuple[LayerShape, ...], tokens: int,
           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each layer's keys and values `[1, heads, tokens, dims]` as views of the 1-D `memory`
