@@ -96,7 +96,10 @@ block). Loads are asynchronous (`get_num_new_matched_tokens` returns True): a gr
 short fails the request's load (`failed_recving`) and vLLM recomputes it, as vLLM takes no
 per-block load error with several groups. Saves are synchronous, in every step that completes
 prompt blocks: vLLM frees a sliding-window group's blocks behind the window while the request
-runs, so a background copy could read reused pages. docs/ENGINES.md, "Hybrid models".
+runs, so a background copy could read reused pages. Groups whose pages differ in bytes per
+token (Gemma 4: full-attention heads of 512 beside sliding ones of 256) get different block
+sizes from vLLM, which makes their pages equal: a kvstore block then spans whole blocks of every
+group (the least common multiple of their sizes). docs/ENGINES.md, "Hybrid models".
 
 Tensor parallel (docs/ENGINES.md, "Tensor parallel"): each worker loads and saves its own
 rank's shard of the heads, under layouts naming the degree and rank (`MODEL#tp=2:rank=1`; at
@@ -120,8 +123,7 @@ other's blocks; each rank moves the heads its cache holds through head slices of
 (`KVShard`, `PagedCache.head_slice`). Off by default: two degrees' K/V differ in the last bits.
 
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
-other state groups, chunked local attention, static sink attention, groups of different block
-sizes, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
+other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
 hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs
 or prompt embeddings bypass the store); hybrid models publish no KV events, and a block
 stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is described by its first.
@@ -131,6 +133,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import queue
 import re
 import threading
@@ -335,6 +338,9 @@ class KVGroup:
     empty)."""
     stage: int = 0
     """The pipeline-parallel stage whose layers `layout` holds (0 at PP=1)."""
+    block_size: int = 16
+    """vLLM's block size for this group: the tokens of one of its block ids (groups may
+    differ; the layout's `block_tokens` is a multiple of every group's)."""
 
     def shards_of(self, rank: int, stage: int = 0) -> list[KVShard]:
         """The shards the worker of tensor-parallel `rank` in pipeline `stage` holds (loads)."""
@@ -393,11 +399,14 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ConnectorConfigError("quantized KV caches are not supported (their scales are not "
                                    "part of a kvstore block): use kv_cache_dtype='auto'")
-    vllm_block = vllm_config.cache_config.block_size
-    block_tokens = cfg.block_tokens or vllm_block
-    if block_tokens < vllm_block or block_tokens % vllm_block:
+    # vLLM gives groups whose pages differ in bytes block sizes that make them equal (Gemma
+    # 4: full-attention layers of head dim 512 beside sliding ones of 256). A kvstore block
+    # spans whole blocks of every group: the least common multiple of their sizes.
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    block_tokens = cfg.block_tokens or math.lcm(*sizes)
+    if any(block_tokens % size for size in sizes):
         raise ConnectorConfigError(f"kvstore.block_tokens={block_tokens} must be a multiple of "
-                                   f"vLLM's block size {vllm_block}")
+                                   f"vLLM's block size of every KV-cache group {sizes}")
     model_config = vllm_config.model_config
     model = cfg.model or model_config.model
     hybrid = len(kv_cache_config.kv_cache_groups) > 1
@@ -409,10 +418,13 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     out: list[KVGroup] = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if spec.block_size != vllm_block:
-            raise ConnectorConfigError(f"KV-cache group {index} has block size "
-                                       f"{spec.block_size}, vLLM's is {vllm_block}: groups of "
-                                       f"different block sizes are not supported")
+        if getattr(spec, "page_size_padded", None) is not None:
+            # vLLM pads a page it cannot size by block size alone: rows then sit at a
+            # stride the paged-cache views do not model.
+            raise ConnectorConfigError(f"KV-cache group {index}'s pages are padded to "
+                                       f"{spec.page_size_padded} bytes (vLLM could not make "
+                                       f"every group's page the same size by block size): "
+                                       f"not supported")
         mla = type(spec) is MLAAttentionSpec
         window: int | None = None
         if mla:
@@ -488,7 +500,8 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
             elif pp > 1:
                 shards.append(KVShard(len(shards), mine[s], (0,), 0, s))
         first = 0 if mla else firsts[rank]
-        out.append(KVGroup(index, mine[stage], names, window, rank, first, tuple(shards), stage))
+        out.append(KVGroup(index, mine[stage], names, window, rank, first, tuple(shards), stage,
+                           spec.block_size))
     return out
 
 
@@ -1113,7 +1126,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             first = start
             if g.sliding_window is not None:
                 live = next((i for i, b in enumerate(ids) if b != _NULL_BLOCK), len(ids))
-                first = max(start, live * self._block_size)
+                first = max(start, live * g.block_size)
             for shard, keys in enumerate(state.shard_keys[g.index]):  # its ranks load each
                 meta.loads.append(LoadSpec(req_id, keys.prefix(-(-end // bt)),
                                            state.salt, state.lora, list(ids), first,
@@ -1207,7 +1220,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # group's own layers (vLLM may back layers of two groups with one tensor: a
             # group's block ids index its own layers' views of it).
             names = sorted(kv_caches if not self._hybrid else g.layer_names, key=_layer_index)
-            caches.append(self._group_cache(g.layout, names, [kv_caches[n] for n in names]))
+            caches.append(self._group_cache(g, names, [kv_caches[n] for n in names]))
         if any(c.engine is None for c in caches):
             native_copy()  # build (or load) the C copy routine now, not in the first request
         self._side_cpus = side_cpus()
@@ -1240,9 +1253,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 sorted(kv_caches, key=_layer_index))}
             self._layerwise = ThreadPoolExecutor(1, thread_name_prefix="kvstore-layerwise")
 
-    def _group_cache(self, lay: KVLayout, names: list[str], tensors: list[torch.Tensor],
+    def _group_cache(self, group: KVGroup, names: list[str], tensors: list[torch.Tensor],
                      ) -> PagedCache:
         """The paged cache of one KV-cache group's layers, checked against its layout."""
+        lay = group.layout
         first = tensors[0]
         layers = self._vllm_config.compilation_config.static_forward_context
         if lay.kv_kind == "mla":
@@ -1265,9 +1279,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if got != want:
             raise ConnectorConfigError(f"KV cache (layers, heads, head_dim, dtype) {got} does "
                                        f"not match the layout {want}")
-        if self._block_size % cache.page_size:
+        if group.block_size % cache.page_size:
             raise ConnectorConfigError(f"cache page size {cache.page_size} does not divide "
-                                       f"vLLM's block size {self._block_size}")
+                                       f"vLLM's block size {group.block_size} of KV-cache "
+                                       f"group {group.index}")
         return cache
 
     def _kernels_cache(self, names: list[str], tensors: list[torch.Tensor],
@@ -1397,8 +1412,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed_reqs.add(spec.req_id)
                 # Only the blocks from the first token not loaded: vLLM keeps the prefix that
                 # arrived and recomputes from there.
-                first = loaded // self._block_size
-                last = -(-spec.end // self._block_size)
+                size = self._groups[spec.group].block_size
+                first, last = loaded // size, -(-spec.end // size)
                 self._load_errors.update(spec.block_ids[first:last])
                 log.warning("kvstore: request %s loaded %d of %d claimed tokens in %.1f ms "
                             "(tokens [%d, %d)); vLLM recomputes the rest", spec.req_id,
@@ -1554,6 +1569,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         cache = self._shard_caches[spec.group, spec.shard]
         lay = self._shard(spec).layout
         bt, ps = lay.block_tokens, cache.page_size
+        vllm_block = self._groups[spec.group].block_size  # the tokens of one block id
         bytes_per_page = lay.bytes_per_token * ps
         guard = _CopyGuard()
         every = list(range(spec.start // bt, -(-spec.end // bt)))  # the blocks to load
@@ -1569,7 +1585,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 # fall inside a page (the prompt's last token is vLLM's to compute).
                 lo, hi = max(b * bt, spec.start), min((b + 1) * bt, spec.end)
                 if lo < hi:
-                    pages = token_pages(spec.block_ids, self._block_size, ps, lo,
+                    pages = token_pages(spec.block_ids, vllm_block, ps, lo,
                                         -(-hi // ps) * ps)
                     items.append((view, lo - b * bt, pages, hi - lo))
                     owners.append(i)
@@ -1604,7 +1620,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             guard.close()  # no copy into vLLM's pages after this
         # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
         # keep what arrived, whole vLLM blocks only, and report the rest.
-        end = spec.end if n >= spec.end else n // self._block_size * self._block_size
+        end = spec.end if n >= spec.end else n // vllm_block * vllm_block
         log.debug("kvstore: request %s fetched tokens [%d, %d) in %.1f ms", spec.req_id,
                   spec.start, max(end, spec.start), (time.perf_counter() - began) * 1e3)
         return max(end, spec.start)
@@ -1662,10 +1678,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # those are never copied (a block the daemon lacks there makes the save stop short,
         # committing nothing of that round: a later miss, never wrong bytes).
         live = [b != _NULL_BLOCK for b in spec.block_ids]
-        pages = token_pages(spec.block_ids, self._block_size, cache.page_size, 0,
-                            spec.keys.num_tokens)
+        size = self._groups[spec.group].block_size
+        pages = token_pages(spec.block_ids, size, cache.page_size, 0, spec.keys.num_tokens)
         per_block = lay.block_tokens // cache.page_size
-        vllm_per_block = lay.block_tokens // self._block_size
+        vllm_per_block = lay.block_tokens // size
         bytes_per_page = lay.bytes_per_token * cache.page_size
         guard = _CopyGuard()
 

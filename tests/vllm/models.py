@@ -14,6 +14,9 @@ each with the tokenizer `vllm_runner.make_model` trains.
   With vLLM's hybrid KV-cache manager (on for the CPU build; the kvstore connector implements
   `SupportsHMA`, so a connector no longer turns it off) its layers form two KV-cache groups,
   sliding window and full attention, with one block table each.
+- `make_gemma4_model`: Gemma-4-shaped: full-attention layers of twice the sliding ones' head
+  dim, so vLLM gives the two groups different block sizes (it doubles the sliding group's to
+  make their pages equal), and the last two layers reading earlier layers' K/V.
 """
 
 from __future__ import annotations
@@ -82,5 +85,36 @@ def make_hybrid_model(path: Path, *, window: int = HYBRID_WINDOW,
         tie_word_embeddings=False, initializer_range=0.1)
     torch.manual_seed(0)
     Gemma3ForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+GEMMA4_SLIDING_HEAD_DIM = 64
+GEMMA4_FULL_HEAD_DIM = 128  # twice: vLLM gives the sliding group twice the block size
+
+
+def make_gemma4_model(path: Path, *, window: int = HYBRID_WINDOW,
+                      positions: int = 2048) -> Path:
+    """A random-weight Gemma-4-shaped text model in float32 with varied greedy outputs: 6
+    layers alternating sliding window and full attention, 2 KV heads of 64 on sliding layers
+    and of 128 on full ones (Gemma 4's own: 256 and 512), the last 2 layers sharing the K/V
+    of the last earlier layer of their kind (`num_kv_shared_layers`: no cache of their own)."""
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    llama = make_model(path.with_name(path.name + "-tokenizer"), layers=1)
+    tok = AutoTokenizer.from_pretrained(llama)
+    cfg = Gemma4TextConfig(
+        vocab_size=tok.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=GEMMA4_SLIDING_HEAD_DIM,
+        global_head_dim=GEMMA4_FULL_HEAD_DIM, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=tok.vocab_size, hidden_size_per_layer_input=8,
+        max_position_embeddings=positions, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 3, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2,
+        # Untied and wider than 0.02, as make_hybrid_model's: varied greedy tokens.
+        tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(cfg).float().save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
