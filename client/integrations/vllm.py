@@ -123,9 +123,10 @@ other's blocks; each rank moves the heads its cache holds through head slices of
 (`KVShard`, `PagedCache.head_slice`). Off by default: two degrees' K/V differ in the last bits.
 
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
-other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA, DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches),
-hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs
-or prompt embeddings bypass the store); hybrid models publish no KV events, and a block
+other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA,
+DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches), hybrid models at pipeline
+parallel size 1 only, text prompts (requests with multimodal inputs or prompt embeddings bypass
+the store); hybrid models publish no KV events, and a block
 stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is described by its first.
 """
 
