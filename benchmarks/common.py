@@ -47,6 +47,8 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
