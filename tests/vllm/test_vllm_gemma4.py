@@ -87,9 +87,9 @@ def two_groups(sizes: tuple[int, int]) -> Any:
 
 def test_block_spans_every_groups_blocks() -> None:
     """No engine: groups of block sizes 64 and 32 get one kvstore block size, their least
-    common multiple (or `kvstore.block_tokens` where it is a multiple of both), and each group
-    keeps its own vLLM block size; a block size that is not a multiple of every group's, or a
-    padded page, is refused by name."""
+    common multiple (or `kvstore.block_tokens` where it is a multiple of both), at TP=2 too,
+    and each group keeps its own vLLM block size; a block size that is not a multiple of
+    every group's, or a padded page, is refused by name."""
     import dataclasses
 
     from kvstore.client.integrations.vllm import (
@@ -103,6 +103,10 @@ def test_block_spans_every_groups_blocks() -> None:
         assert [g.layout.block_tokens for g in groups] == [want, want], sizes
         assert [g.block_size for g in groups] == list(sizes)
         assert [g.sliding_window for g in groups] == [HYBRID_WINDOW, None]
+    for rank in range(2):  # TP=2: every rank's shards of both groups, in 64-token blocks
+        groups = groups_for_vllm(fake_config(2), two_groups((64, 32)), ConnectorConfig(), rank)
+        assert {s.layout.block_tokens for g in groups for s in g.all_shards} == {64}
+        assert [len(g.all_shards) for g in groups] == [2, 2]
     wide = ConnectorConfig(block_tokens=128)
     assert {g.layout.block_tokens
             for g in groups_for_vllm(fake_config(1), two_groups((64, 32)), wide)} == {128}
