@@ -39,9 +39,9 @@ from tests.vllm.test_vllm_connector import (
     assert_prefix_cache_bit_identical,
     assert_same_generation,
     hit_blocks,
-    require_varied_output,
     small_daemon,
 )
+from tests.vllm.test_vllm_hybrid import publish_cold
 from tests.vllm.test_vllm_tp import fake_config
 from tests.vllm.vllm_runner import corpus_ids
 
@@ -135,20 +135,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def cold(model_dir: Path, daemon: DaemonProcess,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """One engine computes every prompt cold (publishing both groups' blocks), then exits."""
-    log = tmp_path_factory.mktemp("vllm-gemma4-log") / "cold.log"
-    engine = Engine(model_dir, daemon.target, log=log)
-    try:
-        runs = {name: engine.generate([corpus_ids(model_dir, seed, n)])
-                for name, (seed, n) in PROMPTS.items()}
-    finally:
-        engine.close()
-    text = log.read_text()
-    # vLLM gave the groups different block sizes, and kept its hybrid manager on.
+    runs, text = publish_cold(
+        model_dir, daemon, tmp_path_factory.mktemp("vllm-gemma4-log") / "cold.log",
+        {name: corpus_ids(model_dir, seed, n) for name, (seed, n) in PROMPTS.items()})
+    # vLLM gave the groups different block sizes.
     assert f"kv cache group sizes ({SLIDING_BLOCK}, {BLOCK})" in text, text[-3000:]
-    assert "Turning off hybrid kv cache manager" not in text
-    for run in runs.values():
-        assert run["cached"] == [0]
-        require_varied_output(run)
     return runs
 
 

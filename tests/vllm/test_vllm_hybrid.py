@@ -80,25 +80,33 @@ def cold(model_dir: Path, daemon: DaemonProcess,
          tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """One engine computes every prompt cold (publishing both groups' blocks), then exits."""
     log = tmp_path_factory.mktemp("vllm-hybrid-log") / "cold.log"
+    requests: dict[str, Any] = {name: corpus_ids(model_dir, seed, n)
+                                for name, (seed, n) in PROMPTS.items()}
+    for salt, (_, seed) in MISSING.items():
+        requests[salt] = {"prompt_token_ids": corpus_ids(model_dir, seed, PARTIAL),
+                          "cache_salt": salt}
+    runs, text = publish_cold(model_dir, daemon, log, requests)
+    assert "sliding_window=64" in text and "layers=1,3:full" in text, text[-3000:]
+    return runs
+
+
+def publish_cold(model_dir: Path, daemon: DaemonProcess, log: Path,
+                 requests: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str]:
+    """One engine computes each request (a prompt's token ids, or vLLM's prompt dict) cold,
+    publishing every group's blocks, then exits: its runs (none cached anything, each with
+    varied output) and its log. vLLM must have kept its hybrid KV-cache manager on (it turns
+    it off, with a warning, for a connector that does not implement SupportsHMA)."""
     engine = Engine(model_dir, daemon.target, log=log)
     try:
-        runs = {name: engine.generate([corpus_ids(model_dir, seed, n)])
-                for name, (seed, n) in PROMPTS.items()}
-        for salt, (_, seed) in MISSING.items():
-            runs[salt] = engine.generate([{"prompt_token_ids": corpus_ids(model_dir, seed,
-                                                                          PARTIAL),
-                                           "cache_salt": salt}])
+        runs = {name: engine.generate([request]) for name, request in requests.items()}
     finally:
         engine.close()
     text = log.read_text()
-    # vLLM kept its hybrid manager on with this connector (it turns it off, with this warning,
-    # for a connector that does not implement SupportsHMA).
     assert "Turning off hybrid kv cache manager" not in text
-    assert "sliding_window=64" in text and "layers=1,3:full" in text, text[-3000:]
     for run in runs.values():
         assert run["cached"] == [0]
         require_varied_output(run)
-    return runs
+    return runs, text
 
 
 @pytest.fixture(scope="module")
