@@ -806,7 +806,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # reports it loaded): hybrid models' (carried out in the step), and with `async_load`
         # every model's (carried out in a background thread while the engine runs others).
         self._async_load = self._hybrid or self._cfg.async_load
-        self._block_size = vllm_config.cache_config.block_size
+        # The tokens of one of vLLM's request hashes (`request.block_hashes`), which KV events
+        # carry (one-group models only: its block size); groups' own: `KVGroup.block_size`.
+        self._hash_block_size = vllm_config.cache_config.block_size
         self._clients: dict[tuple[str, str, int, int], KVClient] = {}
         # one client per (salt, LoRA) namespace, KV-cache group and shard; salts are few
         self._max_clients = _MAX_CLIENTS * sum(len(g.all_shards) for g in self._groups)
@@ -1028,7 +1030,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # keys only, which stage 0's TP rank 0 saves: one event per block, not per shard; a
         # router takes the first shard for the block (docs/ENGINES.md, "KV events").
         if self._saves and state.save_end > state.hit_end and not self._hybrid:
-            describe_request(self._client(*ns, 0, 0), request, state.keys[0], self._block_size)
+            describe_request(self._client(*ns, 0, 0), request, state.keys[0],
+                             self._hash_block_size)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(

@@ -154,8 +154,8 @@ class SlowLayerKVStoreConnector(KVStoreConnector):
         for spec in self._metadata().loads:
             cache = self._shard_caches[spec.group, spec.shard]
             ps = cache.page_size
-            pages = token_pages(spec.block_ids, self._block_size, ps, spec.start,
-                                spec.end // ps * ps)
+            pages = token_pages(spec.block_ids, self._groups[spec.group].block_size, ps,
+                                spec.start, spec.end // ps * ps)
             for layer in cache.layers:
                 layer[pages] = float("nan")
         super().start_load_kv(forward_context, **kwargs)

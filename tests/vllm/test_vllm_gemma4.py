@@ -41,7 +41,7 @@ from tests.vllm.test_vllm_connector import (
     hit_blocks,
     small_daemon,
 )
-from tests.vllm.test_vllm_hybrid import publish_cold
+from tests.vllm.test_vllm_hybrid import group_layouts, publish_cold
 from tests.vllm.test_vllm_tp import fake_config
 from tests.vllm.vllm_runner import corpus_ids
 
@@ -53,22 +53,6 @@ WHOLE = 8 * BLOCK  # 256 tokens, whole blocks: loads all but the last token
 PROMPTS = {"partial": (61, PARTIAL), "whole": (62, WHOLE)}  # name: (corpus seed, tokens)
 
 
-def group_layouts(model: Path) -> list[Any]:
-    """The layouts the connector derives for the model's two groups (the shared layers 4 and
-    5 have no cache of their own), built by hand: the tests find the engine's blocks with
-    them."""
-    import torch
-
-    from kvstore.layout import KVLayout
-
-    def layout(tag: str, head_dim: int) -> KVLayout:
-        return KVLayout(model=f"{model}#kv-group:{tag}", num_layers=2, num_kv_heads=2,
-                        head_dim=head_dim, dtype=torch.float32, block_tokens=KV_BLOCK)
-
-    return [layout(f"layers=0,2:sliding_window={HYBRID_WINDOW}", GEMMA4_SLIDING_HEAD_DIM),
-            layout("layers=1,3:full", GEMMA4_FULL_HEAD_DIM)]
-
-
 def two_groups(sizes: tuple[int, int]) -> Any:
     """A `KVCacheConfig` of a sliding and a full-attention group of these block sizes."""
     from types import SimpleNamespace
@@ -76,10 +60,11 @@ def two_groups(sizes: tuple[int, int]) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    sliding = SlidingWindowSpec(block_size=sizes[0], num_kv_heads=2, head_size=64,
-                                dtype=torch.float32, sliding_window=HYBRID_WINDOW)
-    full = FullAttentionSpec(block_size=sizes[1], num_kv_heads=2, head_size=128,
-                             dtype=torch.float32)
+    sliding = SlidingWindowSpec(block_size=sizes[0], num_kv_heads=2,
+                                head_size=GEMMA4_SLIDING_HEAD_DIM, dtype=torch.float32,
+                                sliding_window=HYBRID_WINDOW)
+    full = FullAttentionSpec(block_size=sizes[1], num_kv_heads=2,
+                             head_size=GEMMA4_FULL_HEAD_DIM, dtype=torch.float32)
     return SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=sliding, layer_names=["m.layers.0.a", "m.layers.2.a"]),
         SimpleNamespace(kv_cache_spec=full, layer_names=["m.layers.1.a", "m.layers.3.a"])])
@@ -161,7 +146,9 @@ def test_groups_stored_in_blocks_of_the_common_size(cold: dict[str, dict[str, An
     from kvstore.client import KVClient
 
     ids = corpus_ids(model_dir, *PROMPTS["partial"])
-    for layout in group_layouts(model_dir):
+    # The shared layers 4 and 5 have no cache of their own: two layers per group.
+    for layout in group_layouts(model_dir, (GEMMA4_SLIDING_HEAD_DIM, GEMMA4_FULL_HEAD_DIM),
+                                KV_BLOCK):
         with KVClient(daemon.target, layout) as client:
             assert client.lookup(ids) == PARTIAL // KV_BLOCK * KV_BLOCK, layout
 

@@ -51,18 +51,22 @@ MISSING = {"sliding-missing": (0, 53), "full-missing": (1, 54)}
 WINDOW_BLOCKS = -(-(HYBRID_WINDOW - 1) // BLOCK)
 
 
-def group_layouts(model: Path) -> list[Any]:
-    """The layouts the connector derives for the model's two groups (`groups_for_vllm`),
-    built by hand: the tests find the engine's blocks with them."""
+def group_layouts(model: Path, head_dims: tuple[int, int] = (64, 64),
+                  block_tokens: int = BLOCK) -> list[Any]:
+    """The layouts the connector derives (`groups_for_vllm`) for a model whose layers 0 and 2
+    form the sliding-window group and 1 and 3 the full-attention one, 2 KV heads each of
+    `head_dims` (sliding, full), built by hand: the tests find the engine's blocks with
+    them."""
     import torch
 
     from kvstore.layout import KVLayout
 
-    def layout(tag: str) -> KVLayout:
+    def layout(tag: str, head_dim: int) -> KVLayout:
         return KVLayout(model=f"{model}#kv-group:{tag}", num_layers=2, num_kv_heads=2,
-                        head_dim=64, dtype=torch.float32, block_tokens=BLOCK)
+                        head_dim=head_dim, dtype=torch.float32, block_tokens=block_tokens)
 
-    return [layout(f"layers=0,2:sliding_window={HYBRID_WINDOW}"), layout("layers=1,3:full")]
+    return [layout(f"layers=0,2:sliding_window={HYBRID_WINDOW}", head_dims[0]),
+            layout("layers=1,3:full", head_dims[1])]
 
 
 @pytest.fixture(scope="module")
