@@ -4,7 +4,10 @@ from the host tier, each against its physical floor, logits compared. Warm loads
 both ways a CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's
 copies, `warm_torch_copy_s`). `hbm_best_s` is what a daemon-held HBM slab could give at best:
 the prefix already in device memory, scattered into the cache by the kernel, then the suffix
-(no lookup, lease or IPC counted).
+(no lookup, lease or IPC counted). `warm_gpu_tier_s` is the real thing: a second daemon
+with a gpu level in device memory (`--gpu-bytes`, `--gpu-device cuda`), whose slab the client
+maps through CUDA IPC; the prefix is lifted into that level by a first warm prefill, then
+served from it device to device (its hits are counted to prove it).
 
     python -m benchmarks.gpu_ttft --lengths 8192,16384,32768      # on the GPU machine
 
@@ -22,6 +25,7 @@ argmax. `--device cpu --layers 2 --hidden 256` runs it small on a CPU (a smoke t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +38,7 @@ from benchmarks.common import require, table, write_results
 from kvstore.client import KVClient
 from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import CachedPrefill, layout_for_model
+from kvstore.config import parse_size
 from kvstore.server.process import DaemonProcess
 
 
@@ -131,6 +136,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--host-bytes", default="16GiB")
     p.add_argument("--data-dir", default="/tmp/kvstore-gpu-ttft")
+    p.add_argument("--gpu-tier-bytes", default="6GiB",
+                   help="the gpu level of the second daemon (warm_gpu_tier_s); 0: not run")
     p.add_argument("--out", default="gpu_ttft", help="results name (benchmarks/results)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -146,20 +153,37 @@ def main() -> None:
     daemon = DaemonProcess(Path(args.data_dir), "--host-bytes", args.host_bytes,
                            "--disk-bytes", "0")
     daemon.start()
+    with_gpu = parse_size(args.gpu_tier_bytes) > 0
+    gpu_daemon = DaemonProcess(Path(args.data_dir) / "gpu-level", "--gpu-bytes",
+                               args.gpu_tier_bytes, "--gpu-device", args.device,
+                               "--host-bytes", args.host_bytes, "--disk-bytes", "0",
+                               "--eviction-policy", "lru") if with_gpu else None
     rows: list[dict[str, Any]] = []
     try:
-        with KVClient(daemon.target, layout, deadline_s=120) as client:
+        if gpu_daemon is not None:
+            gpu_daemon.start()
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(KVClient(daemon.target, layout, deadline_s=120))
             engine = CachedPrefill(model, client)
+            gpu_engine = None
+            if gpu_daemon is not None:
+                gpu_engine = CachedPrefill(model, stack.enter_context(
+                    KVClient(gpu_daemon.target, layout, deadline_s=120)))
             gen = torch.Generator().manual_seed(1)
             warm_up = torch.randint(0, 128256, (1, 512), generator=gen).to(device)
             timed(lambda: model(input_ids=warm_up), device)  # kernels loaded, allocator warm
             for n in tqdm(lengths, desc="lengths"):
                 rows.append(one_length(model, engine, client, n, args, rates, gen))
+                if gpu_engine is not None:
+                    rows[-1].update(gpu_level(gpu_engine, n, args, gen))
                 print(table([rows[-1]], list(rows[-1])), flush=True)
     finally:
         daemon.stop()
+        if gpu_daemon is not None:
+            gpu_daemon.stop()
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
                "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s", "hbm_best_s",
+               "warm_gpu_tier_s", "gpu_tier_hits_per_prefill", "gpu_tier_same_split",
                "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
                "argmax_equal"]
     print(table(rows, columns))
@@ -242,6 +266,48 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
                                         for x in warm_logits.values()),
             "argmax_equal": all(bool(x.argmax() == ref_logits.argmax())
                                 for x in warm_logits.values())}
+
+
+def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
+              gen: torch.Generator) -> dict[str, Any]:
+    """Warm prefills served from the daemon's gpu level, mapped by CUDA IPC: publish (cold),
+    one warm prefill from host (which lifts the prefix into gpu), wait for the lift, then
+    `repeats` timed warm prefills, their gpu hits counted. The logits are compared with the
+    model's own split, bit for bit."""
+    device = torch.device(args.device)
+    client = engine.client
+    client.clear()
+    prompt = torch.randint(0, 128256, (1, n + args.suffix), generator=gen).to(device)
+    require(engine.prefill(prompt).published_tokens >= n, f"{n}: gpu daemon publish")
+    require(engine.prefill(prompt, publish=False).cached_tokens == n, f"{n}: from host")
+    blocks = n // client.layout.block_tokens
+
+    def gpu_stats() -> Any:
+        reply = client.stats()
+        require(reply is not None, "the gpu daemon answered no Stats")
+        return next(t for t in reply.tiers if t.name == "gpu")
+
+    deadline = time.monotonic() + 60
+    while gpu_stats().blocks < blocks and time.monotonic() < deadline:
+        time.sleep(0.05)  # the lift runs after the fetch answered
+    lifted = gpu_stats().blocks
+    require(lifted >= blocks, f"{n}: {lifted} of {blocks} blocks lifted into the gpu level")
+    require(client._aio._slab is not None, f"{n}: the client does not map the gpu slab")
+    hits = gpu_stats().hits
+    times, logits = [], None
+    for _ in range(args.repeats):
+        r = engine.prefill(prompt, publish=False)
+        require(r.cached_tokens == n, f"{n}: gpu-level prefill loaded {r.cached_tokens}")
+        times.append(r.ttft_s)
+        logits = r.logits
+    served = gpu_stats().hits - hits
+    cache = hf.run_model(engine.model, prompt[:, :n], last_logits_only=True)[1]
+    own = hf.run_model(engine.model, prompt[:, n:], cache, last_logits_only=True)[0]
+    return {"warm_gpu_tier_s": statistics.median(times),
+            "gpu_tier_hits_per_prefill": served / args.repeats,
+            "gpu_tier_same_split": bool(logits is not None and torch.equal(
+                logits, own.logits[0, -1].float())),
+            "gpu_slab_on": str(client._aio._slab.tensor.device)}
 
 
 if __name__ == "__main__":

@@ -568,7 +568,7 @@ class TieredStore:
         """Pin a host hit, pin a gpu hit in the slab (`slab_ok`) or copy it into scratch space,
         or take host room for a disk hit, from the level the placement engine names; None ends
         the prefix."""
-        level = self.placement.source(key)
+        level = self.placement.source(key, fastest=slab_ok)  # a slab client: gpu first
         if level is None:
             return None
         tier = self.tiers[level]
@@ -638,6 +638,8 @@ class TieredStore:
         rest = (len(room.prior) - len(room.held)) * size
         local = True  # every key is in a local tier
         for key in room.keys:
+            if room.slab_ok and self.gpu is not None and self.gpu.contains(key):
+                continue  # read where it lies in the slab (`_stage`): no host space, no pin
             if host.contains(key):
                 room.held.append(host.prepare_load(key))
                 continue
@@ -646,8 +648,6 @@ class TieredStore:
             if src is None or src.layout_digest != room.layout_digest:
                 local = False
                 break
-            if room.slab_ok and level is not None and self.tiers[level] is self.gpu:
-                continue  # read where it lies (`_stage`): it takes no host space
             rest += size
         room.share = PromptShare.size(
             host.capacity_bytes, self.fetch_window_bytes, size,

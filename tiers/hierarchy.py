@@ -10,7 +10,8 @@ is where clients meet the store (`serve`: host in the daemon): they write new bl
 read every fetched block from there. The rules:
 - **Lookup** walks a prompt's keys through the levels and stops at the first key no level
   holds: a prefix with a hole is useless past the hole. A key is read from the serve level
-  when it holds it (no copy), else from the fastest level holding it (`source`).
+  when it holds it (no copy), else from the fastest level holding it (`source`); a client
+  that maps the gpu level's slab reads it from the fastest level holding it, gpu first.
 - **Room** at a level is made from its eviction policy's victims (`kvstore.tiering`). A victim
   moves to the level below unless that level holds it already (a promoted block stays on
   disk, a block copied up to gpu stays in host), and is dropped from the last level; room
@@ -97,10 +98,12 @@ class Hierarchy:
                 return i
         return None
 
-    def source(self, key: bytes) -> int | None:
+    def source(self, key: bytes, fastest: bool = False) -> int | None:
         """The level a fetch reads `key` from: the serve level if it holds it, else the first
-        level holding it; None when none does."""
-        for level in self._search:
+        level holding it; None when none does. `fastest`: the first level holding it, the
+        serve level or not (a client that maps the gpu level's slab reads a block there,
+        device to device, rather than from host across the bus)."""
+        for level in self.levels if fastest else self._search:
             if level.contains(key):
                 return self._index[id(level)]
         return None

@@ -196,9 +196,10 @@ def namespace(layout) -> bytes:
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factory, device):
     """A same-node client maps the gpu slab (CUDA IPC; on the CPU a shared file, the same
-    protocol): a block only gpu holds is served to it where it lies, pinned by its lease,
-    byte-identical, with no host scratch space taken and nothing pushed down for it. A client
-    that does not ask (or a streamed fetch) still gets it through host."""
+    protocol): every block gpu holds is served to it where it lies (a block host holds too
+    as well: device to device beats across the bus), pinned by its lease, byte-identical,
+    with no host scratch space taken and nothing pushed down for it. A client that does not
+    ask (or a streamed fetch) still gets host's copy, or a gpu-only block through host."""
     d = daemon_factory(*chain_args(device=device), "--lease-timeout-s", "2").start()
     t1, t2 = prompt(1), prompt(2)
     kv1, kv2 = random_kv(P1, len(t1), 0), random_kv(P2, len(t2), 1)
@@ -221,15 +222,15 @@ def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factor
                            for b, v in zip(blocks, views, strict=True)]))
 
         assert c1.fetch_with(t1, consume) == len(t1)
-        # P1's head from host, its tail from the slab (pinned while the lease lasts): no
-        # scratch space, so P2 keeps its host blocks.
+        # All of P1 from the slab, its head too (host holds it as well), pinned while the
+        # lease lasts: no scratch space, so P2 keeps its host blocks.
         slab = "cuda" if device == "cuda" else "cpu"
-        assert calls == [([0, 1, 2, 3], before, 2, ["cpu", "cpu", slab, slab], [True] * 4)]
+        assert calls == [([0, 1, 2, 3], before, 4, [slab] * 4, [True] * 4)]
         n, got = c1.fetch(t1)  # `fetch` (into a new tensor) reads the slab too
         assert n == len(t1) and same_bytes(got, kv1)
         r = wait_quiescent(d.target, 2.0)
         assert placement(d.target) == before
-        assert [tier(r, "gpu").hits, tier(r, "gpu").bytes_read] == [4, 0]  # zero-copy
+        assert [tier(r, "gpu").hits, tier(r, "gpu").bytes_read] == [8, 0]  # zero-copy
 
         # The raw protocol: a client that does not ask gets the tail through host scratch
         # space; a streamed fetch never gets slab offsets; an SHM fetch that asks does, with
@@ -243,10 +244,9 @@ def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factor
         streamed = slab_fetch(d.target, P1, t1, transfer=pb.TRANSFER_STREAM, slab_ok=True)
         assert [b.in_slab for b in streamed.blocks] == [False] * 4
         asked = slab_fetch(d.target, P1, t1, transfer=pb.TRANSFER_SHM, slab_ok=True)
-        assert [(b.tier, b.in_slab) for b in asked.blocks] == [
-            ("host", False), ("host", False), ("gpu", True), ("gpu", True)]
+        assert [(b.tier, b.in_slab) for b in asked.blocks] == [("gpu", True)] * 4
         assert asked.slab_id == info_slab.id
-        assert tier(stats(d.target), "gpu").pinned_blocks == 2
+        assert tier(stats(d.target), "gpu").pinned_blocks == 4
         r = wait_quiescent(d.target, 10.0)  # both SHM leases expire (2 s): every pin back
         assert r.expired_leases == 2 and tier(r, "gpu").pinned_blocks == 0
         watch.check()
@@ -266,7 +266,7 @@ def test_a_client_mapping_the_slab_reads_gpu_blocks_where_they_lie(daemon_factor
         n, got = c1.fetch(t1)
         assert n == len(t1) and same_bytes(got, kv1)
         assert c1._aio._slab_id not in ("", old)
-        assert tier(stats(d.target), "gpu").hits == 2
+        assert tier(stats(d.target), "gpu").hits == 4
     assert d.stop() == 0
     assert "Traceback" not in d.log.read_text()
 

@@ -191,6 +191,8 @@ def test_gpu_level_is_read_through_host_and_its_victims_go_down_to_host() -> Non
     # the fastest level holding it (gpu before disk).
     assert h.walk([key(i) for i in (0, 1, 5, 2, 9)]) == ["host", "host", "gpu", "host"]
     assert (h.source(key(1)), h.source(key(5)), h.source(key(9))) == (1, 0, None)
+    # A client that maps gpu's slab reads from the fastest level holding a key, gpu first.
+    assert [h.source(key(i), fastest=True) for i in (0, 1, 5, 2, 9)] == [1, 0, 0, 1, None]
     # gpu victims go to host unless host holds them.
     assert h.room(0, 2 * B).moves == [Move(key(1), 0, None), Move(key(5), 0, 1)]
     # A block entering a full gpu pushes its victim down, which pushes host's down to disk.
