@@ -292,7 +292,8 @@ def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
         time.sleep(0.05)  # the lift runs after the fetch answered
     lifted = gpu_stats().blocks
     require(lifted >= blocks, f"{n}: {lifted} of {blocks} blocks lifted into the gpu level")
-    require(client._aio._slab is not None, f"{n}: the client does not map the gpu slab")
+    slab = client._aio._slab
+    require(slab is not None, f"{n}: the client does not map the gpu slab")
     hits = gpu_stats().hits
     times, logits = [], None
     for _ in range(args.repeats):
@@ -307,7 +308,7 @@ def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
             "gpu_tier_hits_per_prefill": served / args.repeats,
             "gpu_tier_same_split": bool(logits is not None and torch.equal(
                 logits, own.logits[0, -1].float())),
-            "gpu_slab_on": str(client._aio._slab.tensor.device)}
+            "gpu_slab_on": str(slab.tensor.device) if slab is not None else ""}
 
 
 if __name__ == "__main__":
