@@ -26,8 +26,10 @@ def random_kv(layout: KVLayout, n_tokens: int, seed: int = 0) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (NaN patterns included), of tensors on any device (a slab's are CUDA)."""
     return a.shape == b.shape and a.dtype == b.dtype and bytes(
-        a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy())
+        a.contiguous().cpu().view(torch.uint8).numpy()) == bytes(
+        b.contiguous().cpu().view(torch.uint8).numpy())
 
 
 @pytest.fixture
