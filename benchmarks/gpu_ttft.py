@@ -183,7 +183,8 @@ def main() -> None:
             gpu_daemon.stop()
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
                "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s", "hbm_best_s",
-               "warm_gpu_tier_s", "gpu_tier_hits_per_prefill", "gpu_tier_same_split",
+               "warm_gpu_tier_s", "fetch_gpu_tier_s", "gpu_tier_hits_per_prefill",
+               "gpu_tier_same_split",
                "speedup", "suffix_s", "kv_gib", "bitwise_same_split", "max_abs_vs_recompute",
                "argmax_equal"]
     print(table(rows, columns))
@@ -302,9 +303,13 @@ def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
         times.append(r.ttft_s)
         logits = r.logits
     served = gpu_stats().hits - hits
+    ids = prompt[0, : n + args.suffix - 1].cpu()  # the fetch alone, as `fetch_s` for host
+    fetch_s = statistics.median(
+        timed(lambda: hf.fetch_cache(client, ids, blocks, device=device), device)[0]
+        for _ in range(args.repeats))
     cache = hf.run_model(engine.model, prompt[:, :n], last_logits_only=True)[1]
     own = hf.run_model(engine.model, prompt[:, n:], cache, last_logits_only=True)[0]
-    return {"warm_gpu_tier_s": statistics.median(times),
+    return {"warm_gpu_tier_s": statistics.median(times), "fetch_gpu_tier_s": fetch_s,
             "gpu_tier_hits_per_prefill": served / args.repeats,
             "gpu_tier_same_split": bool(logits is not None and torch.equal(
                 logits, own.logits[0, -1].float())),

@@ -1,0 +1,32 @@
+"""`benchmarks.gpu_ttft` run small on the CPU (`--device cpu`), so the benchmark a rare GPU
+session runs does not rot between them: both daemons (host tier; gpu level with its slab as a
+shared file), every warm path, and the checks it reports (logits bit for bit the model's own
+split, the prefix served from the gpu level)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common, gpu_ttft
+
+pytestmark = pytest.mark.integration
+
+
+def test_gpu_ttft_runs_small_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", [
+        "gpu_ttft", "--device", "cpu", "--layers", "2", "--hidden", "256", "--lengths", "512",
+        "--repeats", "1", "--host-bytes", "256MiB", "--gpu-tier-bytes", "64MiB",
+        "--data-dir", str(tmp_path / "data"), "--out", "smoke"])
+    gpu_ttft.main()
+    (row,) = json.loads((tmp_path / "results" / "smoke.json").read_text())["rows"]
+    assert row["prefix_tokens"] == 512
+    assert row["bitwise_same_split"] and row["hbm_bitwise_same_split"]
+    assert row["gpu_tier_same_split"]
+    assert row["gpu_tier_hits_per_prefill"] == 512 / 256  # every block from the gpu level
+    assert row["gpu_slab_on"] == "cpu"
+    assert 0 < row["warm_gpu_tier_s"] and 0 < row["fetch_gpu_tier_s"]
