@@ -29,4 +29,4 @@ def test_gpu_ttft_runs_small_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     assert row["gpu_tier_same_split"]
     assert row["gpu_tier_hits_per_prefill"] == 512 / 256  # every block from the gpu level
     assert row["gpu_slab_on"] == "cpu"
-    assert 0 < row["warm_gpu_tier_s"] and 0 < row["fetch_gpu_tier_s"]
+    assert row["warm_gpu_tier_s"] > 0 and row["fetch_gpu_tier_s"] > 0
