@@ -1,13 +1,15 @@
-"""TTFT on a GPU through the transformers integration (issue 19, step 4): a random-weight
-model with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm
-from the host tier, each against its physical floor, logits compared. Warm loads are timed
-both ways a CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's
-copies, `warm_torch_copy_s`). `hbm_best_s` is what a daemon-held HBM slab could give at best:
-the prefix already in device memory, scattered into the cache by the kernel, then the suffix
-(no lookup, lease or IPC counted). `warm_gpu_tier_s` is the real thing: a second daemon
-with a gpu level in device memory (`--gpu-bytes`, `--gpu-device cuda`), whose slab the client
-maps through CUDA IPC; the prefix is lifted into that level by a first warm prefill, then
-served from it device to device (its hits are counted to prove it).
+"""TTFT on a GPU through the transformers integration (issue 19, step 4): a random-weight model
+with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm from the
+host tier, each against its physical floor, logits compared. Warm loads are timed both ways a
+CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's copies,
+`warm_torch_copy_s`; the kernel in 4 or 8 groups of layers on a side stream, beside the
+forward, `warm_groups4_s` and `warm_groups8_s`: `hf.CUDA_LOAD_GROUPS`). `hbm_best_s` is what a
+daemon-held HBM slab could give at best: the prefix already in device memory, scattered into
+the cache by the kernel, then the suffix (no lookup, lease or IPC counted). `warm_gpu_tier_s`
+is the real thing: a second daemon with a gpu level in device memory (`--gpu-bytes`,
+`--gpu-device cuda`), whose slab the client maps through CUDA IPC; the prefix is lifted into that
+level by a first warm prefill, then served from it device to device (its hits are counted to
+prove it).
 
     python -m benchmarks.gpu_ttft --lengths 8192,16384,32768      # on the GPU machine
 
@@ -181,7 +183,8 @@ def main() -> None:
         daemon.stop()
         if gpu_daemon is not None:
             gpu_daemon.stop()
-    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s", "floor_s",
+    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s",
+               "warm_groups4_s", "warm_groups8_s", "floor_s",
                "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s", "hbm_best_s",
                "warm_gpu_tier_s", "fetch_gpu_tier_s", "gpu_tier_hits_per_prefill",
                "gpu_tier_same_split",
@@ -211,8 +214,11 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
     require(cold.published_tokens >= n, f"{n}: published {cold.published_tokens} of {n}")
     del cold
     warm_s, warm_logits = {}, {}
-    for mode in ("kernel", "torch"):  # hf.CUDA_LOAD: how the load copies into the cache
-        hf.CUDA_LOAD = mode  # type: ignore[assignment]
+    # hf.CUDA_LOAD: how the load copies into the cache; "groupsN": the kernel in N groups of
+    # layers on a side stream, beside the forward (hf.CUDA_LOAD_GROUPS).
+    for mode in ("kernel", "torch", "groups4", "groups8"):
+        hf.CUDA_LOAD = "torch" if mode == "torch" else "kernel"
+        hf.CUDA_LOAD_GROUPS = int(mode[6:]) if mode.startswith("groups") else 1
         times = []
         for _ in range(args.repeats):
             r = engine.prefill(prompt, publish=False)
@@ -221,7 +227,7 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
             warm_logits[mode] = r.logits
             del r
         warm_s[mode] = statistics.median(times)
-    hf.CUDA_LOAD = "kernel"
+    hf.CUDA_LOAD, hf.CUDA_LOAD_GROUPS = "kernel", 1
     # Where a warm prefill's time goes: the lookup (hashing and one call), then the fetch
     # alone into a CUDA cache (the copy kernel), each the median of `repeats`.
     ids = prompt[0, : n + args.suffix - 1].cpu()
@@ -256,6 +262,7 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
     best = min(warm_s.values())
     return {"prefix_tokens": n, "recompute_s": recompute_s,
             "warm_host_s": warm_s[hf.CUDA_LOAD], "warm_torch_copy_s": warm_s["torch"],
+            "warm_groups4_s": warm_s["groups4"], "warm_groups8_s": warm_s["groups8"],
             "floor_s": floor("pinned"), "warm_over_floor": warm_s[hf.CUDA_LOAD] / floor("pinned"),
             "floor_pageable_s": floor("pageable"),
             "speedup": recompute_s / warm_s[hf.CUDA_LOAD], "best_warm_s": best,

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +194,24 @@ def fetch_cache(client: KVClient, tokens: torch.Tensor,
     return end, roomy_cache(keys, values, end)
 
 
+class Gate(threading.Event):
+    """Set once a layer's loaded K/V are in place, or queued on a CUDA stream: then `after`
+    is the CUDA event the forward's stream must wait for before it reads them (`pass_gate`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after: Any = None  # a torch.cuda.Event, recorded after the layer's copy
+
+
+def pass_gate(gate: Gate | threading.Event, device: torch.device) -> None:
+    """Wait for a layer's K/V: the thread until the copy is queued or done, and, for a copy
+    queued on a side stream, the forward's stream until it is done (on the device, no sync)."""
+    gate.wait()
+    after = getattr(gate, "after", None)
+    if after is not None:
+        torch.cuda.current_stream(device).wait_event(after)
+
+
 class Loading:
     """A fetch copying a cached prefix into a cache's tensors in the background, layer by
     layer (`start_fetch_cache`): `ready[l]` is set once layer l's K/V are in place (or the
@@ -200,7 +219,7 @@ class Loading:
     tokens it brought intact, and `error` what it raised."""
 
     def __init__(self, layers: int) -> None:
-        self.ready = [threading.Event() for _ in range(layers)]
+        self.ready = [Gate() for _ in range(layers)]
         self.done = threading.Event()
         self.end = 0
         self.error: BaseException | None = None
@@ -243,6 +262,11 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
         with torch.inference_mode(inference), _copies_done_on_return(on):
+            if whole and CUDA_LOAD_GROUPS > 1:  # groups of layers beside the forward
+                grouped = _kernel_scatter_grouped(keys, values, indices, views, stop,
+                                                  lmap.uniform, loading.ready, CUDA_LOAD_GROUPS)
+                if grouped is not None:
+                    return grouped
             # The copy kernel moves every layer of a run of blocks in one launch: the layers
             # are released all at once, once queued (the forward's kernels queue behind).
             queued = _kernel_scatter(keys, values, indices, views, stop, lmap.uniform)
@@ -331,6 +355,61 @@ def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indice
     return queued
 
 
+CUDA_LOAD_GROUPS = 1
+"""Into how many groups of layers a load into a CUDA cache by the copy kernel is split. 1: one
+launch per run of blocks, all layers, queued on the forward's stream (the forward runs after
+it). More: each group is launched on a side stream and the forward's stream waits, at each
+layer's attention, only for that layer's group, so the copy of later layers crosses the bus
+while the first layers compute (`_kernel_scatter_grouped`). benchmarks/gpu_ttft.py measures
+both (`warm_grouped_s`); docs/GPU.md has the numbers behind the default."""
+
+
+def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor],
+                            indices: list[int], views: list[torch.Tensor],
+                            stop: threading.Event, uniform: bool, gates: list[Gate],
+                            groups: int) -> int | None:
+    """`_kernel_scatter` in `groups` groups of consecutive layers, each queued on a side
+    stream and followed by a CUDA event its layers' gates carry (`Gate.after`), so the
+    forward's stream waits for each group alone. Waits for the copies before returning (the
+    fetch's lease then ends). Returns the blocks copied, 0 when stopped between groups (no
+    block is whole in every layer), None where `_kernel_scatter` does not apply."""
+    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not uniform or not views or not all(
+            v.is_pinned() or v.device == keys[0].device for v in views):
+        return None
+    from kvstore import kernels
+    from kvstore.kernels import EngineKV
+
+    device = keys[0].device
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))  # the cache tensors exist first
+    runs = block_runs(indices, views)  # [n, layers, 2, bt, heads, dim] each
+    layers = len(keys)
+    bounds = [layers * g // groups for g in range(groups + 1)]
+    try:
+        for a, b in itertools.pairwise(bounds):
+            if a == b:
+                continue
+            if stop.is_set():
+                return 0
+            engine = EngineKV.transformers(keys[a:b], values[a:b])
+            for staging, blocks in runs:  # a slot's layers a..b are contiguous in it
+                kernels.scatter(staging[:, a:b], engine, [[x] for x in blocks], stream=side)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(side)
+            for layer in range(a, b):
+                gates[layer].after = done
+                gates[layer].set()
+    finally:
+        side.synchronize()
+    return len(indices)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> Any:
+    """One side stream per device for grouped loads (a load runs at a time per engine)."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
 def block_runs(indices: list[int], views: list[torch.Tensor],
                ) -> list[tuple[torch.Tensor, list[int]]]:
     """`views` (blocks `[layers, 2, bt, heads, dim]` of one storage, the daemon's arena) grouped
@@ -369,7 +448,7 @@ def _cache_tensors(layout: KVLayout, capacity: int, buffers: KVBuffers | None,
 
 
 def roomy_cache(keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
-                ready: list[threading.Event] | None = None,
+                ready: Sequence[threading.Event] | None = None,
                 windows: list[int | None] | None = None) -> Any:
     """A `DynamicCache` holding the first `length` tokens of each layer's `[1, heads, capacity,
     head_dim]` `keys` and `values` without copying them, whose forwards write the tokens they
@@ -415,7 +494,7 @@ def _loaded_window() -> type:
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if self._ready is not None:  # the loaded prefix is still being copied in
-                self._ready.wait()
+                pass_gate(self._ready, self.device)
                 self._ready = None
             start = self.cumulative_length
             end = start + key_states.shape[-2]
@@ -477,7 +556,7 @@ def _roomy_layer() -> type:
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if self._ready is not None:  # the loaded prefix is still being copied in
-                self._ready.wait()
+                pass_gate(self._ready, self.device)
                 self._ready = None
             cached = self._cached()
             if cached is None or key_states.shape[0] != 1:

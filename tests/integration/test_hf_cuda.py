@@ -46,9 +46,16 @@ def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int
 
 
 @pytest.mark.parametrize("reserve", [0, 1200])
-@pytest.mark.parametrize("copy", ["kernel", "torch"])
+@pytest.mark.parametrize("copy", ["kernel", "torch", "kernel-groups"])
 def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, monkeypatch):
-    monkeypatch.setattr(hf, "CUDA_LOAD", copy)
+    # kernel-groups: the copy kernel in 3 groups of the 4 layers (1, 1, 2) on a side stream,
+    # each layer's attention waiting on the device for its own group only.
+    monkeypatch.setattr(hf, "CUDA_LOAD", "torch" if copy == "torch" else "kernel")
+    monkeypatch.setattr(hf, "CUDA_LOAD_GROUPS", 3 if copy == "kernel-groups" else 1)
+    grouped: list[int | None] = []
+    real = hf._kernel_scatter_grouped
+    monkeypatch.setattr(hf, "_kernel_scatter_grouped",
+                        lambda *a: grouped.append(real(*a)) or grouped[-1])
     model = llama_on("cuda")
     layout = layout_for_model(model, block_tokens=64)
     ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(4)).cuda()
@@ -61,6 +68,7 @@ def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, mon
         tokens, warm = engine.generate(ids, 24)
     assert warm.cached_tokens == 960 and warm.computed_tokens == 40
     assert warm.cache.layers[0].keys.is_cuda
+    assert grouped == ([15] if copy == "kernel-groups" else [])  # the grouped load ran
     want_logits, want_tokens = own_split(model, ids, 960, 24)
     assert torch.equal(warm.logits, want_logits)
     assert tokens == want_tokens
