@@ -127,11 +127,12 @@ def test_prompt_goes_down_to_remote_and_comes_back_up_to_gpu(redis_server, daemo
                 "tiers": {"gpu": [4, 0, 0, 12 * BB], "host": [6, 8, 0, 24 * BB],
                           "disk": [4, 0, 0, 18 * BB], "remote": [0, 4, 4 * BB, 16 * BB]},
                 "promotions": 16, "demotions": 26}
-            # Promoted: the next fetch is host's, nothing read from Redis again.
+            # Promoted: the next fetch is gpu's (this client maps the slab: it reads the blocks
+            # there, not host's copies), nothing read from Redis again.
             fetch_same(cs["p1"], "p1")
             r = wait_quiescent(d.target, 2.0)
             assert [(t.name, t.hits) for t in r.tiers] == [
-                ("gpu", 0), ("host", 12), ("disk", 0), ("remote", 4)]
+                ("gpu", 4), ("host", 8), ("disk", 0), ("remote", 4)]
             assert r.integrity_failures == 0 and r.remote.integrity_failures == 0
             watch.check()
     finally:

@@ -95,12 +95,14 @@ def cold(model_dir: Path, daemon: DaemonProcess,
 
 
 def publish_cold(model_dir: Path, daemon: DaemonProcess, log: Path,
-                 requests: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str]:
-    """One engine computes each request (a prompt's token ids, or vLLM's prompt dict) cold,
-    publishing every group's blocks, then exits: its runs (none cached anything, each with
-    varied output) and its log. vLLM must have kept its hybrid KV-cache manager on (it turns
-    it off, with a warning, for a connector that does not implement SupportsHMA)."""
-    engine = Engine(model_dir, daemon.target, log=log)
+                 requests: dict[str, Any], **engine_opts: Any,
+                 ) -> tuple[dict[str, dict[str, Any]], str]:
+    """One engine (`engine_opts`: `Engine`'s, e.g. TP) computes each request (a prompt's token
+    ids, or vLLM's prompt dict) cold, publishing every group's blocks, then exits: its runs
+    (none cached anything, each with varied output) and its log. vLLM must have kept its
+    hybrid KV-cache manager on (it turns it off, with a warning, for a connector that does
+    not implement SupportsHMA)."""
+    engine = Engine(model_dir, daemon.target, log=log, **engine_opts)
     try:
         runs = {name: engine.generate([request]) for name, request in requests.items()}
     finally:
