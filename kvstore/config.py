@@ -80,8 +80,9 @@ class ServerConfig:
     gpu_device: str = _opt("cuda", "Device of the GPU tier's slab (`gpu_bytes`): `cuda`, "
                            "`cuda:N`, or `cpu` (tests: the same code on host memory, the slab "
                            "a file in `shm_dir`). Same-node clients map the slab (CUDA IPC) "
-                           "and read the blocks only it holds in place; `KVCLIENT_SLAB=0` in a "
-                           "client's environment makes it read them through host instead.")
+                           "and read every block it holds in place (device to device, not "
+                           "host's copy across the bus); `KVCLIENT_SLAB=0` in a client's "
+                           "environment makes it read them through host instead.")
     disk_bytes: int = _opt(8 << 30, "Disk tier capacity: payload bytes in the data file.",
                            unit="bytes", lo=0, hi=1 << 50)
     disk_sync: str = _opt("always", "When disk writes are made durable: `always` (fdatasync "

@@ -359,8 +359,9 @@ class TieredStore:
         copies this part, so the next reads overlap its copy. `prior`: the keys before `keys`
         in the same prompt (served by the client's earlier calls); with them, a prompt larger
         than the host tier is served without pushing itself out of it (`_Room`). `slab_ok`: the
-        client maps the gpu tier's slab, so a block only gpu holds is pinned there and served
-        from it (`FetchLease.in_slab`) rather than copied into host scratch space.
+        client maps the gpu tier's slab, so every block gpu holds is pinned there and served
+        from it (`FetchLease.in_slab`), even one host holds too (device to device beats the
+        bus), and a block only gpu holds is not copied into host scratch space.
 
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
