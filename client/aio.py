@@ -517,7 +517,9 @@ class AsyncKVClient:
             pb.EngineBlocks(key=k, block_hashes=s.block_hashes,
                             parent_block_hash=s.parent_block_hash or b"",
                             token_ids=s.token_ids, block_size=s.block_size,
-                            lora_name=s.lora_name or "")
+                            lora_name=s.lora_name or "", group_idx=s.group_idx,
+                            kv_cache_spec_kind=s.spec_kind or "",
+                            sliding_window=s.sliding_window or 0)
             for k, s in zip(keys, spans, strict=False)])
         reply: pb.DescribeBlocksReply | None = await self._guard(
             lambda: self._unary("DescribeBlocks", req), None)

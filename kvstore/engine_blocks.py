@@ -34,6 +34,12 @@ class EngineBlockSpan:
     token_ids: tuple[int, ...]
     block_size: int  # engine tokens per engine block
     lora_name: str | None = None
+    # A hybrid model's KV-cache group, as vLLM's own events name it: its index, kind
+    # (`KVCacheSpecKind` values: "full_attention", "sliding_window") and window. None: one
+    # group (vLLM's event for it says nothing more either).
+    group_idx: int | None = None
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -82,9 +88,13 @@ def vllm_block_hashes(tokens: Sequence[int], block_size: int, algo: str = "sha25
 
 
 def spans_for(tokens: Sequence[int], engine_hashes: Sequence[bytes], engine_block_size: int,
-              kv_block_tokens: int, lora_name: str | None = None) -> list[EngineBlockSpan]:
+              kv_block_tokens: int, lora_name: str | None = None, *,
+              group_idx: int | None = None, spec_kind: str | None = None,
+              sliding_window: int | None = None) -> list[EngineBlockSpan]:
     """The engine blocks each full kvstore block of `tokens` covers, given the engine's block
-    hashes of those tokens. Stops at the first kvstore block whose engine hashes are missing."""
+    hashes of those tokens. Stops at the first kvstore block whose engine hashes are missing.
+    `group_idx`, `spec_kind`, `sliding_window`: the KV-cache group they belong to (hybrid
+    models), carried into every span."""
     if engine_block_size < 1 or kv_block_tokens % engine_block_size:
         raise InvalidArgumentError(f"kvstore blocks ({kv_block_tokens} tokens) must hold whole "
                                    f"engine blocks ({engine_block_size} tokens)")
@@ -100,5 +110,6 @@ def spans_for(tokens: Sequence[int], engine_hashes: Sequence[bytes], engine_bloc
             parent_block_hash=bytes(engine_hashes[first - 1]) if first else None,
             token_ids=tuple(int(t) for t in
                             tokens[i * kv_block_tokens : (i + 1) * kv_block_tokens]),
-            block_size=engine_block_size, lora_name=lora_name))
+            block_size=engine_block_size, lora_name=lora_name, group_idx=group_idx,
+            spec_kind=spec_kind, sliding_window=sliding_window))
     return spans

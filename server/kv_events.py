@@ -105,6 +105,11 @@ class EngineBlocks(msgspec.Struct, array_like=True, frozen=True):
     token_ids: list[int]
     block_size: int  # engine tokens per engine block
     lora_name: str | None = None
+    # A hybrid model's KV-cache group (vLLM's `group_idx`, `kv_cache_spec_kind`, window);
+    # None: one group. Trailing fields with defaults: descriptions persisted before decode.
+    group_idx: int | None = None
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
@@ -301,7 +306,8 @@ class EventTracker:
         if meta is None:
             return
         removed = BlockRemoved(block_hashes=list(meta.block_hashes),
-                               medium=MEDIUMS.get(tier.name, tier.name.upper()))
+                               medium=MEDIUMS.get(tier.name, tier.name.upper()),
+                               group_idx=meta.group_idx)
         if self._clearing is not None:
             self._clearing.append(removed)
         else:
@@ -316,7 +322,9 @@ class EventTracker:
                                parent_block_hash=meta.parent_block_hash,
                                token_ids=list(meta.token_ids), block_size=meta.block_size,
                                lora_id=None, medium=MEDIUMS.get(tier.name, tier.name.upper()),
-                               lora_name=meta.lora_name))
+                               lora_name=meta.lora_name, group_idx=meta.group_idx,
+                               kv_cache_spec_kind=meta.spec_kind,
+                               kv_cache_spec_sliding_window=meta.sliding_window))
 
     def clearing_all(self) -> _ClearAll:
         """Context for `TieredStore.clear(None)`: its removals become one AllBlocksCleared
@@ -348,7 +356,8 @@ class EventTracker:
                         if tier.contains(key):
                             self._emit(BlockRemoved(
                                 block_hashes=list(meta.block_hashes),
-                                medium=MEDIUMS.get(tier.name, tier.name.upper())))
+                                medium=MEDIUMS.get(tier.name, tier.name.upper()),
+                                group_idx=meta.group_idx))
         self.flush()
         for tier in self.tiers:
             tier.listener = None

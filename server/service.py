@@ -514,7 +514,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 block_hashes=list(b.block_hashes),
                 parent_block_hash=b.parent_block_hash or None,
                 token_ids=list(b.token_ids), block_size=b.block_size,
-                lora_name=b.lora_name or None))
+                lora_name=b.lora_name or None,
+                group_idx=b.group_idx if b.HasField("group_idx") else None,
+                spec_kind=b.kv_cache_spec_kind or None,
+                sliding_window=b.sliding_window or None))
         return pb.DescribeBlocksReply(described=len(keys))
 
 

@@ -126,8 +126,8 @@ Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-at
 other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA,
 DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches), hybrid models at pipeline
 parallel size 1 only, text prompts (requests with multimodal inputs or prompt embeddings bypass
-the store); hybrid models publish no KV events, and a block
-stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is described by its first.
+the store); a block stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is
+described in KV events by its first, a hybrid model's blocks by group (`group_idx`).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ from kvstore.client.integrations.paged import (
     token_pages,
 )
 from kvstore.client.integrations.settings import read_extra
-from kvstore.client.integrations.vllm_events import describe_request
+from kvstore.client.integrations.vllm_events import EventGroup, describe_request
 from kvstore.client.sync import KVClient
 from kvstore.kernels.errors import KernelArgumentError
 from kvstore.kernels.layouts import EngineKV, EngineLayout, vllm_engine_kv
@@ -506,6 +506,12 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     return out
 
 
+def _event_group(group: KVGroup) -> EventGroup:
+    """How vLLM's own KV events name a hybrid model's group (its index, kind and window)."""
+    kind = "sliding_window" if group.sliding_window is not None else "full_attention"
+    return EventGroup(group.index, kind, group.sliding_window, group.block_size)
+
+
 def _stage_layers(vllm_config: VllmConfig, pp: int) -> list[tuple[int, int]]:
     """`[start, end)` of each pipeline stage's layers, as vLLM splits them."""
     if pp == 1:
@@ -807,8 +813,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # every model's (carried out in a background thread while the engine runs others).
         self._async_load = self._hybrid or self._cfg.async_load
         # The tokens of one of vLLM's request hashes (`request.block_hashes`), which KV events
-        # carry (one-group models only: its block size); groups' own: `KVGroup.block_size`.
-        self._hash_block_size = vllm_config.cache_config.block_size
+        # carry: a one-group model's block size; with several groups vLLM hashes at the GCD of
+        # theirs (`resolve_kv_cache_block_sizes`, set on the config before the scheduler).
+        self._hash_block_size = (getattr(kv_cache_config, "hash_block_size", None)
+                                 or vllm_config.cache_config.block_size)
         self._clients: dict[tuple[str, str, int, int], KVClient] = {}
         # one client per (salt, LoRA) namespace, KV-cache group and shard; salts are few
         self._max_clients = _MAX_CLIENTS * sum(len(g.all_shards) for g in self._groups)
@@ -1025,13 +1033,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if self._async_load:  # the request is not scheduled meanwhile
                 self._async_loads.append(request.request_id)
         self._requests[request.request_id] = state
-        # KV events: vLLM's hashes (one group's blocks: not yet for hybrid models). A block
-        # stored as several shards (TP/PP ranks, KV heads) is described by its first shard's
-        # keys only, which stage 0's TP rank 0 saves: one event per block, not per shard; a
-        # router takes the first shard for the block (docs/ENGINES.md, "KV events").
-        if self._saves and state.save_end > state.hit_end and not self._hybrid:
-            describe_request(self._client(*ns, 0, 0), request, state.keys[0],
-                             self._hash_block_size)
+        # KV events: vLLM's hashes; a hybrid model's blocks per group, named as vLLM's own
+        # events name that group's. A block stored as several shards (TP/PP ranks, KV heads)
+        # is described by its first shard's keys only, which stage 0's TP rank 0 saves: one
+        # event per block, not per shard; a router takes the first shard for the block
+        # (docs/ENGINES.md, "KV events").
+        if self._saves and state.save_end > state.hit_end:
+            for g, group_keys in zip(self._groups, state.keys, strict=True):
+                describe_request(self._client(*ns, g.index, 0), request, group_keys,
+                                 self._hash_block_size, _event_group(g) if self._hybrid else None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVStoreConnectorMetadata(

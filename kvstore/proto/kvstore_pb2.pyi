@@ -392,20 +392,26 @@ class ClearReply(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class EngineBlocks(_message.Message):
-    __slots__ = ("key", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name")
+    __slots__ = ("key", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kv_cache_spec_kind", "sliding_window")
     KEY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     lora_name: str
-    def __init__(self, key: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    group_idx: int
+    kv_cache_spec_kind: str
+    sliding_window: int
+    def __init__(self, key: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class DescribeBlocksRequest(_message.Message):
     __slots__ = ("namespace", "blocks")

@@ -122,6 +122,7 @@ def test_events_name_engine_blocks_per_tier(events_daemon):
             assert first["token_ids"] == prompt[:64]
             assert first["block_size"] == ENGINE_BLOCK
             assert "parent_block_hash" in first and first["parent_block_hash"] is None
+            assert "group_idx" not in first  # one group: nothing said of it, as vLLM's own
             second = next(e for e in events if e["type"] == "BlockStored"
                           and e["block_hashes"][0] == engine[4])
             assert second["parent_block_hash"] == engine[3]
@@ -167,6 +168,54 @@ def test_events_name_engine_blocks_per_tier(events_daemon):
         dealer.close(linger=0)
         ctx.term()
         assert replayed[: len(sub.seqs)] == sub.seqs
+    finally:
+        sub.close()
+
+
+def test_a_hybrid_groups_blocks_carry_its_group_in_every_event(events_daemon):
+    """A block described as one KV-cache group's of a hybrid model (as the vLLM connector
+    describes Gemma-shaped models: `group_idx`, kind, window) is announced with them, in CPU
+    and on disk, after a restart too (the description kept on disk), and removed with its
+    `group_idx`, as vLLM's own events for that group."""
+    d, pub, _ = events_daemon
+    prompt = list(range(300, 300 + 2 * 64))
+    engine = vllm_block_hashes(prompt, ENGINE_BLOCK)
+    spans = spans_for(prompt, engine, ENGINE_BLOCK, 64, group_idx=1,
+                      spec_kind="sliding_window", sliding_window=512)
+    group = {"group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+             "kv_cache_spec_sliding_window": 512}
+
+    def of_group(events: list[dict[str, Any]], kind: str, medium: str) -> list[dict[str, Any]]:
+        return [e for e in events if e["type"] == kind and e.get("medium") == medium
+                and set(e["block_hashes"]) <= set(engine)]
+
+    sub = Subscriber(pub)
+    try:
+        with KVClient(d.target, LAYOUT) as c:
+            wait_connected(sub, c)
+            sub.events.clear()
+            assert c.publish(prompt, random_kv(LAYOUT, len(prompt))) == 128
+            assert c.describe_blocks(prompt, spans) == 2
+            events = sub.drain(lambda ev: len(of_group(ev, "BlockStored", "CPU")) == 2)
+            stored = of_group(events, "BlockStored", "CPU")
+            assert [e["block_hashes"] for e in stored] == [engine[:4], engine[4:]]
+            assert all({k: e.get(k) for k in group} == group for e in stored), stored
+        assert d.stop() == 0  # SIGTERM: the shutdown flush writes both blocks to disk
+        d.start()
+        sub.close()
+        sub = Subscriber(pub)
+        with KVClient(d.target, LAYOUT) as c:
+            time.sleep(0.5)  # the subscriber's connection (slow joiner)
+            assert c.fetch(prompt)[0] == 128  # promoted from disk: announced in CPU again
+            events = sub.drain(lambda ev: len(of_group(ev, "BlockStored", "CPU")) == 2)
+            stored = of_group(events, "BlockStored", "CPU")
+            assert len(stored) == 2
+            assert all({k: e.get(k) for k in group} == group for e in stored), stored
+            c.clear()  # this namespace: removals one by one, each naming the group
+            events = sub.drain(lambda ev: len(of_group(ev, "BlockRemoved", "STORAGE")) == 2)
+            removed = of_group(events, "BlockRemoved", "STORAGE") + of_group(
+                events, "BlockRemoved", "CPU")
+            assert len(removed) == 4 and all(e.get("group_idx") == 1 for e in removed)
     finally:
         sub.close()
 

@@ -218,3 +218,57 @@ def test_block_stored_as_two_shards_is_described_once(model_dir: Path, events_da
             assert e.token_ids == ids[i * ENGINE_BLOCK : i * ENGINE_BLOCK + KV_BLOCK]
     finally:
         sub.close()
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_groups_are_described_as_vllm_names_them(events_daemon,
+                                                        tmp_path_factory: pytest.TempPathFactory,
+                                                        ) -> None:
+    """A Gemma-4-shaped model (a sliding-window group of 64-token vLLM blocks beside a
+    full-attention group of 32-token ones, tests/vllm/test_vllm_gemma4.py): each group's
+    kvstore blocks are announced with its `group_idx`, kind and window, by the hashes vLLM
+    gives that group's blocks (`BlockHashListWithBlockSize` over the request's 32-token
+    hashes), at its block size, each block's tokens, and the parent in the group's own
+    chain."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+
+    from tests.vllm.models import HYBRID_WINDOW, make_gemma4_model
+    from tests.vllm.vllm_runner import corpus_ids
+
+    model = make_gemma4_model(tmp_path_factory.mktemp("vllm-events-gemma4") / "tiny-gemma4")
+    daemon, endpoint = events_daemon
+    sub = Subscriber(endpoint)
+    try:
+        time.sleep(0.5)  # the SUB connection is up before anything is published
+        ids = corpus_ids(model, 71, 4 * KV_BLOCK + 12)  # 4 kvstore blocks and a tail
+        at32 = vllm_hashes(ids)  # vLLM hashes a hybrid request at the groups' GCD, 32
+        at64 = [bytes(h) for h in BlockHashListWithBlockSize(at32, ENGINE_BLOCK, 2 * ENGINE_BLOCK)]
+        groups = {0: (at64, 2 * ENGINE_BLOCK, "sliding_window", HYBRID_WINDOW),
+                  1: (at32, ENGINE_BLOCK, "full_attention", None)}
+        everything = set(at32)
+        engine = Engine(model, daemon.target)
+        try:
+            engine.generate([ids])
+        finally:
+            engine.close()
+
+        def stored(ev: list[Any]) -> list[Any]:
+            return [e for e in ev if isinstance(e, BlockStored) and e.medium == "CPU"
+                    and set(e.block_hashes) <= everything]
+
+        events = stored(sub.drain(lambda ev: len(stored(ev)) >= 8))
+        assert sorted(e.group_idx for e in events) == [0] * 4 + [1] * 4, events
+        for idx, (want, size, kind, window) in groups.items():
+            mine = [e for e in events if e.group_idx == idx]
+            assert sorted(h for e in mine for h in e.block_hashes) == sorted(want[: 4 * KV_BLOCK
+                                                                                // size])
+            for e in mine:
+                i = want.index(e.block_hashes[0])
+                assert e.block_hashes == want[i : i + KV_BLOCK // size]
+                assert e.parent_block_hash == (want[i - 1] if i else None)
+                assert e.token_ids == ids[i * size : i * size + KV_BLOCK]
+                assert (e.block_size, e.kv_cache_spec_kind,
+                        e.kv_cache_spec_sliding_window) == (size, kind, window)
+    finally:
+        sub.close()
