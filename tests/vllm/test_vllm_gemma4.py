@@ -162,22 +162,31 @@ def test_fresh_engine_loads_gemma4_prefix_with_cold_logprobs(
     prompt (never its last token), every full-attention block and the sliding group's last
     64-token block only (its window), with the cold run's 16 greedy tokens and top-5
     log-probabilities; vLLM's own prefix cache then gives the same again."""
+    assert_loads_prompt(name, cold, warm_engine, daemon, model_dir)
+
+
+def assert_loads_prompt(name: str, cold: dict[str, dict[str, Any]], engine: Engine,
+                        daemon: DaemonProcess, model_dir: Path, ranks: int = 1) -> None:
+    """`engine` (fresh) loads prompt `name` from kvstore: whole kvstore blocks (never the last
+    token), every full-attention block and the sliding group's window, each fetched once per
+    rank of `ranks`; the cold run's tokens and logprobs, then vLLM's own prefix cache gives
+    the same again, bit for bit where it computes the same tokens."""
     seed, n = PROMPTS[name]
     cached = min(n // KV_BLOCK * KV_BLOCK, n - 1)
     assert cached > HYBRID_WINDOW
     served = hit_blocks(daemon)
-    warm = warm_engine.generate([corpus_ids(model_dir, seed, n)])
-    assert warm["cached"] == [cached], warm_engine.tail()
+    warm = engine.generate([corpus_ids(model_dir, seed, n)])
+    assert warm["cached"] == [cached], engine.tail()
     full_blocks = -(-cached // KV_BLOCK)
     # vLLM keeps cdiv(window - 1, 64) = 1 sliding block before the resumed length.
     first_sw = (cached - HYBRID_WINDOW + 1) // SLIDING_BLOCK * SLIDING_BLOCK
     window_blocks = full_blocks - first_sw // KV_BLOCK
-    assert hit_blocks(daemon) - served == full_blocks + window_blocks
+    assert hit_blocks(daemon) - served == ranks * (full_blocks + window_blocks)
     assert (f"group 0 tokens [{first_sw}, {cached}), group 1 tokens [0, {cached})"
-            in warm_engine.tail(200)), warm_engine.tail()
+            in engine.tail(200)), engine.tail()
     assert len(warm["logprobs"][0]) == MAX_TOKENS >= 8
     assert_same_generation(warm, cold[name])
-    again = warm_engine.generate([corpus_ids(model_dir, seed, n)])  # vLLM's prefix cache
+    again = engine.generate([corpus_ids(model_dir, seed, n)])  # vLLM's prefix cache
     assert_same_generation(again, cold[name])
     if name == "partial":  # whole blocks: vLLM's own cache recomputes the last one
         assert_prefix_cache_bit_identical(warm, again)

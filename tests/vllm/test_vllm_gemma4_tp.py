@@ -30,15 +30,11 @@ from tests.vllm.models import (
     make_gemma4_model,
 )
 from tests.vllm.test_vllm_connector import (
-    MAX_TOKENS,
     Engine,
-    assert_prefix_cache_bit_identical,
-    assert_same_generation,
-    hit_blocks,
     one_core_per_worker,
     small_daemon,
 )
-from tests.vllm.test_vllm_gemma4 import KV_BLOCK, PROMPTS, SLIDING_BLOCK
+from tests.vllm.test_vllm_gemma4 import KV_BLOCK, PROMPTS, SLIDING_BLOCK, assert_loads_prompt
 from tests.vllm.test_vllm_hybrid import publish_cold
 from tests.vllm.test_vllm_tp import TP, tp_opts
 from tests.vllm.vllm_runner import corpus_ids
@@ -118,21 +114,7 @@ def test_fresh_tp2_engine_loads_both_groups_on_both_ranks(
     engine = Engine(model_dir, daemon.target,
                     log=tmp_path_factory.mktemp("vllm-gemma4-tp-log") / "warm.log", **tp_opts())
     try:
-        for name, (seed, n) in PROMPTS.items():
-            ids = corpus_ids(model_dir, seed, n)
-            cached = min(n // KV_BLOCK * KV_BLOCK, n - 1)
-            served = hit_blocks(daemon)
-            warm = engine.generate([ids])
-            assert warm["cached"] == [cached], engine.tail()
-            full_blocks = -(-cached // KV_BLOCK)
-            first_sw = (cached - HYBRID_WINDOW + 1) // SLIDING_BLOCK * SLIDING_BLOCK
-            window_blocks = full_blocks - first_sw // KV_BLOCK
-            assert hit_blocks(daemon) - served == TP * (full_blocks + window_blocks), name
-            assert len(warm["logprobs"][0]) == MAX_TOKENS
-            assert_same_generation(warm, cold[name])
-            again = engine.generate([ids])  # vLLM's prefix cache
-            assert_same_generation(again, cold[name])
-            if name == "partial":  # whole blocks: vLLM's own cache recomputes the last one
-                assert_prefix_cache_bit_identical(warm, again)
+        for name in PROMPTS:
+            assert_loads_prompt(name, cold, engine, daemon, model_dir, ranks=TP)
     finally:
         engine.close()
