@@ -233,9 +233,7 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
     ids = prompt[0, : n + args.suffix - 1].cpu()
     lookup_s = statistics.median(timed(lambda: client.lookup(ids), device)[0]
                                  for _ in range(args.repeats))
-    fetch_s = statistics.median(
-        timed(lambda: hf.fetch_cache(client, ids, n // client.layout.block_tokens,
-                                     device=device), device)[0] for _ in range(args.repeats))
+    fetch_s = fetch_alone(client, prompt, n, args)
 
     # The same split computed by the model itself: prefix forward, suffix over its cache.
     cache = hf.run_model(model, prompt[:, :n], last_logits_only=True)[1]
@@ -276,6 +274,18 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
                                 for x in warm_logits.values())}
 
 
+def fetch_alone(client: KVClient, prompt: torch.Tensor, n: int,
+                args: argparse.Namespace) -> float:
+    """The fetch of the prompt's `n` cached tokens alone into a CUDA cache (the copy kernel),
+    median of `repeats`."""
+    device = torch.device(args.device)
+    ids = prompt[0, : n + args.suffix - 1].cpu()
+    blocks = n // client.layout.block_tokens
+    return statistics.median(
+        timed(lambda: hf.fetch_cache(client, ids, blocks, device=device), device)[0]
+        for _ in range(args.repeats))
+
+
 def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
               gen: torch.Generator) -> dict[str, Any]:
     """Warm prefills served from the daemon's gpu level, mapped by CUDA IPC: publish (cold),
@@ -310,10 +320,7 @@ def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
         times.append(r.ttft_s)
         logits = r.logits
     served = gpu_stats().hits - hits
-    ids = prompt[0, : n + args.suffix - 1].cpu()  # the fetch alone, as `fetch_s` for host
-    fetch_s = statistics.median(
-        timed(lambda: hf.fetch_cache(client, ids, blocks, device=device), device)[0]
-        for _ in range(args.repeats))
+    fetch_s = fetch_alone(client, prompt, n, args)
     cache = hf.run_model(engine.model, prompt[:, :n], last_logits_only=True)[1]
     own = hf.run_model(engine.model, prompt[:, n:], cache, last_logits_only=True)[0]
     return {"warm_gpu_tier_s": statistics.median(times), "fetch_gpu_tier_s": fetch_s,

@@ -329,6 +329,14 @@ layer and block. benchmarks/gpu_ttft.py measures both (docs/GPU.md). From memory
 pinned both fall back to `torch`."""
 
 
+def _kernel_applies(keys: list[torch.Tensor], views: list[torch.Tensor], uniform: bool) -> bool:
+    """Whether the copy kernel can load `views` into this cache: a CUDA cache whose layers are
+    the layout's slot (`LayerMap.uniform`), memory pinned or on the cache's device, and
+    `CUDA_LOAD` says kernel."""
+    return bool(keys[0].is_cuda and CUDA_LOAD == "kernel" and uniform and views and all(
+        v.is_pinned() or v.device == keys[0].device for v in views))
+
+
 def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indices: list[int],
                     views: list[torch.Tensor], stop: threading.Event,
                     uniform: bool) -> int | None:
@@ -339,8 +347,7 @@ def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indice
     runs), or None where it does not apply: a CPU cache, memory neither pinned nor on the
     cache's device, layers that are not the layout's slot (an MLA latent split in two,
     layers of different shapes: `LayerMap.uniform`), or `CUDA_LOAD` says torch."""
-    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not uniform or not views or not all(
-            v.is_pinned() or v.device == keys[0].device for v in views):
+    if not _kernel_applies(keys, views, uniform):
         return None
     from kvstore import kernels
     from kvstore.kernels import EngineKV
@@ -361,7 +368,8 @@ launch per run of blocks, all layers, queued on the forward's stream (the forwar
 it). More: each group is launched on a side stream and the forward's stream waits, at each
 layer's attention, only for that layer's group, so the copy of later layers crosses the bus
 while the first layers compute (`_kernel_scatter_grouped`). benchmarks/gpu_ttft.py measures
-both (`warm_grouped_s`); docs/GPU.md has the numbers behind the default."""
+4 and 8 groups against 1 (`warm_groups4_s`, `warm_groups8_s`); docs/GPU.md has the numbers
+behind the default (no gain yet)."""
 
 
 def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -373,8 +381,7 @@ def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor]
     forward's stream waits for each group alone. Waits for the copies before returning (the
     fetch's lease then ends). Returns the blocks copied, 0 when stopped between groups (no
     block is whole in every layer), None where `_kernel_scatter` does not apply."""
-    if not keys[0].is_cuda or CUDA_LOAD != "kernel" or not uniform or not views or not all(
-            v.is_pinned() or v.device == keys[0].device for v in views):
+    if not _kernel_applies(keys, views, uniform):
         return None
     from kvstore import kernels
     from kvstore.kernels import EngineKV

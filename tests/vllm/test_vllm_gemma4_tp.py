@@ -26,7 +26,6 @@ if importlib.util.find_spec("vllm") is None:
 from tests.vllm.models import (
     GEMMA4_FULL_HEAD_DIM,
     GEMMA4_SLIDING_HEAD_DIM,
-    HYBRID_WINDOW,
     make_gemma4_model,
 )
 from tests.vllm.test_vllm_connector import (
@@ -35,7 +34,7 @@ from tests.vllm.test_vllm_connector import (
     small_daemon,
 )
 from tests.vllm.test_vllm_gemma4 import KV_BLOCK, PROMPTS, SLIDING_BLOCK, assert_loads_prompt
-from tests.vllm.test_vllm_hybrid import publish_cold
+from tests.vllm.test_vllm_hybrid import group_layouts, publish_cold
 from tests.vllm.test_vllm_tp import TP, tp_opts
 from tests.vllm.vllm_runner import corpus_ids
 
@@ -74,20 +73,6 @@ def cold(model_dir: Path, daemon: DaemonProcess,
     return runs
 
 
-def rank_group_layouts(model: Path, rank: int) -> list[Any]:
-    """The layouts the connector derives for `rank`'s shard of each group (`groups_for_vllm`),
-    by hand: 1 KV head of the 2, in 64-token blocks."""
-    import torch
-
-    from kvstore.layout import KVLayout
-
-    groups = ((f"layers=0,2:sliding_window={HYBRID_WINDOW}", GEMMA4_SLIDING_HEAD_DIM),
-              ("layers=1,3:full", GEMMA4_FULL_HEAD_DIM))
-    return [KVLayout(model=f"{model}#kv-group:{tag}#tp={TP}:rank={rank}", num_layers=2,
-                     num_kv_heads=1, head_dim=dim, dtype=torch.float32, block_tokens=KV_BLOCK)
-            for tag, dim in groups]
-
-
 def test_each_rank_stores_its_shard_of_both_groups(cold: dict[str, dict[str, Any]],
                                                    daemon: DaemonProcess,
                                                    model_dir: Path) -> None:
@@ -98,7 +83,8 @@ def test_each_rank_stores_its_shard_of_both_groups(cold: dict[str, dict[str, Any
     seed, n = PROMPTS["partial"]
     ids = corpus_ids(model_dir, seed, n)
     for rank in range(TP):
-        for layout in rank_group_layouts(model_dir, rank):
+        for layout in group_layouts(model_dir, (GEMMA4_SLIDING_HEAD_DIM, GEMMA4_FULL_HEAD_DIM),
+                                    KV_BLOCK, rank=(rank, TP)):
             with KVClient(daemon.target, layout) as client:
                 assert client.lookup(ids) == n // KV_BLOCK * KV_BLOCK, layout.model
 

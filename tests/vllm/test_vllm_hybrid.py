@@ -52,18 +52,22 @@ WINDOW_BLOCKS = -(-(HYBRID_WINDOW - 1) // BLOCK)
 
 
 def group_layouts(model: Path, head_dims: tuple[int, int] = (64, 64),
-                  block_tokens: int = BLOCK) -> list[Any]:
+                  block_tokens: int = BLOCK, rank: tuple[int, int] | None = None) -> list[Any]:
     """The layouts the connector derives (`groups_for_vllm`) for a model whose layers 0 and 2
     form the sliding-window group and 1 and 3 the full-attention one, 2 KV heads each of
     `head_dims` (sliding, full), built by hand: the tests find the engine's blocks with
-    them."""
+    them. `rank`: (rank, TP degree), that rank's shard of each group (its share of the heads)."""
     import torch
 
     from kvstore.layout import KVLayout
 
+    suffix = f"#tp={rank[1]}:rank={rank[0]}" if rank is not None else ""
+    heads = 2 // rank[1] if rank is not None else 2
+
     def layout(tag: str, head_dim: int) -> KVLayout:
-        return KVLayout(model=f"{model}#kv-group:{tag}", num_layers=2, num_kv_heads=2,
-                        head_dim=head_dim, dtype=torch.float32, block_tokens=block_tokens)
+        return KVLayout(model=f"{model}#kv-group:{tag}{suffix}", num_layers=2,
+                        num_kv_heads=heads, head_dim=head_dim, dtype=torch.float32,
+                        block_tokens=block_tokens)
 
     return [layout(f"layers=0,2:sliding_window={HYBRID_WINDOW}", head_dims[0]),
             layout("layers=1,3:full", head_dims[1])]
