@@ -1,9 +1,13 @@
 """TTFT on a GPU through the transformers integration (issue 19, step 4): a random-weight model
 with Llama-3-8B's full architecture, prompts of 8k-32k tokens, recompute against warm from the
-host tier, each against its physical floor, logits compared. Warm loads are timed both ways a
-CUDA cache is filled (`hf.CUDA_LOAD`: the copy kernel, `warm_host_s`; torch's copies,
-`warm_torch_copy_s`; the kernel in 4 or 8 groups of layers on a side stream, beside the
-forward, `warm_groups4_s` and `warm_groups8_s`: `hf.CUDA_LOAD_GROUPS`). `hbm_best_s` is what a
+host tier, each against its physical floor, logits compared. Warm loads are timed every way a
+CUDA cache is filled (`load_modes`): hf's defaults, what a user gets (`warm_host_s`); the copy
+kernel in one launch (`warm_one_launch_s`); torch's copies (`warm_torch_copy_s`); the kernel in
+4 or 8 groups of layers on a side stream beside the forward, which runs on a high-priority
+stream (`warm_groups4_s`, `warm_groups8_s`: `hf.CUDA_LOAD_GROUPS`), or without priority or a
+capped grid (`warm_groups4_flat_s`, `warm_groups8_flat_s`), or capped at other CTA counts
+(`--ctas-sweep`). `--profile DIR` writes where warm prefills from each daemon spend their time
+(cProfile, torch's profiler, a Chrome trace of a grouped load). `hbm_best_s` is what a
 daemon-held HBM slab could give at best: the prefix already in device memory, scattered into
 the cache by the kernel, then the suffix (no lookup, lease or IPC counted). `warm_gpu_tier_s`
 is the real thing: a second daemon with a gpu level in device memory (`--gpu-bytes`,
@@ -141,6 +145,10 @@ def main() -> None:
     p.add_argument("--gpu-tier-bytes", default="6GiB",
                    help="the gpu level of the second daemon (warm_gpu_tier_s); 0: not run")
     p.add_argument("--out", default="gpu_ttft", help="results name (benchmarks/results)")
+    p.add_argument("--ctas-sweep", default="",
+                   help="e.g. 8,64,0: also time 4 groups capped at each (hf.CUDA_LOAD_CTAS)")
+    p.add_argument("--profile", default="",
+                   help="a directory: write where warm prefills spend their time (cProfile)")
     args = p.parse_args()
     device = torch.device(args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -183,8 +191,9 @@ def main() -> None:
         daemon.stop()
         if gpu_daemon is not None:
             gpu_daemon.stop()
-    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_torch_copy_s",
-               "warm_groups4_s", "warm_groups8_s", "floor_s",
+    columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_one_launch_s",
+               "warm_torch_copy_s",
+               *(f"warm_{m}_s" for m in load_modes(args) if m.startswith("groups")), "floor_s",
                "floor_pageable_s", "warm_over_floor", "lookup_s", "fetch_s", "hbm_best_s",
                "warm_gpu_tier_s", "fetch_gpu_tier_s", "gpu_tier_hits_per_prefill",
                "gpu_tier_same_split",
@@ -195,6 +204,35 @@ def main() -> None:
                                     if device.type == "cuda" else "cpu",
                                     "h2d_GBps": rates, "rows": rows, "args": vars(args)})
     print(f"wrote {path}")
+
+
+LoadMode = tuple[str, int, bool, int, int]
+DEFAULTS: LoadMode = (hf.CUDA_LOAD, hf.CUDA_LOAD_GROUPS, hf.CUDA_LOAD_PRIORITY,
+                      hf.CUDA_LOAD_CTAS, hf.CUDA_LOAD_GROUPED_BYTES)
+
+
+def set_load_mode(mode: LoadMode) -> None:
+    (hf.CUDA_LOAD, hf.CUDA_LOAD_GROUPS, hf.CUDA_LOAD_PRIORITY, hf.CUDA_LOAD_CTAS,
+     hf.CUDA_LOAD_GROUPED_BYTES) = mode
+
+
+def load_modes(args: argparse.Namespace) -> dict[str, LoadMode]:
+    """Each way a warm load is timed: (hf.CUDA_LOAD, CUDA_LOAD_GROUPS, CUDA_LOAD_PRIORITY,
+    CUDA_LOAD_CTAS, CUDA_LOAD_GROUPED_BYTES). "default": hf's defaults, what a user gets
+    (`warm_host_s`); "kernel": the copy kernel in one launch; "torch": torch's copies;
+    "groupsN": the kernel in N groups of layers on a side stream beside the forward, at every
+    size, the forward on a high-priority stream, each group's grid capped at
+    `CUDA_LOAD_CTAS` CTAs; "_flat": neither (the forward on the caller's stream, a CTA per
+    unit); "groups4_ctasC": 4 groups capped at C CTAs (`--ctas-sweep`)."""
+    ctas = DEFAULTS[3]
+    modes = {"default": DEFAULTS, "kernel": ("kernel", 1, True, ctas, 0),
+             "torch": ("torch", 1, True, ctas, 0),
+             "groups4": ("kernel", 4, True, ctas, 0), "groups8": ("kernel", 8, True, ctas, 0),
+             "groups4_flat": ("kernel", 4, False, 0, 0),
+             "groups8_flat": ("kernel", 8, False, 0, 0)}
+    for c in (int(x) for x in args.ctas_sweep.split(",") if x):
+        modes[f"groups4_ctas{c}"] = ("kernel", 4, True, c, 0)
+    return modes
 
 
 def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
@@ -214,11 +252,8 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
     require(cold.published_tokens >= n, f"{n}: published {cold.published_tokens} of {n}")
     del cold
     warm_s, warm_logits = {}, {}
-    # hf.CUDA_LOAD: how the load copies into the cache; "groupsN": the kernel in N groups of
-    # layers on a side stream, beside the forward (hf.CUDA_LOAD_GROUPS).
-    for mode in ("kernel", "torch", "groups4", "groups8"):
-        hf.CUDA_LOAD = "torch" if mode == "torch" else "kernel"
-        hf.CUDA_LOAD_GROUPS = int(mode[6:]) if mode.startswith("groups") else 1
+    for mode, setting in load_modes(args).items():
+        set_load_mode(setting)
         times = []
         for _ in range(args.repeats):
             r = engine.prefill(prompt, publish=False)
@@ -227,7 +262,14 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
             warm_logits[mode] = r.logits
             del r
         warm_s[mode] = statistics.median(times)
-    hf.CUDA_LOAD, hf.CUDA_LOAD_GROUPS = "kernel", 1
+    set_load_mode(DEFAULTS)
+    profile(engine, prompt, args, f"{n}_host")
+    if args.profile and prompt.is_cuda:  # how the grouped load's kernels meet the forward's
+        set_load_mode(load_modes(args)["groups4"])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            engine.prefill(prompt, publish=False)
+        p.export_chrome_trace(str(Path(args.profile) / f"{n}_host_groups4.trace.json"))
+        set_load_mode(DEFAULTS)
     # Where a warm prefill's time goes: the lookup (hashing and one call), then the fetch
     # alone into a CUDA cache (the copy kernel), each the median of `repeats`.
     ids = prompt[0, : n + args.suffix - 1].cpu()
@@ -259,11 +301,12 @@ def one_length(model: Any, engine: CachedPrefill, client: KVClient, n: int,
 
     best = min(warm_s.values())
     return {"prefix_tokens": n, "recompute_s": recompute_s,
-            "warm_host_s": warm_s[hf.CUDA_LOAD], "warm_torch_copy_s": warm_s["torch"],
-            "warm_groups4_s": warm_s["groups4"], "warm_groups8_s": warm_s["groups8"],
-            "floor_s": floor("pinned"), "warm_over_floor": warm_s[hf.CUDA_LOAD] / floor("pinned"),
+            "warm_host_s": warm_s["default"], "warm_one_launch_s": warm_s["kernel"],
+            "warm_torch_copy_s": warm_s["torch"],
+            **{f"warm_{m}_s": t for m, t in warm_s.items() if m.startswith("groups")},
+            "floor_s": floor("pinned"), "warm_over_floor": warm_s["default"] / floor("pinned"),
             "floor_pageable_s": floor("pageable"),
-            "speedup": recompute_s / warm_s[hf.CUDA_LOAD], "best_warm_s": best,
+            "speedup": recompute_s / warm_s["default"], "best_warm_s": best,
             "suffix_s": suffix_s, "lookup_s": lookup_s, "fetch_s": fetch_s,
             "hbm_best_s": hbm_s, "hbm_bitwise_same_split": hbm_same,
             "kv_gib": kv_bytes / 2**30,
@@ -284,6 +327,42 @@ def fetch_alone(client: KVClient, prompt: torch.Tensor, n: int,
     return statistics.median(
         timed(lambda: hf.fetch_cache(client, ids, blocks, device=device), device)[0]
         for _ in range(args.repeats))
+
+
+def profile(engine: CachedPrefill, prompt: torch.Tensor, args: argparse.Namespace,
+            name: str) -> None:
+    """With `--profile DIR`, where a warm prefill's time goes, client side: `repeats` warm
+    prefills under cProfile (the calling thread: its 40 costliest calls by cumulative time in
+    DIR/NAME.txt), then under torch's profiler (every thread's torch calls and the device's
+    kernels and copies: DIR/NAME.torch.txt, and a Chrome trace DIR/NAME.trace.json)."""
+    if not args.profile:
+        return
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.repeats):
+        engine.prefill(prompt, publish=False)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    (out / f"{name}.txt").write_text(text.getvalue())
+    cuda = prompt.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with torch_profile(activities=activities) as traced:
+        for _ in range(args.repeats):
+            engine.prefill(prompt, publish=False)
+    by = "cuda_time_total" if cuda else "cpu_time_total"
+    (out / f"{name}.torch.txt").write_text(traced.key_averages().table(sort_by=by,
+                                                                        row_limit=40))
+    traced.export_chrome_trace(str(out / f"{name}.trace.json"))
 
 
 def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
@@ -321,6 +400,7 @@ def gpu_level(engine: CachedPrefill, n: int, args: argparse.Namespace,
         logits = r.logits
     served = gpu_stats().hits - hits
     fetch_s = fetch_alone(client, prompt, n, args)
+    profile(engine, prompt, args, f"{n}_gpu_level")
     cache = hf.run_model(engine.model, prompt[:, :n], last_logits_only=True)[1]
     own = hf.run_model(engine.model, prompt[:, n:], cache, last_logits_only=True)[0]
     return {"warm_gpu_tier_s": statistics.median(times), "fetch_gpu_tier_s": fetch_s,

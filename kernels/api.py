@@ -23,6 +23,7 @@ def gather(
     slot_ids: IdsLike | None = None,
     *,
     stream: torch.cuda.Stream | None = None,
+    max_ctas: int | None = None,
 ) -> None:
     """Copy blocks out of ``engine`` into ``staging`` slots, all layers at once.
 
@@ -30,9 +31,11 @@ def gather(
     (``kernels.staging_shape``); block ``i`` is made of the engine pages
     ``page_ids[i]`` (``block_tokens / page_size`` of them) and goes to slot
     ``slot_ids[i]`` (default ``i``). On CUDA the copy is queued on ``stream``
-    (default: the current stream) and this returns before it finishes.
+    (default: the current stream) and this returns before it finishes; ``max_ctas``
+    caps its grid (``plan.launch_shape``: a copy beside other kernels leaves them SMs).
     """
-    _run(prepare(Direction.GATHER, engine, staging, page_ids, slot_ids), engine, stream)
+    _run(prepare(Direction.GATHER, engine, staging, page_ids, slot_ids), engine, stream,
+         max_ctas)
 
 
 def scatter(
@@ -42,12 +45,17 @@ def scatter(
     slot_ids: IdsLike | None = None,
     *,
     stream: torch.cuda.Stream | None = None,
+    max_ctas: int | None = None,
 ) -> None:
     """Copy staging slots back into engine pages: the inverse of ``gather``."""
-    _run(prepare(Direction.SCATTER, engine, staging, page_ids, slot_ids), engine, stream)
+    _run(prepare(Direction.SCATTER, engine, staging, page_ids, slot_ids), engine, stream,
+         max_ctas)
 
 
-def _run(req: CopyRequest, engine: EngineKV, stream: torch.cuda.Stream | None) -> None:
+def _run(req: CopyRequest, engine: EngineKV, stream: torch.cuda.Stream | None,
+         max_ctas: int | None = None) -> None:
+    if max_ctas is not None and max_ctas < 1:  # checked on the CPU too: the same calls work
+        raise ValueError(f"max_ctas must be >= 1, got {max_ctas}")
     device = engine.device
     if device.type == "cpu":
         if req.staging.device.type != "cpu":
@@ -70,7 +78,7 @@ def _run(req: CopyRequest, engine: EngineKV, stream: torch.cuda.Stream | None) -
         raise DeviceError(f"engine cache on {device} but staging on {req.staging.device}")
     if req.num_blocks == 0:
         return
-    plan = plan_launch(req, cuda.sm_count(device), staging_ptr=staging_ptr)
+    plan = plan_launch(req, cuda.sm_count(device), staging_ptr=staging_ptr, max_ctas=max_ctas)
     cuda.launch(
         plan,
         req.page_ids,

@@ -47,6 +47,7 @@ SCALAR_PARAMS: tuple[tuple[str, str], ...] = (
     ("token_stride", "i64"),
     ("head_stride", "i64"),
     ("slot_stride", "i64"),
+    ("num_units", "i32"),
 )
 """The kernel's scalar parameters after the pointers: (name, C type). A test
 checks this against the signature in kv_copy.cu."""
@@ -100,6 +101,7 @@ class KernelLaunch:
     token_stride: int
     head_stride: int
     slot_stride: int
+    num_units: int  # (block, plane) units: more than the grid's x when its CTAs are capped
     vec_bytes: int
 
 
@@ -217,10 +219,16 @@ def vector_bytes(row_bytes: int, addresses: Sequence[int], strides: Sequence[int
 
 
 def launch_shape(
-    num_units: int, vecs_per_unit: int, sm_count: int
+    num_units: int, vecs_per_unit: int, sm_count: int, max_ctas: int | None = None
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, block): x walks (block, plane) units, y splits a unit across CTAs."""
+    """(grid, block): x walks (block, plane) units, y splits a unit across CTAs. `max_ctas`
+    caps the grid (x loops over the units): a copy beside a forward then holds a few SMs
+    only, instead of one CTA per unit queued on every SM ahead of the forward's kernels."""
     threads = min(THREADS_PER_BLOCK, max(32, -(-vecs_per_unit // 32) * 32))
+    if max_ctas is not None:
+        if max_ctas < 1:
+            raise ValueError(f"max_ctas must be >= 1, got {max_ctas}")
+        return (min(num_units, max_ctas), 1, 1), (threads, 1, 1)
     chunks = max(1, -(-vecs_per_unit // (threads * UNROLL)))
     # Enough CTAs to fill every SM even when a request has few units.
     wanted = max(1, -(-(CTAS_PER_SM * sm_count) // max(1, num_units)))
@@ -228,9 +236,11 @@ def launch_shape(
     return (num_units, grid_y, 1), (threads, 1, 1)
 
 
-def plan_launch(req: CopyRequest, sm_count: int, staging_ptr: int | None = None) -> KernelLaunch:
+def plan_launch(req: CopyRequest, sm_count: int, staging_ptr: int | None = None,
+                max_ctas: int | None = None) -> KernelLaunch:
     """Kernel arguments for ``req``; ``staging_ptr`` overrides the staging address
-    (the device alias of mapped pinned host memory)."""
+    (the device alias of mapped pinned host memory); ``max_ctas`` caps the grid
+    (``launch_shape``)."""
     elem = req.staging.element_size()
     plane0 = req.planes[0]
     heads, head_dim = int(plane0.shape[2]), int(plane0.shape[3])
@@ -244,7 +254,7 @@ def plan_launch(req: CopyRequest, sm_count: int, staging_ptr: int | None = None)
     )
     num_units = req.num_blocks * len(req.planes)
     vecs_per_unit = req.block_tokens * heads * row_bytes // vec
-    grid, block = launch_shape(num_units, vecs_per_unit, sm_count)
+    grid, block = launch_shape(num_units, vecs_per_unit, sm_count, max_ctas)
     return KernelLaunch(
         kernel=f"kv_{req.direction.value}_v{vec}",
         grid=grid,
@@ -260,6 +270,7 @@ def plan_launch(req: CopyRequest, sm_count: int, staging_ptr: int | None = None)
         token_stride=token_stride,
         head_stride=head_stride,
         slot_stride=slot_stride,
+        num_units=num_units,
         vec_bytes=vec,
     )
 

@@ -262,18 +262,18 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
         with torch.inference_mode(inference), _copies_done_on_return(on):
-            if whole and CUDA_LOAD_GROUPS > 1:  # groups of layers beside the forward
+            if whole and CUDA_LOAD_GROUPS > 1 and sum(
+                    v.nbytes for v in views) >= CUDA_LOAD_GROUPED_BYTES:
                 grouped = _kernel_scatter_grouped(keys, values, indices, views, stop,
                                                   lmap.uniform, loading.ready, CUDA_LOAD_GROUPS)
                 if grouped is not None:
                     return grouped
             # The copy kernel moves every layer of a run of blocks in one launch: the layers
-            # are released all at once, once queued (the forward's kernels queue behind).
+            # are released all at once, once queued (the forward's kernels wait for it).
             queued = _kernel_scatter(keys, values, indices, views, stop, lmap.uniform)
             if queued is not None:
                 if whole and queued == len(indices):
-                    for event in loading.ready:
-                        event.set()
+                    release(loading.ready, on)
                 return queued  # stopped between runs: `run` releases the layers
             for layer in range(layers):
                 slots = lmap.slots(layer)
@@ -287,7 +287,7 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
                     _copy_in(keys, values, layer, slice(i * bt, (i + 1) * bt),
                              _to(view[slots], on), lmap, first_slot=slots.start)
                 if whole:
-                    loading.ready[layer].set()
+                    release(loading.ready[layer : layer + 1], on)
         return len(indices)
 
     def run() -> None:
@@ -302,6 +302,19 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
 
     threading.Thread(target=run, name="kvstore-load", daemon=True).start()
     return roomy_cache(keys, values, blocks * bt, loading.ready, windows), loading
+
+
+def release(gates: Sequence[Gate], device: torch.device) -> None:
+    """Open `gates` for copies just queued on this thread's stream: on a GPU each carries an
+    event recorded after them (`Gate.after`), which the forward's stream waits for, whatever
+    stream that is (`_forward_stream`'s, a caller's own)."""
+    after = None
+    if device.type == "cuda":
+        after = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        after.record(torch.cuda.current_stream(device))
+    for gate in gates:
+        gate.after = after
+        gate.set()
 
 
 def _copy_in(keys: list[torch.Tensor], values: list[torch.Tensor], layer: int, span: slice,
@@ -362,14 +375,21 @@ def _kernel_scatter(keys: list[torch.Tensor], values: list[torch.Tensor], indice
     return queued
 
 
-CUDA_LOAD_GROUPS = 1
+CUDA_LOAD_GROUPS = 8
 """Into how many groups of layers a load into a CUDA cache by the copy kernel is split. 1: one
-launch per run of blocks, all layers, queued on the forward's stream (the forward runs after
-it). More: each group is launched on a side stream and the forward's stream waits, at each
-layer's attention, only for that layer's group, so the copy of later layers crosses the bus
-while the first layers compute (`_kernel_scatter_grouped`). benchmarks/gpu_ttft.py measures
-4 and 8 groups against 1 (`warm_groups4_s`, `warm_groups8_s`); docs/GPU.md has the numbers
-behind the default (no gain yet)."""
+launch per run of blocks, all layers, on the loading thread's stream; the forward's kernels
+wait for all of it. More: each group is launched on a side stream and the forward's stream
+waits, at each layer's attention, only for that layer's group, so the copy of later layers
+crosses the bus while the first layers compute (`_kernel_scatter_grouped`), with the forward
+on a high-priority stream (`CUDA_LOAD_PRIORITY`) and each group's grid capped
+(`CUDA_LOAD_CTAS`). Only loads of `CUDA_LOAD_GROUPED_BYTES` or more are split.
+benchmarks/gpu_ttft.py measures 4 and 8 groups against 1; on an H100, 8 groups took a 32k
+prefix's warm TTFT from 0.150 to 0.104 s (docs/GPU.md)."""
+
+CUDA_LOAD_GROUPED_BYTES = 512 << 20
+"""The smallest load split into groups: below it the forward's own launch time dominates and
+one launch was as fast or faster (an H100, 256 MiB: 0.045 s in one launch, 0.054 in 8 groups;
+1 GiB: 0.063 against 0.046)."""
 
 
 def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -400,7 +420,8 @@ def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor]
                 return 0
             engine = EngineKV.transformers(keys[a:b], values[a:b])
             for staging, blocks in runs:  # a slot's layers a..b are contiguous in it
-                kernels.scatter(staging[:, a:b], engine, [[x] for x in blocks], stream=side)
+                kernels.scatter(staging[:, a:b], engine, [[x] for x in blocks], stream=side,
+                                max_ctas=CUDA_LOAD_CTAS or None)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(side)
             for layer in range(a, b):
@@ -415,6 +436,52 @@ def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor]
 def _side_stream(device: torch.device) -> Any:
     """One side stream per device for grouped loads (a load runs at a time per engine)."""
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+CUDA_LOAD_CTAS = 32
+"""With grouped loads, the most CTAs each group's copy kernel runs on (its grid loops over the
+(block, plane) units: `kernels.plan.launch_shape`); 0: no cap, a CTA per unit. A load from
+host memory is bound by the bus, which a few SMs' loads keep full; uncapped, the copy's
+thousands of CTAs hold every SM, and a kernel of the forward beside it (flash attention at
+0.7 ms alone) took 33 ms on an H100 (docs/GPU.md). benchmarks/gpu_ttft.py sweeps it
+(`--ctas-sweep`)."""
+
+
+CUDA_LOAD_PRIORITY = True
+"""With grouped loads (`CUDA_LOAD_GROUPS` > 1), the forward beside them runs on a stream of the
+highest priority (`_forward_stream`): the GPU's block scheduler then starts the forward's
+kernels ahead of the copy's CTAs still waiting for an SM. Without it the copy kernel's grid
+(a CTA per block and plane, more than the SMs hold) keeps every SM busy and each of the
+forward's kernels waits behind it. benchmarks/gpu_ttft.py measures both (`warm_groups4_s`
+against `warm_groups4_flat_s`)."""
+
+
+@contextlib.contextmanager
+def _forward_stream(device: str | torch.device, grouped: bool) -> Iterator[None]:
+    """Around the forward of a prefill whose load runs beside it: on a GPU with a load large
+    enough to be grouped (`grouped`, `CUDA_LOAD_GROUPS` > 1, `CUDA_LOAD_PRIORITY`), on a
+    high-priority stream ordered after the caller's, which then waits for it; elsewhere, the
+    caller's stream as it is. (Whichever path the load takes, its gates carry events that
+    order the forward after its copies: `release`.)"""
+    device = torch.device(device)
+    if device.type != "cuda" or not grouped or CUDA_LOAD_GROUPS <= 1 or not CUDA_LOAD_PRIORITY:
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    fast = _priority_stream(device)
+    fast.wait_stream(caller)  # the cache's tensors, made on the caller's stream, exist first
+    try:
+        with torch.cuda.stream(fast):
+            yield
+    finally:
+        caller.wait_stream(fast)  # the caller's next work sees the forward's outputs
+
+
+@functools.cache
+def _priority_stream(device: torch.device) -> Any:
+    """One stream of the highest priority per device, for forwards beside grouped loads."""
+    # A number below CUDA's range maps to its highest priority (torch.cuda.Stream).
+    return torch.cuda.Stream(device, priority=-100)  # type: ignore[no-untyped-call]
 
 
 def block_runs(indices: list[int], views: list[torch.Tensor],
@@ -829,8 +896,10 @@ class CachedPrefill:
                                                room=1 + decode_tokens, buffers=self.buffers,
                                                device=self.device, windows=self.windows,
                                                shapes=self.shapes)
-            out, cache = run_model(self.model, input_ids[:, cached:], cache,
-                                   last_logits_only=True)
+            grouped = blocks * self.client.layout.block_bytes >= CUDA_LOAD_GROUPED_BYTES
+            with _forward_stream(self.device, grouped):
+                out, cache = run_model(self.model, input_ids[:, cached:], cache,
+                                       last_logits_only=True)
             got = loading.finish()
             if got != cached:
                 # Less came than the lookup found (evicted since, a deadline, the daemon gone):

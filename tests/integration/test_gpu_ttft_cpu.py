@@ -20,8 +20,10 @@ def test_gpu_ttft_runs_small_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(sys, "argv", [
         "gpu_ttft", "--device", "cpu", "--layers", "2", "--hidden", "256", "--lengths", "512",
-        "--repeats", "1", "--host-bytes", "256MiB", "--gpu-tier-bytes", "64MiB",
-        "--data-dir", str(tmp_path / "data"), "--out", "smoke"])
+        "--repeats", "1", "--ctas-sweep", "8", "--host-bytes", "256MiB",
+        "--gpu-tier-bytes", "64MiB",
+        "--data-dir", str(tmp_path / "data"), "--out", "smoke",
+        "--profile", str(tmp_path / "profile")])
     gpu_ttft.main()
     (row,) = json.loads((tmp_path / "results" / "smoke.json").read_text())["rows"]
     assert row["prefix_tokens"] == 512
@@ -30,3 +32,8 @@ def test_gpu_ttft_runs_small_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     assert row["gpu_tier_hits_per_prefill"] == 512 / 256  # every block from the gpu level
     assert row["gpu_slab_on"] == "cpu"
     assert row["warm_gpu_tier_s"] > 0 and row["fetch_gpu_tier_s"] > 0
+    assert row["warm_groups4_flat_s"] > 0 and row["warm_groups4_ctas8_s"] > 0
+    for name in ("512_host", "512_gpu_level"):  # --profile: where each daemon's prefills went
+        assert "start_fetch_cache" in (tmp_path / "profile" / f"{name}.txt").read_text()
+        assert "aten::" in (tmp_path / "profile" / f"{name}.torch.txt").read_text()
+        assert json.loads((tmp_path / "profile" / f"{name}.trace.json").read_text())

@@ -4,6 +4,8 @@ own over the same split, bit for bit. Run on a GPU machine: `pytest -m gpu` (doc
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,16 +48,32 @@ def own_split(model: torch.nn.Module, ids: torch.Tensor, cached: int, steps: int
 
 
 @pytest.mark.parametrize("reserve", [0, 1200])
-@pytest.mark.parametrize("copy", ["kernel", "torch", "kernel-groups"])
+@pytest.mark.parametrize("copy", ["kernel", "torch", "kernel-groups", "kernel-groups-flat",
+                                  "kernel-groups-fallback"])
 def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, monkeypatch):
     # kernel-groups: the copy kernel in 3 groups of the 4 layers (1, 1, 2) on a side stream,
-    # each layer's attention waiting on the device for its own group only.
+    # each layer's attention waiting on the device for its own group only; the forward on a
+    # high-priority stream (`CUDA_LOAD_PRIORITY`), or on the caller's (-flat). -fallback: the
+    # forward on the high-priority stream, the load in one launch on the loading thread's
+    # stream (as when a fetch comes in several windows): only the gates' events order them.
     monkeypatch.setattr(hf, "CUDA_LOAD", "torch" if copy == "torch" else "kernel")
-    monkeypatch.setattr(hf, "CUDA_LOAD_GROUPS", 3 if copy == "kernel-groups" else 1)
+    monkeypatch.setattr(hf, "CUDA_LOAD_GROUPS", 3 if copy.startswith("kernel-groups") else 1)
+    monkeypatch.setattr(hf, "CUDA_LOAD_GROUPED_BYTES", 0)  # this small prompt's load too
+    monkeypatch.setattr(hf, "CUDA_LOAD_PRIORITY", copy != "kernel-groups-flat")
+    streams: list[int] = []
+    real_forward = hf._forward_stream
+
+    @contextlib.contextmanager
+    def forward_stream(device, grouped):
+        with real_forward(device, grouped):
+            streams.append(torch.cuda.current_stream(device).priority)
+            yield
     grouped: list[int | None] = []
     real = hf._kernel_scatter_grouped
     monkeypatch.setattr(hf, "_kernel_scatter_grouped",
-                        lambda *a: grouped.append(real(*a)) or grouped[-1])
+                        lambda *a: grouped.append(None if copy.endswith("fallback")
+                                                  else real(*a)) or grouped[-1])
+    monkeypatch.setattr(hf, "_forward_stream", forward_stream)
     model = llama_on("cuda")
     layout = layout_for_model(model, block_tokens=64)
     ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(4)).cuda()
@@ -68,7 +86,11 @@ def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, mon
         tokens, warm = engine.generate(ids, 24)
     assert warm.cached_tokens == 960 and warm.computed_tokens == 40
     assert warm.cache.layers[0].keys.is_cuda
-    assert grouped == ([15] if copy == "kernel-groups" else [])  # the grouped load ran
+    want = {"kernel-groups": [15], "kernel-groups-flat": [15], "kernel-groups-fallback": [None]}
+    assert grouped == want.get(copy, [])  # the grouped load ran (or was tried)
+    # The warm forward ran on a high-priority stream only with grouped loads and priority.
+    high = copy in ("kernel-groups", "kernel-groups-fallback")
+    assert len(streams) == 1 and (streams[0] < 0) == high, streams
     want_logits, want_tokens = own_split(model, ids, 960, 24)
     assert torch.equal(warm.logits, want_logits)
     assert tokens == want_tokens

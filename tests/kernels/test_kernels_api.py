@@ -218,6 +218,21 @@ def test_launch_shape_fills_the_gpu_for_small_requests() -> None:
     assert launch_shape(3, 1, 132)[1] == (32, 1, 1)
 
 
+def test_max_ctas_caps_the_grid_and_is_checked_on_every_device() -> None:
+    # Capped: at most max_ctas CTAs, no y-split (each CTA loops over units in x).
+    assert launch_shape(10_000, 1 << 20, 132, max_ctas=32) == ((32, 1, 1), (256, 1, 1))
+    assert launch_shape(4, 1 << 20, 132, max_ctas=32)[0] == (4, 1, 1)  # never more than units
+    engine = nhd()
+    staging = staging_for(engine)
+    req = prepare(Direction.GATHER, engine, staging, [[0, 1], [2, 3]])
+    plan = plan_launch(req, 132, max_ctas=3)
+    assert plan.grid == (3, 1, 1) and plan.num_units == 2 * 2 * 2  # blocks x layers x (K, V)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_ctas must be >= 1"):
+            kernels.gather(engine, staging, [[0, 1]], max_ctas=bad)  # the CPU path checks too
+    kernels.gather(engine, staging, [[0, 1]], max_ctas=1)  # and runs it as any other
+
+
 def test_plan_describes_strides_in_bytes() -> None:
     engine = nhd(num_layers=3, dtype=torch.bfloat16)
     staging = staging_for(engine, slots=3)
@@ -257,7 +272,7 @@ def test_kernel_arguments_point_at_the_metadata() -> None:
     assert read(args[1], 4) == [4, 5, 0, 1]
     assert read(args[2], 2) == [2, 1]
     assert int(args[3]) == staging.data_ptr()
-    assert [type(a) for a in args[4:]] == [np.int32] * 5 + [np.int64] * 4
+    assert [type(a) for a in args[4:]] == [np.int32] * 5 + [np.int64] * 4 + [np.int32]
     assert tuple(int(a) for a in args[4:]) == scalar_args(plan)
 
 

@@ -72,12 +72,16 @@ class Twins:
             assert_same_bytes(storage_bytes(st), got, what)
 
 
+# max_ctas=3: the grid capped below the units (grouped loads beside a forward), each CTA
+# looping over several of them.
+@pytest.mark.parametrize("max_ctas", [None, 3], ids=["grid", "capped"])
 @pytest.mark.parametrize("staging_on", ["device", "pinned"])
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", list(EngineLayout), ids=lambda x: x.value)
 def test_cuda_matches_oracle(
-    layout: EngineLayout, dtype: torch.dtype, direction: Direction, staging_on: str
+    layout: EngineLayout, dtype: torch.dtype, direction: Direction, staging_on: str,
+    max_ctas: int | None,
 ) -> None:
     seed = zlib.crc32(f"{layout.value}{dtype}{direction.value}{staging_on}".encode())
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -108,9 +112,9 @@ def test_cuda_matches_oracle(
         gpu_engine = on_gpu.twin_engine(engine)
         gpu_staging = on_staging(staging)
         if direction is Direction.GATHER:
-            kernels.gather(gpu_engine, gpu_staging, page_ids, slot_ids)
+            kernels.gather(gpu_engine, gpu_staging, page_ids, slot_ids, max_ctas=max_ctas)
         else:
-            kernels.scatter(gpu_staging, gpu_engine, page_ids, slot_ids)
+            kernels.scatter(gpu_staging, gpu_engine, page_ids, slot_ids, max_ctas=max_ctas)
         torch.cuda.synchronize()
         reference.run(prepare(direction, engine, staging, page_ids, slot_ids))
         label = f"{layout.value} {direction.value} strided={strided} misalign={misalign}"

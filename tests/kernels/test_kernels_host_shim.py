@@ -52,10 +52,11 @@ def run_and_compare(
     *,
     tiny_launch: bool = False,
     reverse: bool = False,
+    max_ctas: int | None = None,
 ) -> KernelLaunch:
     """Run the kernel in the shim and the oracle in torch; compare every byte."""
     req = prepare(direction, engine, staging, page_ids, slot_ids)
-    plan = plan_launch(req, sm_count=H100_SMS)
+    plan = plan_launch(req, sm_count=H100_SMS, max_ctas=max_ctas)
     if tiny_launch:
         # One CTA of one warp per unit: every thread walks the grid-stride loop.
         plan = dataclasses.replace(plan, grid=(plan.grid[0], 1, 1), block=(32, 1, 1))
@@ -184,6 +185,23 @@ def test_many_blocks_large_rows(shim: ShimRunner) -> None:
         plan = run_and_compare(shim, engine, staging, direction, page_ids, slot_ids)
         assert plan.vec_bytes == 16, plan
         assert plan.grid[1] > 1, plan
+
+
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+@pytest.mark.parametrize("max_ctas", [1, 3, 7])
+def test_a_capped_grid_loops_over_every_unit(shim: ShimRunner, max_ctas: int,
+                                             direction: Direction) -> None:
+    # 3 layers x 2 (K, V) x 5 blocks = 30 units on 1, 3 or 7 CTAs (grouped loads beside a
+    # forward, `hf.CUDA_LOAD_CTAS`): each CTA walks several units, the last step uneven.
+    gen = torch.Generator().manual_seed(max_ctas)
+    spec = CacheSpec(EngineLayout.VLLM_NHD, torch.bfloat16, num_layers=3, num_pages=12,
+                     heads=2, head_dim=64)
+    engine = make_engine(spec, gen)
+    staging = make_staging(engine, 6, spec.block_tokens, gen, misalign=False)
+    page_ids, slot_ids = random_ids(direction is Direction.GATHER, 5, 2, 12, 6, gen)
+    plan = run_and_compare(shim, engine, staging, direction, page_ids, slot_ids,
+                           max_ctas=max_ctas, reverse=max_ctas == 3)
+    assert plan.num_units == 30 and plan.grid == (max_ctas, 1, 1), plan
 
 
 def _aligned_case(gen: torch.Generator) -> tuple[EngineKV, torch.Tensor, KernelLaunch]:

@@ -28,7 +28,7 @@
 namespace {
 
 using KvCopyFn = void (*)(const kv_u64*, const kv_i64*, const kv_i64*, unsigned char*, int, int,
-                          int, int, int, kv_i64, kv_i64, kv_i64, kv_i64);
+                          int, int, int, kv_i64, kv_i64, kv_i64, kv_i64, int);
 
 // Every kernel the .cu exports; tests check this list against the Python side.
 const std::map<std::string, KvCopyFn> kKernels = {
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
 
   std::string kernel_name, order_word;
   dim3 grid, block;
-  int num_planes, block_tokens, page_size, num_heads, row_bytes;
+  int num_planes, block_tokens, page_size, num_heads, row_bytes, num_units;
   kv_i64 page_stride, token_stride, head_stride, slot_stride;
   expect(job, "kernel");
   job >> kernel_name;
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   job >> order_word;
   expect(job, "scalars");
   job >> num_planes >> block_tokens >> page_size >> num_heads >> row_bytes >> page_stride >>
-      token_stride >> head_stride >> slot_stride;
+      token_stride >> head_stride >> slot_stride >> num_units;
 
   size_t n_buffers;
   expect(job, "buffers");
@@ -164,7 +164,8 @@ int main(int argc, char** argv) {
   kv_i64* d_slots = exact_copy(slot_ids);
   shim_launch(grid, block, order, it->second, d_planes, d_pages, d_slots,
               buffers[staging_buf].data + staging_offset, num_planes, block_tokens, page_size,
-              num_heads, row_bytes, page_stride, token_stride, head_stride, slot_stride);
+              num_heads, row_bytes, page_stride, token_stride, head_stride, slot_stride,
+              num_units);
 
   for (const Buffer& b : buffers) write_file(b.path + ".out", b.data, b.size);
   std::free(d_planes);
