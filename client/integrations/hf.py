@@ -262,7 +262,9 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         # host hit is one call), each layer is released as soon as it is complete.
         whole = list(indices) == list(range(blocks))
         with torch.inference_mode(inference), _copies_done_on_return(on):
-            if whole and CUDA_LOAD_GROUPS > 1 and sum(
+            # Grouped: a large load from host memory, bound by the bus. One from the daemon's
+            # gpu slab is a device copy of a few ms (3 ms for 4 GiB), measured in one launch.
+            if whole and CUDA_LOAD_GROUPS > 1 and not any(v.is_cuda for v in views) and sum(
                     v.nbytes for v in views) >= CUDA_LOAD_GROUPED_BYTES:
                 grouped = _kernel_scatter_grouped(keys, values, indices, views, stop,
                                                   lmap.uniform, loading.ready, CUDA_LOAD_GROUPS)
