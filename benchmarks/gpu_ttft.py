@@ -148,7 +148,8 @@ def main() -> None:
     p.add_argument("--ctas-sweep", default="",
                    help="e.g. 8,64,0: also time 4 groups capped at each (hf.CUDA_LOAD_CTAS)")
     p.add_argument("--profile", default="",
-                   help="a directory: write where warm prefills spend their time (cProfile)")
+                   help="a directory: where warm prefills spend their time (cProfile, torch's "
+                        "profiler, Chrome traces)")
     args = p.parse_args()
     device = torch.device(args.device)
     lengths = [int(x) for x in args.lengths.split(",")]

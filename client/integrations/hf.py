@@ -264,8 +264,8 @@ def start_fetch_cache(client: KVClient, tokens: torch.Tensor, blocks: int, room:
         with torch.inference_mode(inference), _copies_done_on_return(on):
             # Grouped: a large load from host memory, bound by the bus. One from the daemon's
             # gpu slab is a device copy of a few ms (3 ms for 4 GiB), measured in one launch.
-            if whole and CUDA_LOAD_GROUPS > 1 and not any(v.is_cuda for v in views) and sum(
-                    v.nbytes for v in views) >= CUDA_LOAD_GROUPED_BYTES:
+            if whole and not any(v.is_cuda for v in views) and _grouped_load(
+                    sum(v.nbytes for v in views)):
                 grouped = _kernel_scatter_grouped(keys, values, indices, views, stop,
                                                   lmap.uniform, loading.ready, CUDA_LOAD_GROUPS)
                 if grouped is not None:
@@ -394,6 +394,12 @@ one launch was as fast or faster (an H100, 256 MiB: 0.045 s in one launch, 0.054
 1 GiB: 0.063 against 0.046)."""
 
 
+def _grouped_load(nbytes: int) -> bool:
+    """Whether a load of `nbytes` goes in groups of layers beside the forward (and that
+    forward on the high-priority stream: `_forward_stream`)."""
+    return CUDA_LOAD_GROUPS > 1 and nbytes >= CUDA_LOAD_GROUPED_BYTES
+
+
 def _kernel_scatter_grouped(keys: list[torch.Tensor], values: list[torch.Tensor],
                             indices: list[int], views: list[torch.Tensor],
                             stop: threading.Event, uniform: bool, gates: list[Gate],
@@ -461,12 +467,12 @@ against `warm_groups4_flat_s`)."""
 @contextlib.contextmanager
 def _forward_stream(device: str | torch.device, grouped: bool) -> Iterator[None]:
     """Around the forward of a prefill whose load runs beside it: on a GPU with a load large
-    enough to be grouped (`grouped`, `CUDA_LOAD_GROUPS` > 1, `CUDA_LOAD_PRIORITY`), on a
+    enough to be grouped (`grouped`: `_grouped_load`) and `CUDA_LOAD_PRIORITY`, on a
     high-priority stream ordered after the caller's, which then waits for it; elsewhere, the
     caller's stream as it is. (Whichever path the load takes, its gates carry events that
     order the forward after its copies: `release`.)"""
     device = torch.device(device)
-    if device.type != "cuda" or not grouped or CUDA_LOAD_GROUPS <= 1 or not CUDA_LOAD_PRIORITY:
+    if device.type != "cuda" or not grouped or not CUDA_LOAD_PRIORITY:
         yield
         return
     caller = torch.cuda.current_stream(device)
@@ -898,7 +904,7 @@ class CachedPrefill:
                                                room=1 + decode_tokens, buffers=self.buffers,
                                                device=self.device, windows=self.windows,
                                                shapes=self.shapes)
-            grouped = blocks * self.client.layout.block_bytes >= CUDA_LOAD_GROUPED_BYTES
+            grouped = _grouped_load(blocks * self.client.layout.block_bytes)
             with _forward_stream(self.device, grouped):
                 out, cache = run_model(self.model, input_ids[:, cached:], cache,
                                        last_logits_only=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvstore import kernels
+from kvstore.client.integrations import hf
 from kvstore.client.integrations.hf import _copy_in, block_runs
 from kvstore.client.integrations.hf_layers import layer_map
 from kvstore.kernels import EngineKV
@@ -70,3 +71,13 @@ def test_blocks_of_two_memories_lying_back_to_back_are_two_runs():
     views = [arena[per:].view(BLOCK), slab[:per].view(BLOCK), slab[per:].view(BLOCK)]
     assert views[1].data_ptr() == views[0].data_ptr() + views[0].nbytes  # adjacent bytes
     assert [blocks for _, blocks in block_runs([0, 1, 2], views)] == [[0], [1, 2]]
+
+
+def test_only_loads_past_the_threshold_go_in_groups(monkeypatch) -> None:
+    # The shipped defaults: 8 groups from 512 MiB (docs/GPU.md: below it one launch was as
+    # fast or faster on an H100); one group turns grouping off at every size.
+    assert hf.CUDA_LOAD_GROUPS == 8 and hf.CUDA_LOAD_GROUPED_BYTES == 512 << 20
+    assert not hf._grouped_load(hf.CUDA_LOAD_GROUPED_BYTES - 1)
+    assert hf._grouped_load(hf.CUDA_LOAD_GROUPED_BYTES)
+    monkeypatch.setattr(hf, "CUDA_LOAD_GROUPS", 1)
+    assert not hf._grouped_load(1 << 40)
