@@ -61,7 +61,7 @@ from benchmarks.worker import JsonLineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_VLLM = ROOT / ".venv-vllm" / "bin" / "python"
-UNMAP_SETTLE_S = 2.0  # --wait-prefault: after the primer, for the old arena's unmap
+UNMAP_SETTLE_S = 2.0  # --wait-prefault's default --settle-s: after the primer, for the client
 VENV_LMCACHE = ROOT / ".venv-lmcache" / "bin" / "python"
 VOCAB = 32000
 LOGGING = {
@@ -289,9 +289,12 @@ def main() -> None:
     p.add_argument("--wait-prefault", action="store_true",
                    help="disk rows: after each restart, wait until the daemon has prefaulted "
                         "its arena (host_prefault) before the engine reconnects, and "
-                        f"{UNMAP_SETTLE_S:.0f} s after the engine's primer (its client unmaps "
-                        "the old arena in the background): a daemon restarted ahead of its "
-                        "traffic")
+                        "--settle-s after the engine's primer (its client unmaps the old arena "
+                        "and maps the new one in the background): a daemon restarted ahead of "
+                        "its traffic")
+    p.add_argument("--settle-s", type=float, default=UNMAP_SETTLE_S,
+                   help="with --wait-prefault: seconds after the primer (0: the daemon's "
+                        "prefault waited for, not the engine's client)")
     p.add_argument("--sync-after-stop", action="store_true",
                    help="disk rows: sync(2) after each daemon stop, before the restart: the "
                         "shutdown flush's writeback is over before the engine's loads (the "
@@ -448,7 +451,7 @@ def run(args: argparse.Namespace) -> None:
             if args.wait_prefault:
                 # Ahead of traffic, as the prefault: the worker's client unmaps the old
                 # daemon's arena in a background thread (0.67 s per 4 GiB here).
-                time.sleep(UNMAP_SETTLE_S)
+                time.sleep(args.settle_s)
             for n in lengths:
                 measure(engine, "kvstore disk", n, reset=True)
     finally:
