@@ -334,7 +334,8 @@ class AsyncKVClient:
         return stored * self.layout.block_tokens
 
     async def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
-                         max_blocks: int | None = None, budget_s: float | None = None) -> int:
+                         max_blocks: int | None = None, budget_s: float | None = None,
+                         whole: bool = False) -> int:
         """Fetch the longest cached prefix of `tokens` and hand its blocks to `consume`, which
         copies them where the caller wants them: one copy, no tensor allocated here.
 
@@ -357,7 +358,10 @@ class AsyncKVClient:
         stopped midway, or the daemon dropped the lease during the copy, so they may have been
         overwritten meanwhile) must be discarded by the caller. `max_blocks` ends the prefix
         after that many blocks (counted from the prompt's start, as `plan(...).load_blocks`
-        is).
+        is). `whole`: the daemon stages the whole prefix before `consume` is called, in one
+        round, instead of in windows whose reads overlap the copies: for a `consume` that can
+        use no block before it has them all (a layer-by-layer load, whose first layer needs
+        every block's). A prefix that host has no room for still comes in rounds.
         """
         keys = self.keys(tokens)[: _limit(max_blocks)]
         if skip_blocks < 0:
@@ -367,7 +371,7 @@ class AsyncKVClient:
         until = self._until(len(keys) - skip_blocks, _budget(budget_s))
         progress = _Progress(skip_blocks)
         blocks = await self._guard(
-            lambda: self._fetch_with(keys, consume, skip_blocks, until, progress), None,
+            lambda: self._fetch_with(keys, consume, skip_blocks, until, progress, whole), None,
             until=until)
         if blocks is None:  # cut short: what was copied intact still counts
             blocks = progress.done
@@ -914,7 +918,7 @@ class AsyncKVClient:
 
     async def _windows(self, keys: list[bytes],
                        take: _Take,
-                       until: float, progress: _Progress) -> None:
+                       until: float, progress: _Progress, whole: bool = False) -> None:
         """Same-node fetch of `keys[progress.done:]`, advancing `progress.done` past every
         window copied intact. The daemon answers a window at a time (it stops after
         `fetch_window_bytes` of disk or remote reads, or when its staging space runs out, with
@@ -923,7 +927,7 @@ class AsyncKVClient:
         blocks, the first being block `first` of `keys`, and returns how many leading ones it
         copied in full (fewer when it stopped at `until`); the lease is released here, and a
         lease that ended during the copy makes that window a miss (its blocks may have been
-        overwritten meanwhile)."""
+        overwritten meanwhile). `whole`: no windows (`AsyncKVClient.fetch_with`)."""
         # The prefault waits for the whole fetch, not only for its copies: the daemon reads a
         # disk or remote hit into arena pages that the prefault may be touching for the
         # first time at that moment, and the read waited for it. The first fetch after a
@@ -931,7 +935,7 @@ class AsyncKVClient:
         # copies held it, 0.14-0.27 s now (`benchmarks.restart_fetch`, PERFORMANCE.md).
         with _copies.held():
             ahead: asyncio.Future[pb.FetchChunk] | None = asyncio.ensure_future(
-                self._fetch_head(keys, progress.done, until=until))
+                self._fetch_head(keys, progress.done, until=until, whole=whole))
             overlapped = False  # `ahead` was asked for while this client held the window before
             try:
                 while ahead is not None:
@@ -940,14 +944,16 @@ class AsyncKVClient:
                     if head.hits == 0 and overlapped:
                         # Asked for while the previous window was pinned: the daemon may have
                         # lacked staging space for both. Ask again, now that it is released.
-                        head = await self._fetch_head(keys, progress.done, until=until)
+                        head = await self._fetch_head(keys, progress.done, until=until,
+                                                      whole=whole)
                     n = head.hits
                     if n == 0:
                         break
                     overlapped = head.more and progress.done + n < len(keys)
                     if overlapped:
                         ahead = asyncio.ensure_future(
-                            self._fetch_head(keys, progress.done + n, until=until))
+                            self._fetch_head(keys, progress.done + n, until=until,
+                                             whole=whole))
                     got = await self._take_leased(head, progress.done, take)
                     progress.done += got
                     if got < n:
@@ -956,15 +962,15 @@ class AsyncKVClient:
                 if ahead is not None:
                     self._drop_head(ahead)
 
-    async def _fetch_head(self, keys: list[bytes], start: int,
-                          until: float | None = None) -> pb.FetchChunk:
+    async def _fetch_head(self, keys: list[bytes], start: int, until: float | None = None,
+                          whole: bool = False) -> pb.FetchChunk:
         """One SHM Fetch of `keys[start:]`: its header (with a lease when it hit). The daemon
         reads a window of disk or remote hits before it answers: the transfer's deadline."""
         # `prior_keys`: the blocks before `start`, which the daemon then keeps in host rather
         # than evict to make room for the rest (a prompt larger than its host tier).
         req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
                               transfer=pb.TRANSFER_SHM, prior_keys=keys[:start],
-                              slab_ok=self._slab is not None)
+                              slab_ok=self._slab is not None, whole=whole)
         timeout = self.deadline_s if until is None else self._left(until)
         call = self._stub_().Fetch(req, timeout=timeout, metadata=self._metadata)
         return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
@@ -1146,7 +1152,7 @@ class AsyncKVClient:
         return raw.view(self.layout.torch_dtype).view(self.layout.block_shape)
 
     async def _fetch_with(self, keys: list[bytes], consume: BlockCopy, skip: int,
-                          until: float, progress: _Progress) -> int:
+                          until: float, progress: _Progress, whole: bool) -> int:
         """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it)."""
         if self.transfer == "stream":
             return await self._fetch_with_stream(keys, consume, skip, until)
@@ -1157,7 +1163,7 @@ class AsyncKVClient:
             return await self._copy(consume, len(views), list(range(first, first + len(views))),
                                     views, until=until)
 
-        await self._windows(keys, take, until, progress)
+        await self._windows(keys, take, until, progress, whole)
         return progress.done
 
     async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,

@@ -102,12 +102,14 @@ class KVClient:
         return self._run(self._aio.publish(tokens, kv), 0, self._transfer_s(tokens))
 
     def fetch_with(self, tokens: Tokens, consume: BlockCopy, *, skip_blocks: int = 0,
-                   max_blocks: int | None = None, budget_s: float | None = None) -> int:
+                   max_blocks: int | None = None, budget_s: float | None = None,
+                   whole: bool = False) -> int:
         """See `AsyncKVClient.fetch_with`: `consume(blocks, views, stop)` copies the cached
         prefix's blocks out of the daemon's memory; returns the end of the intact prefix (a
-        fetch cut short by its deadline keeps what it copied)."""
+        fetch cut short by its deadline keeps what it copied). `whole`: in one round."""
         return self._run(self._aio.fetch_with(tokens, consume, skip_blocks=skip_blocks,
-                                              max_blocks=max_blocks, budget_s=budget_s), 0,
+                                              max_blocks=max_blocks, budget_s=budget_s,
+                                              whole=whole), 0,
                          self._transfer_s(tokens, budget_s))
 
     def publish_with(self, tokens: Tokens, produce: BlockCopy) -> int:

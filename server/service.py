@@ -300,7 +300,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         slab_ok = shm and request.slab_ok and self.store.gpu is not None
         lease = await self.store.fetch(keys, layout.digest(), ns, layout.block_bytes,
                                        owner=scope.tenant, hold=True, prior=prior,
-                                       slab_ok=slab_ok)
+                                       slab_ok=slab_ok, whole=request.whole)
         try:
             refs = [pb.BlockRef(offset=e.offset, length=e.length, tier=t, in_slab=in_slab)
                     for e, t, in_slab in zip(lease.entries, lease.tiers, lease.in_slab,

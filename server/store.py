@@ -345,7 +345,8 @@ class TieredStore:
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
                     block_bytes: int = 0, owner: str = "", hold: bool = False,
-                    prior: Sequence[bytes] = (), slab_ok: bool = False) -> FetchLease:
+                    prior: Sequence[bytes] = (), slab_ok: bool = False,
+                    whole: bool = False) -> FetchLease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
         reading them into scratch space, see `_Room`) under a lease.
 
@@ -361,7 +362,10 @@ class TieredStore:
         than the host tier is served without pushing itself out of it (`_Room`). `slab_ok`: the
         client maps the gpu tier's slab, so every block gpu holds is pinned there and served
         from it (`FetchLease.in_slab`), even one host holds too (device to device beats the
-        bus), and a block only gpu holds is not copied into host scratch space.
+        bus), and a block only gpu holds is not copied into host scratch space. `whole`: no
+        windows, for a client that can use no block before it has them all (a layer-by-layer
+        load: its first layer needs every block's); the lease still stops short, with `more`,
+        where host has no room for the rest.
 
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
@@ -374,7 +378,7 @@ class TieredStore:
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
                      slab_ok=slab_ok and self.gpu is not None)
-        window = self.fetch_window_bytes
+        window = 0 if whole else self.fetch_window_bytes
         promoted = 0
         try:
             for i, key in enumerate(keys):

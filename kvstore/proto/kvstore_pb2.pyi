@@ -132,20 +132,22 @@ class BlockRef(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[str] = ..., in_slab: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "keys", "transfer", "prior_keys", "slab_ok")
+    __slots__ = ("namespace", "layout", "keys", "transfer", "prior_keys", "slab_ok", "whole")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PRIOR_KEYS_FIELD_NUMBER: _ClassVar[int]
     SLAB_OK_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layout: Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     transfer: Transfer
     prior_keys: _containers.RepeatedScalarFieldContainer[bytes]
     slab_ok: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ..., slab_ok: _Optional[bool] = ...) -> None: ...
+    whole: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., prior_keys: _Optional[_Iterable[bytes]] = ..., slab_ok: _Optional[bool] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("hits", "lease_id", "blocks", "block_index", "chunk_offset", "data", "arena_id", "more", "slab_id")

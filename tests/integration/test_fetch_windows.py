@@ -80,6 +80,41 @@ def test_fetch_spans_windows_byte_identically(daemon_factory, heads):
     wait_quiescent(d.target, 2.0)  # every window's lease was released
 
 
+def test_a_whole_fetch_comes_in_one_round_unless_host_lacks_room(daemon_factory, heads):
+    """`fetch_with(..., whole=True)` (the vLLM connector's layer-by-layer loads): the daemon
+    stages the whole prefix before answering, so `consume` gets every block in one call, byte-
+    identical; where host cannot hold it all, the rest still comes in further rounds."""
+    d, tokens, kv = on_disk_only(daemon_factory, 10, "--host-bytes", host_of(10))
+    d.start()
+
+    def fetch_whole(c: KVClient, kv: torch.Tensor) -> list[list[int]]:
+        calls: list[list[int]] = []
+        out = torch.zeros_like(kv)
+
+        def consume(blocks, views, stop: threading.Event) -> None:
+            calls.append(list(blocks))
+            for b, view in zip(blocks, views, strict=True):
+                out[:, :, b * BT : (b + 1) * BT].copy_(view)
+
+        assert c.fetch_with(tokens, consume, whole=True) == len(tokens)
+        assert same_bytes(out, kv)
+        return calls
+
+    with KVClient(d.target, LAYOUT) as c:
+        heads.clear()
+        assert fetch_whole(c, kv) == [list(range(10))]
+        assert heads == [0]  # 10 disk reads, past the 3-block window, in one call
+    wait_quiescent(d.target, 2.0)
+    d.stop()
+    # A host tier of 6 blocks: the whole prefix cannot be staged at once.
+    small, tokens, kv = on_disk_only(daemon_factory, 10, "--host-bytes", host_of(6))
+    small.start()
+    with KVClient(small.target, LAYOUT) as c:
+        calls = fetch_whole(c, kv)
+        assert len(calls) > 1 and sum(calls, []) == list(range(10))
+    wait_quiescent(small.target, 2.0)
+
+
 def test_prefix_ends_inside_a_window(daemon_factory, heads):
     d, tokens, kv = on_disk_only(daemon_factory, 5, "--host-bytes", host_of(10))
     d.start()
