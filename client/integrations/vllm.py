@@ -11,7 +11,7 @@ Extra config keys (all optional): `kvstore.target`, `kvstore.token`, `kvstore.bl
 the layout; default: vLLM's model path), `kvstore.deadline_s`, `kvstore.transfer`,
 `kvstore.tenant`, `kvstore.async_save`, `kvstore.save_queue`, `kvstore.consumer_wait_s`,
 `kvstore.shared_model`, `kvstore.async_load`, `kvstore.layerwise_load`,
-`kvstore.layerwise_min_tokens`.
+`kvstore.layerwise_min_tokens`, `kvstore.whole_loads`.
 
 Blocks are keyed with kvstore's own chained keys over the prompt tokens, in the namespace of a
 `KVLayout` derived from vLLM's KV-cache spec, with `request.cache_salt` as the salt: a block
@@ -257,6 +257,15 @@ class ConnectorConfig:
     layer. On this repository's 2-core machine, whole was not faster at 2,048 tokens and was
     slower from 4,096 on (docs/PERFORMANCE.md, "Layer-by-layer loads"); a machine whose
     forward is short against its copies may set it."""
+    whole_loads: bool = False
+    """With `layerwise_load`, ask the daemon for each load's whole prefix in one round
+    (`fetch_with(..., whole=True)`) instead of in windows of its `fetch_window_bytes`. A layer
+    is ready for the forward only once one call brought every block, so a disk load in
+    windows makes the forward wait for all of it: 8k / 16k-token disk loads gave TTFT 0.176 /
+    0.343 s with this against 0.236 / 0.475 s without (docs/PERFORMANCE.md, "Disk loads in one
+    round"). Off by default: a load that outlives its deadline then keeps nothing (a stalled
+    disk: the prompt is recomputed whole), where windows keep the prefix that arrived. For
+    daemons on a disk that keeps up."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
@@ -1627,14 +1636,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         began = time.perf_counter()
         try:
-            # A layer-by-layer load asks for the whole prefix at once: a layer is ready for the
-            # forward only once a call brought every block (`signal`). In windows, a disk load
-            # signalled nothing before its last window, and the forward ran after the whole
-            # load: 8k / 16k disk TTFT 0.236 / 0.475 s against 0.175 / 0.332 s in one round
-            # (docs/PERFORMANCE.md, "Disk loads in one round").
+            # `whole_loads`: a layer is ready for the forward only once a call brought every
+            # block (`signal`), so in windows the forward waits for a whole disk load.
             n = self._client(spec.salt, spec.lora, spec.group, spec.shard).fetch_with(
                 spec.keys, consume, skip_blocks=spec.start // bt,
-                budget_s=self._recompute_s(spec.start, spec.end), whole=layerwise is not None)
+                budget_s=self._recompute_s(spec.start, spec.end),
+                whole=layerwise is not None and self._cfg.whole_loads)
         finally:
             guard.close()  # no copy into vLLM's pages after this
         # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
