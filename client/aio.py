@@ -361,7 +361,9 @@ class AsyncKVClient:
         is). `whole`: the daemon stages the whole prefix before `consume` is called, in one
         round, instead of in windows whose reads overlap the copies: for a `consume` that can
         use no block before it has them all (a layer-by-layer load, whose first layer needs
-        every block's). A prefix that host has no room for still comes in rounds.
+        every block's). A prefix that host has no room for still comes in rounds; a fetch that
+        outlives its deadline keeps nothing of a round not answered yet, where windows keep
+        the ones copied. Over TCP `consume` gets every block in one call either way.
         """
         keys = self.keys(tokens)[: _limit(max_blocks)]
         if skip_blocks < 0:
