@@ -34,13 +34,19 @@ WHOLE = re.compile(r"kvstore: request \S+ loaded tokens \[0, (\d+)\)")
 
 
 @pytest.mark.timeout(900)
-def test_stalled_disk_load_completes_or_keeps_its_prefix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("whole_loads", [False, True])
+def test_stalled_disk_load_completes_or_keeps_its_prefix(tmp_path: Path,
+                                                         whole_loads: bool) -> None:
+    """`whole_loads` (one round, no windows): the stalled load may keep nothing, as
+    documented (`kvstore.whole_loads`), but is never used while incomplete: the output is the
+    same and what it kept is whole blocks."""
     model = make_model(tmp_path / "tiny-llama-4k", positions=TOKENS + 256)
     ids = [random.Random(4).randrange(3, 900) for _ in range(TOKENS)]
     daemon = DaemonProcess(tmp_path / "kvstore", "--host-bytes", "64MiB",
                            "--disk-bytes", "128MiB").start()
     log_path = tmp_path / "engine.log"
-    engine = Engine(model, daemon.target, log=log_path, max_model_len=TOKENS + 64)
+    engine = Engine(model, daemon.target, log=log_path, max_model_len=TOKENS + 64,
+                    extra={"kvstore.whole_loads": whole_loads})
     try:
         cold = engine.generate([ids])  # computed in one step: the connector times it
         engine.reset()
@@ -63,7 +69,7 @@ def test_stalled_disk_load_completes_or_keeps_its_prefix(tmp_path: Path) -> None
         if partial:
             kept, claimed = int(partial.group(1)), int(partial.group(2))
             assert claimed == TOKENS - 1
-            assert kept > 0, f"the load kept nothing of what it copied:\n{log}"
+            assert kept > 0 or whole_loads, f"the load kept nothing of what it copied:\n{log}"
             assert kept % BLOCK == 0
             assert hit_blocks(daemon) - served >= kept // BLOCK
         else:
