@@ -98,7 +98,7 @@ def _client_copy(arena: Arena, populate: bool) -> tuple[float, float]:
     return populated, copied
 
 
-def _trial(directory: str, src: int, size: int, fn: Callable[[Arena], float]) -> float:
+def _trial(directory: str, size: int, fn: Callable[[Arena], float]) -> float:
     arena = Arena.create(directory, size)
     try:
         return fn(arena)
@@ -137,7 +137,7 @@ def main() -> None:
             for threads in (1, 2, 4):
                 fill = (backed_fill(threads) if way == "mapping, backed" else
                         lambda a, t=threads, w=way: _fill(a, src, size, t, w))
-                s = [_trial(shm, src, size, fill) for _ in range(args.trials)]
+                s = [_trial(shm, size, fill) for _ in range(args.trials)]
                 rows.append({"step": f"daemon read: {way}", "threads": threads,
                              "s_per_gib": statistics.median(s) / gib, "samples_s": s})
                 print(f"{way}, {threads} thread(s): {statistics.median(s) / gib:.3f} s/GiB")
@@ -146,7 +146,7 @@ def main() -> None:
                 _fill(arena, src, size, 1, "mapping, fresh")
                 populated, copied = _client_copy(arena, populate)
                 return populated + copied
-            s = [_trial(shm, src, size, client) for _ in range(args.trials)]
+            s = [_trial(shm, size, client) for _ in range(args.trials)]
             name = "client copy, populated first (both timed)" if populate else \
                 "client copy, fresh mapping"
             rows.append({"step": name, "threads": torch.get_num_threads(),
