@@ -40,6 +40,9 @@ class StoreCollector(Collector):
              "use (write_fence_s)."),
             ("kvstore_lifts_skipped", c.lifts_skipped,
              "Promotions into the gpu tier not started: another prompt's was running."),
+            ("kvstore_late_fetches", c.late_fetches,
+             "Fetches answered short, before some disk reads started: their client's deadline "
+             "was half gone (the client asks for the rest)."),
             ("kvstore_sessions_ended", c.sessions_ended,
              "EndSession hints: conversations their clients said had ended."),
             ("kvstore_session_blocks_marked", c.session_blocks_marked,

@@ -108,6 +108,27 @@ class PublishLease(Lease):
 L = TypeVar("L", bound=Lease)
 
 
+class _Skipped(Exception):
+    """A disk read not started: the fetch's answer was due first (`fetch`'s `answer_within`)."""
+
+
+class _ReadClock:
+    """When one fetch's answer is due (`answer_within`), for its disk reads: a read starts
+    only if it would end by then, at the pace of the slowest of the fetch's reads so far (a
+    read of a stalled disk takes as long as the last one did). Read and written by the I/O
+    threads: a float's assignment is atomic, and a lost update only shifts one decision."""
+
+    def __init__(self, within_s: float) -> None:
+        self.due = time.monotonic() + within_s
+        self.slowest = 0.0
+
+    def may_start(self) -> bool:
+        return time.monotonic() + self.slowest <= self.due
+
+    def took(self, seconds: float) -> None:
+        self.slowest = max(self.slowest, seconds)
+
+
 @dataclass
 class _Staged:
     """One block of a fetch in progress: a pinned host hit, or a disk or remote hit read into
@@ -194,6 +215,7 @@ class StoreCounters:
     scratch_reads: int = 0  # blocks a fetch read into scratch space, not promoted (`_Room`)
     expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
     lifts_skipped: int = 0  # promotions into gpu not started: another prompt's was running
+    late_fetches: int = 0  # answered short at `answer_within`: some reads never started
     sessions_ended: int = 0  # EndSession hints
     session_blocks_marked: int = 0  # blocks they marked to go first (once per tier)
     tier_hits: dict[str, int] = field(default_factory=dict)
@@ -346,7 +368,7 @@ class TieredStore:
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
                     block_bytes: int = 0, owner: str = "", hold: bool = False,
                     prior: Sequence[bytes] = (), slab_ok: bool = False,
-                    whole: bool = False) -> FetchLease:
+                    whole: bool = False, answer_within: float | None = None) -> FetchLease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
         reading them into scratch space, see `_Room`) under a lease.
 
@@ -365,7 +387,12 @@ class TieredStore:
         bus), and a block only gpu holds is not copied into host scratch space. `whole`: no
         windows, for a client that can use no block before it has them all (a layer-by-layer
         load: its first layer needs every block's); the lease still stops short, with `more`,
-        where host has no room for the rest.
+        where host has no room for the rest. `answer_within`: seconds by which the disk reads
+        should end: a read that would end later, at the pace of this fetch's slowest read so
+        far, does not start (the first always does: `_ReadClock`); the lease stops short, with
+        `more`, before the first read not started, so a slow or stalled disk still answers
+        before the client's deadline with the prefix it read (the client asks for the rest, as
+        after a window).
 
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
@@ -395,7 +422,9 @@ class TieredStore:
                     promoted += item.dst.length
             reads = [s for s in staged if s.src is not None]
             began = time.perf_counter()
-            errors = await asyncio.gather(*(self._read_disk(s) for s in reads))
+            clock = _ReadClock(answer_within) if answer_within is not None else None
+            errors = await asyncio.gather(
+                *(self._read_disk(s, clock, first=i == 0) for i, s in enumerate(reads)))
             read_s = time.perf_counter() - began
         except BaseException:
             for s in staged:
@@ -405,9 +434,13 @@ class TieredStore:
         finally:
             for entry in room.held:
                 self.host.complete_load(entry)
-        cut = len(staged)
+        end = cut = len(staged)  # end: before the first read skipped as late
         for s, err in zip(reads, errors, strict=True):
             if err is None:
+                continue
+            if isinstance(err, _Skipped):
+                end = min(end, staged.index(s))
+                cut = min(cut, end)
                 continue
             cut = min(cut, staged.index(s))
             if self.disk is not None and s.src is not None:
@@ -421,7 +454,10 @@ class TieredStore:
                     lease.scratch.append(s.dst)
             else:
                 s.abandon(self)  # past a failed block: unpin, free
-        lease.more = lease.more and cut == len(staged)
+        # More to ask for: a window's end, host room's, or the late reads'; not after a failure.
+        lease.more = (lease.more or end < len(staged)) and cut == end
+        if end < len(staged):
+            self.counters.late_fetches += 1
         if self.disk is not None:
             self.read_rates.observe(self.disk.name, sum(
                 s.src.length for s, err in zip(reads, errors, strict=True)
@@ -696,20 +732,33 @@ class TieredStore:
         share.used -= entry.units * PAGE
         return entry.key
 
-    def _read_into_host(self, disk: DiskTier, src: BlockEntry, dst: BlockEntry) -> None:
-        """In an I/O thread: back `dst`'s pages (fresh ones after a restart), then read."""
+    def _read_into_host(self, disk: DiskTier, src: BlockEntry, dst: BlockEntry,
+                        clock: _ReadClock | None = None, first: bool = True) -> bool:
+        """In an I/O thread: back `dst`'s pages (fresh ones after a restart), then read;
+        nothing (False) when `clock` says the read would end past the fetch's answer, unless
+        it is the `first`. Asked here, as the read starts: the pool starts reads in the
+        fetch's order, so those skipped are the prefix's tail."""
+        if clock is not None and not first and not clock.may_start():
+            return False
+        began = time.monotonic()
         self.host.back(dst)
         disk.read_into(src, self.host.memview(dst))
+        if clock is not None:
+            clock.took(time.monotonic() - began)
+        return True
 
-    async def _read_disk(self, s: _Staged) -> Exception | None:
+    async def _read_disk(self, s: _Staged, clock: _ReadClock | None = None,
+                         first: bool = True) -> Exception | None:
         """Read one staged disk block into its host reservation (then commit it) or scratch
         space; give it back on failure. Returns the failure (integrity or I/O) instead of
-        raising, so one bad block does not abandon its neighbours' reads."""
+        raising, so one bad block does not abandon its neighbours' reads; `_Skipped` when
+        `clock` let it not start (never the `first`; `s` is then the caller's to give back)."""
         disk, src = self.disk, s.src
         if disk is None or src is None:
             return None  # only staged disk hits are read
         try:
-            await self._run_io(self._read_into_host, disk, src, s.dst)
+            if not await self._run_io(self._read_into_host, disk, src, s.dst, clock, first):
+                return _Skipped()
         except (IntegrityError, OSError) as e:
             s.abandon(self)
             return e

@@ -257,15 +257,15 @@ class ConnectorConfig:
     layer. On this repository's 2-core machine, whole was not faster at 2,048 tokens and was
     slower from 4,096 on (docs/PERFORMANCE.md, "Layer-by-layer loads"); a machine whose
     forward is short against its copies may set it."""
-    whole_loads: bool = False
+    whole_loads: bool = True
     """With `layerwise_load`, ask the daemon for each load's whole prefix in one round
     (`fetch_with(..., whole=True)`) instead of in windows of its `fetch_window_bytes`. A layer
     is ready for the forward only once one call brought every block, so a disk load in
     windows makes the forward wait for all of it: 8k / 16k-token disk loads gave TTFT 0.176 /
     0.343 s with this against 0.236 / 0.475 s without (docs/PERFORMANCE.md, "Disk loads in one
-    round"). Off by default: a load that outlives its deadline then keeps nothing (a stalled
-    disk: the prompt is recomputed whole), where windows keep the prefix that arrived. For
-    daemons on a disk that keeps up."""
+    round"). A slow disk still answers in time: the daemon starts no read after half the
+    call's deadline and answers with the prefix it read, the rest asked for in further rounds
+    (a stalled load keeps the prefix that arrived, as in windows). False: windows."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an

@@ -115,6 +115,56 @@ def test_a_whole_fetch_comes_in_one_round_unless_host_lacks_room(daemon_factory,
     wait_quiescent(small.target, 2.0)
 
 
+def whole_into(c: KVClient, tokens: list[int], kv: torch.Tensor,
+               ) -> tuple[int, list[list[int]], torch.Tensor]:
+    """`fetch_with(..., whole=True)` into a zeroed copy of `kv`: (tokens, consume's calls, out)."""
+    calls: list[list[int]] = []
+    out = torch.zeros_like(kv)
+
+    def consume(blocks, views, stop: threading.Event) -> None:
+        calls.append(list(blocks))
+        for b, view in zip(blocks, views, strict=True):
+            out[:, :, b * BT : (b + 1) * BT].copy_(view)
+
+    return c.fetch_with(tokens, consume, whole=True), calls, out
+
+
+@pytest.mark.flaky(reruns=2, reruns_delay=1)  # wall-clock margins of 0.1-0.3 s on 2 cores
+def test_a_slow_disk_answers_a_whole_fetch_by_half_its_deadline(daemon_factory, heads):
+    """No disk read starts that would end after half the client's time (at the pace of the
+    call's slowest read so far): the daemon answers with the prefix it read, `more` set, and
+    the client asks for the rest. Each read stalls 0.4 s, four at a time (the daemon's I/O
+    threads); 12 blocks, a 1.5 s deadline. Round 1 (due at 0.75 s) reads 4 blocks by 0.4 s,
+    and the next 4 would end at 0.8 s; round 2 (due at 0.4 + 1.1 / 2 s) and round 3 read 4
+    each: all 12 by 1.2 s. With 0.5 s stalls rounds end at 0.5 and 1.0 s and the third at
+    the deadline: 8 blocks are kept. In one round, waiting for every read, 12 blocks would come
+    at 1.5 s, at the deadline, and nothing would be kept."""
+    d, tokens, kv = on_disk_only(daemon_factory, 12, "--host-bytes", host_of(12),
+                                 "--fault-disk-read-delay-s", "0.4")
+    d.start()
+    with KVClient(d.target, LAYOUT, deadline_s=1.5) as c:
+        heads.clear()
+        n, calls, out = whole_into(c, tokens, kv)
+        assert n == len(tokens) and same_bytes(out, kv)
+        assert calls == [list(range(4)), list(range(4, 8)), list(range(8, 12))], calls
+        assert heads == [0, 4, 8]
+    assert stats(d.target).late_fetches == 2
+    wait_quiescent(d.target, 2.0)
+    d.stop()
+    stalled, tokens, kv = on_disk_only(daemon_factory, 12, "--host-bytes", host_of(12),
+                                       "--fault-disk-read-delay-s", "0.5")
+    stalled.start()
+    with KVClient(stalled.target, LAYOUT, deadline_s=1.5) as c:
+        t = time.monotonic()
+        n, calls, out = whole_into(c, tokens, kv)
+        assert time.monotonic() - t < 1.5 + 0.3
+        assert n == 8 * BT and calls[:2] == [list(range(4)), list(range(4, 8))], calls
+        assert same_bytes(out[:, :, :n], kv[:, :, :n])
+    # The round the deadline cut short ends (its reads, its lease), long before the reaper's.
+    wait_quiescent(stalled.target, 3.0)
+    assert stats(stalled.target).expired_leases == 0
+
+
 def test_prefix_ends_inside_a_window(daemon_factory, heads):
     d, tokens, kv = on_disk_only(daemon_factory, 5, "--host-bytes", host_of(10))
     d.start()
