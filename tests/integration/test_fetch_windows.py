@@ -88,16 +88,8 @@ def test_a_whole_fetch_comes_in_one_round_unless_host_lacks_room(daemon_factory,
     d.start()
 
     def fetch_whole(c: KVClient, kv: torch.Tensor) -> list[list[int]]:
-        calls: list[list[int]] = []
-        out = torch.zeros_like(kv)
-
-        def consume(blocks, views, stop: threading.Event) -> None:
-            calls.append(list(blocks))
-            for b, view in zip(blocks, views, strict=True):
-                out[:, :, b * BT : (b + 1) * BT].copy_(view)
-
-        assert c.fetch_with(tokens, consume, whole=True) == len(tokens)
-        assert same_bytes(out, kv)
+        n, calls, out = whole_into(c, tokens, kv)
+        assert n == len(tokens) and same_bytes(out, kv)
         return calls
 
     with KVClient(d.target, LAYOUT) as c:
