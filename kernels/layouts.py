@@ -372,8 +372,8 @@ _VLLM_REFUSED = {
     "CPU_ATTN": "its K rows are column-major inside a page for the vec ISAs and tiled for AMX; "
     "the connector copies CPU caches itself (client/integrations/paged.py)",
     "B12X": "it stores K and V as two head slots, [num_blocks, 2, block_size, heads*head_size]",
-    "AMX_MLA": "its latent cache is written by a C++ op (concat_and_cache_mla_cpu) whose "
-    "layout was not read",
+    "AMX_MLA": "its latent cache is written by a C++ op (amx_mla_concat_and_cache) whose "
+    "layout was not read; start vLLM with --attention-backend CPU_MLA",
     "FLASH_ATTN_DIFFKV": "its K and V have different head sizes",
     "TRITON_ATTN_DIFFKV": "its K and V have different head sizes",
 }

@@ -586,9 +586,14 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: Any) -> None:
     isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                         vllm_config.cache_config.cache_dtype)
     if isa not in VLLM_CPU_ISAS:
+        # vLLM picks "amx" for bf16 (its "auto" dtype for float32 and bf16 models on a CPU
+        # with AMX) at block sizes that are multiples of 32.
+        hint = (" (vLLM picks it for bf16 on a CPU with AMX at a block size that is a multiple "
+                "of 32: start vLLM with --dtype float32, or with --block-size 16)"
+                if isa == "amx" else "")
         raise ConnectorConfigError(f"vLLM's CPU attention would use ISA {isa!r}, whose packed "
                                    f"cache layout the kvstore connector does not decode "
-                                   f"(supported: {sorted(VLLM_CPU_ISAS)})")
+                                   f"(supported: {sorted(VLLM_CPU_ISAS)}){hint}")
 
 
 # ---- what the scheduler tells the workers (pickled across processes: plain fields only)

@@ -46,6 +46,10 @@ def _save_random(path: Path, model_class: Any, config: Callable[[int], Any]) -> 
 
 MLA_BLOCK = 16  # the only block size vLLM's CPU MLA backend takes
 MLA_LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: the latent cache's width
+# An MLA test engine's options: CPU_MLA by name. On a CPU with AMX, vLLM prefers its AMX_MLA
+# backend, which takes bf16 weights only and fails to start on these float32 models
+# ("expect weight to be bfloat16, ..."); its cache is the same plain latent rows.
+MLA_ENGINE = {"block_size": MLA_BLOCK, "llm_kwargs": {"attention_backend": "CPU_MLA"}}
 
 
 def make_mla_model(path: Path, *, layers: int = 2, positions: int = 2048,

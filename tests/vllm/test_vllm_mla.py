@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
                 "then `.venv-vllm/bin/python -m pytest tests/vllm -m vllm`",
                 allow_module_level=True)
 
-from tests.vllm.models import MLA_BLOCK, MLA_LATENT, make_mla_model
+from tests.vllm.models import MLA_BLOCK, MLA_ENGINE, MLA_LATENT, make_mla_model
 from tests.vllm.test_vllm_connector import (
     MAX_TOKENS,
     Engine,
@@ -69,7 +69,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 @pytest.fixture(scope="module")
 def cold(model_dir: Path, daemon: DaemonProcess) -> dict[str, dict[str, Any]]:
     """One engine computes every prompt cold (publishing the unsalted ones), then exits."""
-    engine = Engine(model_dir, daemon.target, block_size=MLA_BLOCK)
+    engine = Engine(model_dir, daemon.target, **MLA_ENGINE)
     try:
         runs = {name: engine.generate([prompt_ids(model_dir, seed, n)])
                 for name, (seed, n) in PROMPTS.items()}
@@ -89,7 +89,7 @@ def cold(model_dir: Path, daemon: DaemonProcess) -> dict[str, dict[str, Any]]:
 def warm_engine(model_dir: Path, daemon: DaemonProcess,
                 cold: dict[str, dict[str, Any]]) -> Iterator[Engine]:
     """A fresh engine: nothing of the cold engine's is left in it but what kvstore holds."""
-    e = Engine(model_dir, daemon.target, block_size=MLA_BLOCK)
+    e = Engine(model_dir, daemon.target, **MLA_ENGINE)
     yield e
     e.close()
 

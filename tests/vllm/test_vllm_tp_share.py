@@ -46,7 +46,8 @@ def engine_at(tp: int, model: Path, daemon: DaemonProcess, log_path: Path,
               **more: Any) -> Engine:
     opts: dict[str, Any] = {"extra": {"kvstore.shared_model": SHARED}, **more}
     if tp > 1:
-        opts["llm_kwargs"] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+        opts["llm_kwargs"] = {**opts.get("llm_kwargs", {}), "tensor_parallel_size": tp,
+                              "distributed_executor_backend": "mp"}
     return Engine(model, daemon.target, log=log_path, **opts)
 
 
@@ -192,7 +193,7 @@ def mla_runs(daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory,
              ) -> dict[str, dict[str, Any]]:
     """The DeepSeek-V2-shaped model: a TP=2 engine publishes a prompt (and computes another
     under a salt), then a TP=1 engine computes the first under a salt and loads it."""
-    from tests.vllm.models import MLA_BLOCK, make_mla_model
+    from tests.vllm.models import MLA_ENGINE, make_mla_model
 
     model = make_mla_model(tmp_path_factory.mktemp("vllm-share-mla") / "tiny-deepseek-v2")
     logs = tmp_path_factory.mktemp("vllm-share-mla-log")
@@ -209,7 +210,7 @@ def mla_runs(daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory,
 
     for tp, keys in ((TP, ("tp2",)), (1, ("tp1", "tp1-warm"))):
         path = logs / f"tp{tp}.log"
-        engine = engine_at(tp, model, daemon, path, block_size=MLA_BLOCK)
+        engine = engine_at(tp, model, daemon, path, **MLA_ENGINE)
         try:
             for key in keys:
                 run(engine, key, RECOMPUTE if key == "tp1" else None)
