@@ -9,13 +9,17 @@ vLLM's CPU attention (`cpu_attn.py`, ISAs "vec" and "vec16") allocates `[num_pag
 page_size, 2 * head_dim]` per layer, but inside one (page, head) the first `page_size * head_dim`
 elements are K *column-major*, `[head_dim, page_size]` (the QK kernel's B operand), and the rest
 V row-major, `[page_size, head_dim]`: see `reshape_and_cache` in vLLM's
-`csrc/cpu/cpu_attn_vec.hpp`. Its AMX ISA packs both K and V into tile layouts, which this module
-does not decode. K is then not head_dim-contiguous, which the copy kernels require, so CPU
-caches are copied here: by a small C routine (`vllm_cpu_copy.c`, built at first use with the
-system's C compiler and cached, one pass over the bytes with K transposed in SSE2 registers,
-layers split over a few threads), or with torch ops where no compiler is found (also one pass
-each way, but 2-3x slower to save and 3-7x to load: torch moves a strided transpose element by
-element). CUDA caches go through `kernels.gather`/`kernels.scatter`.
+`csrc/cpu/cpu_attn_vec.hpp`. Its AMX ISA (bf16, pages of a multiple of 32 tokens, on a CPU with
+AMX) packs both into VNNI tiles inside the (page, head): K as `[page_size / 16, head_dim / 2,
+16, 2]` (16-token tiles of dim pairs), V as `[head_dim / 16, page_size / 2, 16, 2]` (16-dim
+tiles of token pairs), read off vLLM's own `cpu_attn_reshape_and_cache` (`_planes`;
+tests/vllm/test_cpu_isa.py checks it against that op). K is then not head_dim-contiguous,
+which the copy kernels require, so CPU caches are copied here: by a small C routine
+(`vllm_cpu_copy.c`, built at first use with the system's C compiler and cached, one pass over
+the bytes with K transposed in SSE2 registers, layers split over a few threads), or with torch
+ops where no compiler is found (also one pass each way, but 2-3x slower to save and 3-7x to
+load: torch moves a strided transpose element by element; AMX caches always take this way).
+CUDA caches go through `kernels.gather`/`kernels.scatter`.
 
 `scatter_views`/`gather_views` copy between pages and any token-major views, e.g. the daemon's
 shared-memory blocks that `KVClient.fetch_with` and `publish_with` hand out: one copy from
@@ -46,7 +50,7 @@ from kvstore.kernels.layouts import EngineKV
 
 log = logging.getLogger("kvstore.paged")
 
-VLLM_CPU_ISAS = frozenset({"vec", "vec16"})
+VLLM_CPU_ISAS = frozenset({"vec", "vec16", "amx"})
 """vLLM CPU attention ISAs whose cache layout `PagedCache.vllm_cpu` decodes."""
 
 NATIVE_SOURCE = Path(__file__).with_name("vllm_cpu_copy.c")
@@ -243,6 +247,8 @@ class PagedCache:
     `cache_heads`."""
     cache_heads: int = 0
     """Heads in each of the cache's pages (0: `heads`, no slice)."""
+    isa: str = "vec"
+    """vLLM CPU caches: the attention ISA that laid out the pages ("vec"/"vec16" alike)."""
 
     @property
     def page_heads(self) -> int:
@@ -283,8 +289,13 @@ class PagedCache:
                                  f"page_size, 2*head_dim] like layer 0, got {tuple(t.shape)} "
                                  f"strides {t.stride()} on {t.device}")
         _, heads, page_size, two_dim = first.shape
+        if isa == "amx" and (first.element_size() != 2 or page_size % 16 or two_dim % 32):
+            raise ValueError(f"an AMX cache holds 2-byte elements in pages of a multiple of 16 "
+                             f"tokens and heads of a multiple of 16 dims, got {first.dtype}, "
+                             f"{page_size} tokens, {two_dim // 2} dims")
         return cls(page_size=page_size, num_layers=len(layers), heads=heads,
-                   head_dim=two_dim // 2, dtype=first.dtype, layers=tuple(layers))
+                   head_dim=two_dim // 2, dtype=first.dtype, layers=tuple(layers),
+                   isa="amx" if isa == "amx" else "vec")
 
     @classmethod
     def kernels(cls, engine: EngineKV) -> PagedCache:
@@ -401,7 +412,7 @@ class PagedCache:
         """Copy with the C routine; False where it is unavailable or a view's strides are not
         the token-major ones it walks (the caller then copies with torch)."""
         fn = native_copy()
-        if fn is None or self.dtype.itemsize not in (2, 4):
+        if fn is None or self.dtype.itemsize not in (2, 4) or self.isa == "amx":
             return False
         hd, ps = self.heads * self.head_dim, self.page_size
         groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
@@ -458,6 +469,19 @@ class PagedCache:
             return
         page, at = int(page_ids[full]), first + full * ps
         heads, dim = self.heads, self.head_dim
+        if self.isa == "amx":  # tokens lie in tiles: through the page in token order
+            for layer in range(*layers):
+                for plane, view in enumerate(self._planes(self.layers[layer][page : page + 1])):
+                    tokens = torch.empty((ps, heads, dim), dtype=self.dtype)
+                    split = self._split(tokens, plane, 1)
+                    split.copy_(view)
+                    part = kv[layer, plane, at : at + rest]
+                    if gather:
+                        part.copy_(tokens[:rest])
+                    else:
+                        tokens[:rest] = part
+                        view.copy_(split)
+            return
         for layer in range(*layers):
             halves = self._halves(self.layers[layer][page])
             k = halves[:, 0].view(heads, dim, ps)[:, :, :rest].permute(2, 0, 1)
@@ -476,37 +500,54 @@ class PagedCache:
         whole = t.view(*t.shape[:-3], self.page_heads, 2, -1)
         return whole[..., self.head0 : self.head0 + self.heads, :, :]
 
+    def _planes(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `pages` (a layer's, `[num_pages, heads, page_size, 2 * head_dim]`) as
+        views `[num_pages, ...]` whose other dims are those of token-major `[page_size, heads,
+        head_dim]` split as `_split` splits them (a view: writes land in the cache)."""
+        halves = self._halves(pages)
+        heads, dim, ps = self.heads, self.head_dim, self.page_size
+        if self.isa == "amx":  # K [ps/16, dim/2, 16, 2], V [dim/16, ps/2, 16, 2]
+            k = halves[:, :, 0].view(-1, heads, ps // 16, dim // 2, 16, 2)
+            v = halves[:, :, 1].view(-1, heads, dim // 16, ps // 2, 16, 2)
+            return k.permute(0, 2, 4, 1, 3, 5), v.permute(0, 3, 5, 1, 2, 4)
+        k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
+        v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
+        return k, v
+
+    def _split(self, tokens: torch.Tensor, plane: int, n: int) -> torch.Tensor:
+        """`n` pages of token-major `tokens` (`[n * page_size, heads, head_dim]`) as a view
+        shaped like `_planes`' plane."""
+        ps, dim = self.page_size, self.head_dim
+        if self.isa != "amx":
+            return torch.unflatten(tokens, 0, (n, ps))
+        if plane == 0:  # tokens in tiles of 16, dims in pairs
+            return torch.unflatten(torch.unflatten(tokens, 0, (n, ps // 16, 16)), -1,
+                                   (dim // 2, 2))
+        return torch.unflatten(torch.unflatten(tokens, 0, (n, ps // 2, 2)), -1, (dim // 16, 16))
+
     def _torch_scatter(self, kv: torch.Tensor, page_ids: Sequence[int], first: int,
                        layers: tuple[int, int]) -> None:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
-        heads, dim = self.heads, self.head_dim
         for layer in range(*layers):
-            halves = self._halves(self.layers[layer])
-            k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
-            v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # index_put_ through the strided views writes the engine's storage in place; on a
             # 2-core machine it beat staging whole pages and index_copy_ (120 vs 157 ms for
             # 2048 tokens of an 8B-shaped model).
-            k[index] = torch.unflatten(part[layer, 0], 0, (n, ps))
-            v[index] = torch.unflatten(part[layer, 1], 0, (n, ps))
+            for plane, view in enumerate(self._planes(self.layers[layer])):
+                view[index] = self._split(part[layer, plane], plane, n)
 
     def _torch_gather(self, kv: torch.Tensor, page_ids: Sequence[int], first: int,
                        layers: tuple[int, int]) -> None:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
-        heads, dim = self.heads, self.head_dim
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
         for layer in range(*layers):
-            halves = self._halves(self.layers[layer])
-            k = halves[:, :, 0].view(-1, heads, dim, ps).permute(0, 3, 1, 2)  # K: [dim, ps]
-            v = halves[:, :, 1].view(-1, heads, ps, dim).permute(0, 2, 1, 3)  # V: [ps, dim]
             # One pass, from the pages' strided views straight into the destination (any
             # strides: `out` keeps them). Copying whole pages out first, then into token
             # order, read and wrote every byte twice: 1.2-1.7x the time (8B shape, 1 thread).
-            torch.index_select(k, 0, index, out=torch.unflatten(part[layer, 0], 0, (n, ps)))
-            torch.index_select(v, 0, index, out=torch.unflatten(part[layer, 1], 0, (n, ps)))
+            for plane, view in enumerate(self._planes(self.layers[layer])):
+                torch.index_select(view, 0, index, out=self._split(part[layer, plane], plane, n))
 
     def _scatter_whole_blocks(self, engine: EngineKV, views: list[_View]) -> list[_View]:
         """Scatter the views that are whole stored blocks (contiguous `[layers, kv, tokens,

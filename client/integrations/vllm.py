@@ -586,14 +586,9 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: Any) -> None:
     isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
                         vllm_config.cache_config.cache_dtype)
     if isa not in VLLM_CPU_ISAS:
-        # vLLM picks "amx" for bf16 (its "auto" dtype for float32 and bf16 models on a CPU
-        # with AMX) at block sizes that are multiples of 32.
-        hint = (" (vLLM picks it for bf16 on a CPU with AMX at a block size that is a multiple "
-                "of 32: start vLLM with --dtype float32, or with --block-size 16)"
-                if isa == "amx" else "")
         raise ConnectorConfigError(f"vLLM's CPU attention would use ISA {isa!r}, whose packed "
                                    f"cache layout the kvstore connector does not decode "
-                                   f"(supported: {sorted(VLLM_CPU_ISAS)}){hint}")
+                                   f"(supported: {sorted(VLLM_CPU_ISAS)})")
 
 
 # ---- what the scheduler tells the workers (pickled across processes: plain fields only)
@@ -1293,10 +1288,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             isas = {getattr(layers.get(name), "isa", None) for name in names}
             if len(isas) != 1:
                 raise ConnectorConfigError(f"attention layers disagree on their ISA: {isas}")
+            isa = str(isas.pop())
             try:
-                cache = PagedCache.vllm_cpu(tensors, str(isas.pop()))
+                cache = PagedCache.vllm_cpu(tensors, isa)
             except ValueError as e:
                 raise ConnectorConfigError(str(e)) from e
+            log.info("kvstore: vLLM's CPU cache, ISA %s, %s", isa, first.dtype)
         elif first.dim() == 5 and first.shape[0] == 2:
             # vLLM's CUDA layouts: an NHD-shaped view even when HND is allocated underneath.
             cache = PagedCache.kernels(EngineKV.paged(EngineLayout.VLLM_NHD, tensors))

@@ -72,9 +72,71 @@ def test_vllm_cpu_scatter_writes_what_vllm_would_and_nothing_else() -> None:
         assert bool((got[[0, 2, 4, 5]] == 7.0).all())  # untouched, the local page included
 
 
-def test_vllm_cpu_refuses_packed_isas() -> None:
-    with pytest.raises(ValueError, match="amx"):
-        PagedCache.vllm_cpu([torch.zeros(PAGES, HEADS, PAGE, 2 * DIM)], "amx")
+def test_vllm_cpu_refuses_isas_it_does_not_decode() -> None:
+    with pytest.raises(ValueError, match="neon"):
+        PagedCache.vllm_cpu([torch.zeros(PAGES, HEADS, PAGE, 2 * DIM)], "neon")
+    with pytest.raises(ValueError, match="2-byte elements"):  # AMX tiles pair bf16 values
+        PagedCache.vllm_cpu([torch.zeros(PAGES, HEADS, 32, 64)], "amx")
+
+
+AMX_PAGE, AMX_DIM = 32, 32  # vLLM picks "amx" for pages of a multiple of 32 tokens
+
+
+def vllm_amx_cache(kv: torch.Tensor, pages: list[int]) -> list[torch.Tensor]:
+    """A vLLM CPU cache written the way its "amx" ISA writes it, offset by offset as found by
+    writing one element at a time through vLLM's `cpu_attn_reshape_and_cache` (bf16): K in
+    tiles of 16 tokens by pairs of dims, V in tiles of 16 dims by pairs of tokens."""
+    ps, dim = AMX_PAGE, AMX_DIM
+    layers = []
+    for layer in range(kv.shape[0]):
+        flat = torch.zeros(PAGES * HEADS * ps * 2 * dim, dtype=kv.dtype)
+        for token in range(kv.shape[2]):
+            block, t = pages[token // ps], token % ps
+            for head in range(HEADS):
+                base = (block * HEADS + head) * 2 * ps * dim
+                for d in range(dim):
+                    k_at = (t // 16) * 16 * dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+                    v_at = ps * dim + (d // 16) * (ps // 2) * 32 + (t // 2) * 32 \
+                        + (d % 16) * 2 + t % 2
+                    flat[base + k_at] = kv[layer, 0, token, head, d]
+                    flat[base + v_at] = kv[layer, 1, token, head, d]
+        layers.append(flat.view(PAGES, HEADS, ps, 2 * dim))
+    return layers
+
+
+def amx_kv(tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((LAYERS, 2, tokens, HEADS, AMX_DIM), generator=g).to(torch.bfloat16)
+
+
+def test_vllm_amx_gather_reads_what_vllm_wrote_partial_pages_and_heads_too() -> None:
+    kv = amx_kv(3 * AMX_PAGE)
+    pages = [4, 1, 3]
+    cache = PagedCache.vllm_cpu(vllm_amx_cache(kv, pages), "amx")
+    assert torch.equal(cache.gather(pages), kv)
+    out = torch.zeros_like(kv)
+    cache.gather_views([(out, 0, pages, 2 * AMX_PAGE + 5)])  # the last page partial
+    assert torch.equal(out[:, :, : 2 * AMX_PAGE + 5], kv[:, :, : 2 * AMX_PAGE + 5])
+    assert not out[:, :, 2 * AMX_PAGE + 5 :].any()
+    assert torch.equal(cache.head_slice(1, 1).gather(pages), kv[..., 1:2, :])
+
+
+def test_vllm_amx_scatter_writes_what_vllm_would_and_nothing_else() -> None:
+    kv = amx_kv(3 * AMX_PAGE, seed=1)
+    pages = [4, 1, 3]
+    want = vllm_amx_cache(kv, pages)
+    layers = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(layers, "amx")
+    cache.scatter(kv, pages[1:], first_token=AMX_PAGE)  # page 4 holds tokens computed locally
+    for got, ref in zip(layers, want, strict=True):
+        assert torch.equal(got[[1, 3]], ref[[1, 3]])
+        assert bool((got[[0, 2, 4, 5]] == 7.0).all())  # untouched, the local page included
+    # A partial last page: its first 5 tokens written, the slots after them left as they were.
+    fresh = [torch.full_like(t, 7.0) for t in want]
+    PagedCache.vllm_cpu(fresh, "amx").scatter_views([(kv, 0, [4], 5)])
+    back = PagedCache.vllm_cpu(fresh, "amx").gather([4])
+    assert torch.equal(back[:, :, :5], kv[:, :, :5])
+    assert bool((back[:, :, 5:] == 7.0).all())
 
 
 def test_kernel_layouts_round_trip() -> None:

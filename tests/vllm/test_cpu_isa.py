@@ -1,9 +1,10 @@
-"""The connector's start-up check of vLLM's CPU attention ISA, by vLLM's own choice of it.
+"""vLLM's CPU attention ISAs: the connector decodes "vec"/"vec16" and "amx" caches.
 
-vLLM picks "amx" (a cache packed in AMX tiles, which the connector does not decode) for bf16 at
-block sizes that are multiples of 32 on a CPU with AMX, and "vec"/"vec16" otherwise. On a CPU
-without AMX the test says AMX is there (the one thing it cannot cause); vLLM's choice and the
-connector's check run as they are.
+vLLM picks "amx" (bf16 packed in AMX tiles) for bf16 at block sizes that are multiples of 32 on
+a CPU with AMX, and "vec"/"vec16" otherwise; its "auto" dtype runs float32 models in bf16 there
+too. The layout is checked against vLLM's own `cpu_attn_reshape_and_cache`, and a bf16 engine
+loads a prefix from kvstore bit for bit as its own prefix cache serves it. Both need a CPU with
+AMX (skipped elsewhere; tests/unit/test_paged.py checks the same layout without vLLM).
 
     .venv-vllm/bin/python -m pytest tests/vllm/test_cpu_isa.py -m vllm
 """
@@ -22,27 +23,87 @@ if importlib.util.find_spec("vllm") is None:
 
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvstore.client.integrations.paged import PagedCache
 from kvstore.client.integrations.vllm import ConnectorConfigError, _check_cpu_isa
+from kvstore.server.process import DaemonProcess
+from tests.vllm.test_vllm_connector import (
+    BLOCK,
+    Engine,
+    assert_prefix_cache_bit_identical,
+    expected_cached,
+    hit_blocks,
+    prompts,
+    small_daemon,
+)
+from tests.vllm.vllm_runner import make_model
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 CONFIG = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+AMX = torch.cpu._is_amx_tile_supported()
+needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX: vLLM never picks 'amx'")
 
 
 def spec(dtype: torch.dtype, block_size: int) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=dtype)
 
 
-@pytest.fixture
-def amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not torch.cpu._is_amx_tile_supported():
+def test_every_isa_vllm_picks_here_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not AMX:  # what vLLM would pick on a CPU with AMX (the one thing not caused here)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    for dtype, block in ((torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 16)):
+        _check_cpu_isa(CONFIG, spec(dtype, block))  # amx, vec, vec16
 
 
-def test_amx_cache_is_refused_at_start_with_what_to_change(amx: None) -> None:
-    with pytest.raises(ConnectorConfigError, match=r"'amx'.*--dtype float32.*--block-size 16"):
+def test_an_isa_it_does_not_decode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a: "neon")
+    with pytest.raises(ConnectorConfigError, match="'neon'"):
         _check_cpu_isa(CONFIG, spec(torch.bfloat16, 128))
 
 
-def test_what_the_refusal_suggests_starts(amx: None) -> None:
-    _check_cpu_isa(CONFIG, spec(torch.float32, 128))  # "vec"
-    _check_cpu_isa(CONFIG, spec(torch.bfloat16, 16))  # "vec16"
+@needs_amx
+@pytest.mark.parametrize(("page", "dim"), [(32, 64), (128, 128), (64, 96)])
+def test_amx_layout_is_vllms_own(page: int, dim: int) -> None:
+    from vllm import _custom_ops as ops
+
+    pages, heads = 3, 2
+    cache = torch.zeros(pages, heads, page, 2 * dim, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(pages, heads, 2 * page, dim).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(page + dim)
+    kv = torch.randn(1, 2, pages * page, heads, dim, generator=g).to(torch.bfloat16)
+    order = [2, 0, 1]  # the request's pages
+    slots = torch.tensor([p * page + t for p in order for t in range(page)])
+    ops.cpu_attn_reshape_and_cache(kv[0, 0], kv[0, 1], key_cache, value_cache, slots, "amx",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    paged = PagedCache.vllm_cpu([cache], "amx")
+    assert torch.equal(paged.gather(order), kv)
+    ours = torch.zeros_like(cache)
+    PagedCache.vllm_cpu([ours], "amx").scatter(kv, order, 0)
+    assert torch.equal(ours.view(torch.int16), cache.view(torch.int16))
+
+
+@needs_amx
+@pytest.mark.timeout(600)
+def test_bf16_engine_loads_its_prefix_bit_for_bit(tmp_path_factory: pytest.TempPathFactory,
+                                                   ) -> None:
+    """A bf16 engine at 32-token blocks (vLLM's "amx" ISA): its second run of a prompt loads
+    the prompt's blocks from kvstore and gives exactly what vLLM's own prefix cache gives."""
+    model = make_model(tmp_path_factory.mktemp("vllm-amx-model") / "tiny-llama")
+    daemon: DaemonProcess = next(small_daemon(tmp_path_factory, "vllm-amx"))
+    engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
+    try:
+        assert "ISA amx, torch.bfloat16" in engine.tail(200), engine.tail()
+        for prompt in prompts(seed=31):
+            cold = engine.generate([prompt])
+            assert cold["cached"] == [0]
+            engine.reset()
+            served = hit_blocks(daemon)
+            warm = engine.generate([prompt])
+            assert warm["cached"] == [expected_cached(warm["prompt_tokens"][0])], engine.tail()
+            assert hit_blocks(daemon) > served
+            assert warm["tokens"] == cold["tokens"]
+            assert_prefix_cache_bit_identical(warm, engine.generate([prompt]))
+    finally:
+        engine.close()
+        daemon.kill()
