@@ -60,16 +60,20 @@ def test_vllm_cpu_gather_reads_what_vllm_wrote() -> None:
     assert torch.equal(cache.gather(pages[1:]), kv[:, :, PAGE:])
 
 
-def test_vllm_cpu_scatter_writes_what_vllm_would_and_nothing_else() -> None:
-    kv = prompt_kv(3 * PAGE)
-    pages = [4, 1, 3]
-    want = vllm_vec_cache(kv, pages)
+def scatters_as_vllm_writes(kv: torch.Tensor, want: list[torch.Tensor], isa: str) -> None:
+    """`kv` scattered into pages [1, 3] of a cache of 7s (page 4, its first, holds tokens
+    computed locally): exactly `want`'s bytes there (vLLM's own writing of `kv` into pages
+    [4, 1, 3]), the other pages untouched."""
     layers = [torch.full_like(t, 7.0) for t in want]
-    cache = PagedCache.vllm_cpu(layers, "vec")
-    cache.scatter(kv, pages[1:], first_token=PAGE)  # page 4 holds tokens computed locally
+    PagedCache.vllm_cpu(layers, isa).scatter(kv, [1, 3], first_token=kv.shape[2] // 3)
     for got, ref in zip(layers, want, strict=True):
         assert torch.equal(got[[1, 3]], ref[[1, 3]])
         assert bool((got[[0, 2, 4, 5]] == 7.0).all())  # untouched, the local page included
+
+
+def test_vllm_cpu_scatter_writes_what_vllm_would_and_nothing_else() -> None:
+    kv = prompt_kv(3 * PAGE)
+    scatters_as_vllm_writes(kv, vllm_vec_cache(kv, [4, 1, 3]), "vec")
 
 
 def test_vllm_cpu_refuses_isas_it_does_not_decode() -> None:
@@ -123,14 +127,8 @@ def test_vllm_amx_gather_reads_what_vllm_wrote_partial_pages_and_heads_too() -> 
 
 def test_vllm_amx_scatter_writes_what_vllm_would_and_nothing_else() -> None:
     kv = amx_kv(3 * AMX_PAGE, seed=1)
-    pages = [4, 1, 3]
-    want = vllm_amx_cache(kv, pages)
-    layers = [torch.full_like(t, 7.0) for t in want]
-    cache = PagedCache.vllm_cpu(layers, "amx")
-    cache.scatter(kv, pages[1:], first_token=AMX_PAGE)  # page 4 holds tokens computed locally
-    for got, ref in zip(layers, want, strict=True):
-        assert torch.equal(got[[1, 3]], ref[[1, 3]])
-        assert bool((got[[0, 2, 4, 5]] == 7.0).all())  # untouched, the local page included
+    want = vllm_amx_cache(kv, [4, 1, 3])
+    scatters_as_vllm_writes(kv, want, "amx")
     # A partial last page: its first 5 tokens written, the slots after them left as they were.
     fresh = [torch.full_like(t, 7.0) for t in want]
     PagedCache.vllm_cpu(fresh, "amx").scatter_views([(kv, 0, [4], 5)])
