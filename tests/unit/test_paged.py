@@ -129,6 +129,12 @@ def test_vllm_amx_scatter_writes_what_vllm_would_and_nothing_else() -> None:
     kv = amx_kv(3 * AMX_PAGE, seed=1)
     want = vllm_amx_cache(kv, [4, 1, 3])
     scatters_as_vllm_writes(kv, want, "amx")
+    # One head of two (a tensor-parallel shard's), from a strided view: that head's bytes.
+    shard = [torch.full_like(t, 7.0) for t in want]
+    PagedCache.vllm_cpu(shard, "amx").head_slice(1, 1).scatter(kv[..., 1:2, :], [1, 3], AMX_PAGE)
+    for got, ref in zip(shard, want, strict=True):
+        assert torch.equal(got[[1, 3], 1], ref[[1, 3], 1])
+        assert bool((got[:, 0] == 7.0).all()) and bool((got[[0, 2, 4, 5]] == 7.0).all())
     # A partial last page: its first 5 tokens written, the slots after them left as they were.
     fresh = [torch.full_like(t, 7.0) for t in want]
     PagedCache.vllm_cpu(fresh, "amx").scatter_views([(kv, 0, [4], 5)])
