@@ -530,7 +530,7 @@ class PagedCache:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
-        if self.isa == "amx":
+        if self.isa == "amx" and part.stride(-1) == 1:  # else through `_planes`, any strides
             for layer in range(*layers):
                 self._amx_scatter(self.layers[layer], part[layer], index)
             return
@@ -575,7 +575,7 @@ class PagedCache:
         n, ps = len(page_ids), self.page_size
         part = kv[:, :, first : first + n * ps]
         index = torch.as_tensor(list(page_ids), dtype=torch.long)
-        if self.isa == "amx":
+        if self.isa == "amx" and part.stride(-1) == 1:  # else through `_planes`, any strides
             for layer in range(*layers):
                 self._amx_gather(self.layers[layer], part[layer], index)
             return

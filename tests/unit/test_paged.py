@@ -123,6 +123,9 @@ def test_vllm_amx_gather_reads_what_vllm_wrote_partial_pages_and_heads_too() -> 
     assert torch.equal(out[:, :, : 2 * AMX_PAGE + 5], kv[:, :, : 2 * AMX_PAGE + 5])
     assert not out[:, :, 2 * AMX_PAGE + 5 :].any()
     assert torch.equal(cache.head_slice(1, 1).gather(pages), kv[..., 1:2, :])
+    strided = torch.zeros(LAYERS, 2, 3 * AMX_PAGE, HEADS, 2 * AMX_DIM, dtype=kv.dtype)[..., ::2]
+    cache.gather_views([(strided, 0, pages)])  # dims not contiguous: through `_planes`
+    assert torch.equal(strided, kv)
 
 
 def test_vllm_amx_scatter_writes_what_vllm_would_and_nothing_else() -> None:
