@@ -541,34 +541,37 @@ class PagedCache:
             for plane, view in enumerate(self._planes(self.layers[layer])):
                 view[index] = self._split(part[layer, plane], plane, n)
 
+    def _amx_tiles(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-major `part` (`[2, pages * page_size, heads, head_dim]`, last dim contiguous)
+        as views in the AMX tile order of whole (page, head) planes: K `[pages, heads, ps/16,
+        dim/2, 16]` of int32 (a pair of 2-byte values each), V `[pages, heads, dim/16, ps/2,
+        16, 2]`."""
+        ps, dim = self.page_size, self.head_dim
+        k = torch.unflatten(part[0].view(torch.int32), 0, (-1, ps // 16, 16))
+        v = torch.unflatten(torch.unflatten(part[1], 0, (-1, ps // 2, 2)), -1, (dim // 16, 16))
+        return k.permute(0, 3, 1, 4, 2), v.permute(0, 3, 4, 1, 5, 2)
+
     def _amx_scatter(self, pages: torch.Tensor, part: torch.Tensor,
                      index: torch.Tensor) -> None:
         """One layer's whole pages (`part`: `[2, len(index) * page_size, heads, head_dim]`)
         into `index` of `pages` (the layer's AMX cache): each plane put in tile order first
         (one transposing copy), then copied into the pages whole (page, head) planes at a
-        time; pairs of 2-byte values move as one int32. 3.5-4.7x faster than `index_put_` through
-        `_planes`' 6-D views (256 MiB, 2 threads: 0.18-0.24 against 0.84 s)."""
-        n, ps, heads, dim = len(index), self.page_size, self.heads, self.head_dim
-        k = torch.unflatten(part[0].view(torch.int32), 0, (n, ps // 16, 16))
-        k_tiles = k.permute(0, 3, 1, 4, 2).contiguous()  # [n, heads, ps/16, dim/2, 16]
-        v = torch.unflatten(torch.unflatten(part[1], 0, (n, ps // 2, 2)), -1, (dim // 16, 16))
-        v_tiles = v.permute(0, 3, 4, 1, 5, 2).contiguous()  # [n, heads, dim/16, ps/2, 16, 2]
+        time. 3.5-4.7x faster than `index_put_` through `_planes`' 6-D views (256 MiB, 2
+        threads: 0.18-0.24 against 0.84 s)."""
+        n, heads = len(index), self.heads
+        k, v = self._amx_tiles(part)
         planes = self._halves(pages).view(torch.int32)  # [pages, heads, 2, ps * dim / 2]
-        planes[index, :, 0] = k_tiles.view(n, heads, -1)
-        planes[index, :, 1] = v_tiles.view(torch.int32).view(n, heads, -1)
+        planes[index, :, 0] = k.contiguous().view(n, heads, -1)
+        planes[index, :, 1] = v.contiguous().view(torch.int32).view(n, heads, -1)
 
     def _amx_gather(self, pages: torch.Tensor, part: torch.Tensor,
                     index: torch.Tensor) -> None:
         """The inverse of `_amx_scatter`: whole (page, head) planes out of the pages, then
         one transposing copy per plane into token order (`part`)."""
-        n, ps, heads, dim = len(index), self.page_size, self.heads, self.head_dim
+        k, v = self._amx_tiles(part)
         planes = self._halves(pages).view(torch.int32)
-        k_tiles = planes[index, :, 0].view(n, heads, ps // 16, dim // 2, 16)
-        k = torch.unflatten(part[0].view(torch.int32), 0, (n, ps // 16, 16))
-        k.permute(0, 3, 1, 4, 2).copy_(k_tiles)
-        v_tiles = planes[index, :, 1].view(self.dtype).view(n, heads, dim // 16, ps // 2, 16, 2)
-        v = torch.unflatten(torch.unflatten(part[1], 0, (n, ps // 2, 2)), -1, (dim // 16, 16))
-        v.permute(0, 3, 4, 1, 5, 2).copy_(v_tiles)
+        k.copy_(planes[index, :, 0].view(k.shape))
+        v.copy_(planes[index, :, 1].view(self.dtype).view(v.shape))
 
     def _torch_gather(self, kv: torch.Tensor, page_ids: Sequence[int], first: int,
                        layers: tuple[int, int]) -> None:
