@@ -18,7 +18,9 @@ which the copy kernels require, so CPU caches are copied here: by a small C rout
 (`vllm_cpu_copy.c`, built at first use with the system's C compiler and cached, one pass over
 the bytes with K transposed in SSE2 registers, layers split over a few threads), or with torch
 ops where no compiler is found (also one pass each way, but 2-3x slower to save and 3-7x to
-load: torch moves a strided transpose element by element; AMX caches always take this way).
+load: torch moves a strided transpose element by element). AMX caches have their own C routine
+(`kvs_vllm_amx_copy`, one pass: K's pairs transposed as 32-bit elements, V's token pairs
+interleaved in SSE2 registers) and a torch twin (`_amx_scatter`/`_amx_gather`).
 CUDA caches go through `kernels.gather`/`kernels.scatter`.
 
 `scatter_views`/`gather_views` copy between pages and any token-major views, e.g. the daemon's
@@ -64,7 +66,11 @@ token `first` on, and the engine pages that hold them."""
 _View = tuple[torch.Tensor, int, Sequence[int], int]  # checked, count explicit
 
 _native_lock = threading.Lock()
-_native_fn: object = None  # None: not tried yet; False: unavailable; else the ctypes function
+# None: not tried yet; False: unavailable; else the ctypes function. One per layout family.
+_native_fn: object = None  # "vec"/"vec16": kvs_vllm_cpu_copy
+_native_amx: object = None  # "amx": kvs_vllm_amx_copy
+NATIVE_SYMBOLS = {"vec": "kvs_vllm_cpu_copy", "amx": "kvs_vllm_amx_copy"}
+AMX_MAX_DIM = 512  # the C routine's row buffer (vllm_cpu_copy.c)
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -74,20 +80,24 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore"
 
 
-def native_copy() -> object | None:
-    """The C copy routine (`vllm_cpu_copy.c`) as a ctypes function, built on first use into
-    `$KVSTORE_CACHE_DIR` (default `~/.cache/kvstore`) under a name that hashes the source and
-    the compiler; None where it cannot be built (no compiler, or `KVSTORE_NATIVE_COPY=0`)."""
-    global _native_fn
+def native_copy(isa: str = "vec") -> object | None:
+    """The C copy routine (`vllm_cpu_copy.c`) for a cache laid out by vLLM's `isa` ("vec" or
+    "amx") as a ctypes function, built on first use into `$KVSTORE_CACHE_DIR` (default
+    `~/.cache/kvstore`) under a name that hashes the source and the compiler; None where it
+    cannot be built (no compiler, or `KVSTORE_NATIVE_COPY=0`)."""
+    global _native_fn, _native_amx
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
+    amx = isa == "amx"
     with _native_lock:
-        if _native_fn is None:
+        if amx and _native_amx is None:
+            _native_amx = _build_native(NATIVE_SYMBOLS["amx"]) or False
+        elif not amx and _native_fn is None:
             _native_fn = _build_native() or False
-        return _native_fn or None
+        return (_native_amx if amx else _native_fn) or None
 
 
-def _build_native() -> object | None:
+def _build_native(symbol: str = NATIVE_SYMBOLS["vec"]) -> object | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") \
         or shutil.which("clang")
     if cc is None or not NATIVE_SOURCE.exists():
@@ -114,8 +124,8 @@ def _build_native() -> object | None:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        fn = ctypes.CDLL(str(lib)).kvs_vllm_cpu_copy  # CDLL: calls release the GIL
-    except (OSError, subprocess.SubprocessError) as e:
+        fn = ctypes.CDLL(str(lib))[symbol]  # CDLL: calls release the GIL
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("cannot build %s (%s): vLLM CPU caches are copied with torch ops "
                     "(slower)", NATIVE_SOURCE.name, detail)
@@ -411,8 +421,10 @@ class PagedCache:
     def _native(self, views: list[_View], *, gather: bool, span: tuple[int, int]) -> bool:
         """Copy with the C routine; False where it is unavailable or a view's strides are not
         the token-major ones it walks (the caller then copies with torch)."""
-        fn = native_copy()
-        if fn is None or self.dtype.itemsize not in (2, 4) or self.isa == "amx":
+        fn = native_copy(self.isa)
+        if fn is None or self.dtype.itemsize not in (2, 4):
+            return False
+        if self.isa == "amx" and (self.dtype.itemsize != 2 or self.head_dim > AMX_MAX_DIM):
             return False
         hd, ps = self.heads * self.head_dim, self.page_size
         groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}

@@ -1,4 +1,5 @@
-/* Copies between kvstore's token-major KV and vLLM's CPU paged KV cache ("vec"/"vec16" ISAs).
+/* Copies between kvstore's token-major KV and vLLM's CPU paged KV cache: the "vec"/"vec16"
+ISAs (kvs_vllm_cpu_copy) and the "amx" one (kvs_vllm_amx_copy, at the end of this file).
 
 Built at run time by client/integrations/paged.py (cc -O3 -shared -fPIC) and called through
 ctypes, which releases the GIL: paged.py splits the layers over a few threads. Where no C
@@ -234,5 +235,137 @@ void kvs_vllm_cpu_copy(int gather, int es, int npages, const int64_t* src, const
     }
 #if defined(__SSE2__)
     _mm_sfence();  /* streaming stores are visible to the caller's readers from here on */
+#endif
+}
+
+/* ---- vLLM's "amx" ISA (2-byte elements; bf16 on CPUs with AMX tiles).
+
+Inside one (page, head), K is `[ps/16, dim/2, 16, 2]`: each block of 16 tokens holds the
+transpose of its `[16, dim/2]` pairs of dims, so K moves as a transpose of 32-bit elements (a
+pair each) into rows of 16, one whole 64-byte line per pair. V is `[dim/16, ps/2, 16, 2]`: each
+64-byte line holds 16 dims of two adjacent tokens, interleaved (`cpu_attn_reshape_and_cache` in
+vLLM's csrc/cpu/cpu_attn_amx.hpp). The torch twin of this routine is paged.py's `_amx_scatter`
+/ `_amx_gather` (about 3x slower here: it puts each plane in tile order in a buffer first). */
+
+/* One line of V: 16 2-byte elements of row a and of row b as pairs (a0 b0 a1 b1 ...). */
+static inline void pairs_line(const char* a, const char* b, char* d, int stream) {
+#if defined(__SSE2__)
+    __m128i a0 = _mm_loadu_si128((const __m128i*)a), a1 = _mm_loadu_si128((const __m128i*)(a + 16));
+    __m128i b0 = _mm_loadu_si128((const __m128i*)b), b1 = _mm_loadu_si128((const __m128i*)(b + 16));
+    __m128i o0 = _mm_unpacklo_epi16(a0, b0), o1 = _mm_unpackhi_epi16(a0, b0);
+    __m128i o2 = _mm_unpacklo_epi16(a1, b1), o3 = _mm_unpackhi_epi16(a1, b1);
+    if (stream) {
+        _mm_stream_si128((__m128i*)d, o0);
+        _mm_stream_si128((__m128i*)(d + 16), o1);
+        _mm_stream_si128((__m128i*)(d + 32), o2);
+        _mm_stream_si128((__m128i*)(d + 48), o3);
+    } else {
+        _mm_storeu_si128((__m128i*)d, o0);
+        _mm_storeu_si128((__m128i*)(d + 16), o1);
+        _mm_storeu_si128((__m128i*)(d + 32), o2);
+        _mm_storeu_si128((__m128i*)(d + 48), o3);
+    }
+#else
+    (void)stream;
+    for (int j = 0; j < 16; j++) {
+        memcpy(d + 4 * j, a + 2 * j, 2);
+        memcpy(d + 4 * j + 2, b + 2 * j, 2);
+    }
+#endif
+}
+
+#if defined(__SSE2__)
+/* The 8 pairs of x as [a0 a1 a2 a3 b0 b1 b2 b3]. */
+static inline __m128i unpair4(__m128i x) {
+    x = _mm_shufflelo_epi16(x, _MM_SHUFFLE(3, 1, 2, 0));  /* a0 a1 b0 b1 | a2 b2 a3 b3 */
+    x = _mm_shufflehi_epi16(x, _MM_SHUFFLE(3, 1, 2, 0));  /* a0 a1 b0 b1 | a2 a3 b2 b3 */
+    return _mm_shuffle_epi32(x, _MM_SHUFFLE(3, 1, 2, 0));
+}
+#endif
+
+/* The inverse of pairs_line: a line of pairs into 16 elements of row a and of row b. */
+static inline void unpair_line(const char* s, char* a, char* b) {
+#if defined(__SSE2__)
+    __m128i x0 = unpair4(_mm_loadu_si128((const __m128i*)s));
+    __m128i x1 = unpair4(_mm_loadu_si128((const __m128i*)(s + 16)));
+    __m128i x2 = unpair4(_mm_loadu_si128((const __m128i*)(s + 32)));
+    __m128i x3 = unpair4(_mm_loadu_si128((const __m128i*)(s + 48)));
+    _mm_storeu_si128((__m128i*)a, _mm_unpacklo_epi64(x0, x1));
+    _mm_storeu_si128((__m128i*)b, _mm_unpackhi_epi64(x0, x1));
+    _mm_storeu_si128((__m128i*)(a + 16), _mm_unpacklo_epi64(x2, x3));
+    _mm_storeu_si128((__m128i*)(b + 16), _mm_unpackhi_epi64(x2, x3));
+#else
+    for (int j = 0; j < 16; j++) {
+        memcpy(a + 2 * j, s + 4 * j, 2);
+        memcpy(b + 2 * j, s + 4 * j + 2, 2);
+    }
+#endif
+}
+
+/* kvs_vllm_cpu_copy's twin for an "amx" cache: the same arguments (es must be 2; dim a
+   multiple of 16 and at most AMX_MAX_DIM, ps a multiple of 16: the caller checks). The
+   token-major side is walked in address order, 16 tokens at a time: their K (every head),
+   then their V two tokens at a time. A load streams whole lines into the cache (K's rows of
+   16 pairs, V's lines of pairs); a save streams whole token rows, V's through an L1 buffer. */
+#define AMX_MAX_DIM 512
+void kvs_vllm_amx_copy(int gather, int es, int npages, const int64_t* src, const int64_t* pages,
+                       const int32_t* ntok, const int64_t* layers, int l0, int l1,
+                       int64_t layer_stride, int64_t kv_stride, int heads, int dim, int ps,
+                       int cache_heads, int head0) {
+    (void)es;
+    const int64_t hd = (int64_t)heads * dim, row = hd * 2;         /* token rows, in bytes */
+    const int64_t plane = (int64_t)ps * dim * 2;                   /* K or V of a (page, head) */
+    const int64_t page_bytes = (int64_t)cache_heads * 2 * plane;
+    const int64_t vstep = (int64_t)ps / 2 * 64;                    /* V: 16 dims further on */
+    _Alignas(64) char rows[2][AMX_MAX_DIM * 2];
+    for (int l = l0; l < l1; l++) {
+        for (int i = 0; i < npages; i++) {
+            const int n = ntok ? ntok[i] : ps;
+            char* k = (char*)src[i] + l * layer_stride * 2;
+            char* v = k + kv_stride * 2;
+            char* page = (char*)layers[l] + pages[i] * page_bytes;
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                const int rn = n - t0 < 16 ? n - t0 : 16;
+                for (int h = 0; h < heads; h++) {
+                    /* block t0/16 of K: dim/2 rows of 16 pairs */
+                    char* ck = page + (int64_t)(head0 + h) * 2 * plane + (int64_t)t0 * dim * 2;
+                    char* sk = k + t0 * row + (int64_t)h * dim * 2;
+                    if (gather) {
+                        if (!transpose_streaming(ck, 16, sk, hd / 2, dim / 2, rn, 4))
+                            transpose(ck, 16, sk, hd / 2, dim / 2, rn, 4);
+                    } else if (!transpose_streaming(sk, hd / 2, ck, 16, rn, dim / 2, 4)) {
+                        transpose(sk, hd / 2, ck, 16, rn, dim / 2, 4);
+                    }
+                }
+                for (int t = t0; t < t0 + rn; t += 2) {
+                    const int pair = t + 1 < n;  /* else the page's last token, alone */
+                    for (int h = 0; h < heads; h++) {
+                        char* cv = page + (int64_t)(head0 + h) * 2 * plane + plane + t / 2 * 64;
+                        char* a = v + t * row + (int64_t)h * dim * 2;
+                        char* b = a + row;
+                        const int stream = ((uintptr_t)cv & 15) == 0;
+                        for (int d = 0; d < dim; d += 16) {
+                            char* line = cv + d / 16 * vstep;
+                            if (!pair) {
+                                for (int j = 0; j < 16; j++)
+                                    memcpy(gather ? a + (d + j) * 2 : line + 4 * j,
+                                           gather ? line + 4 * j : a + (d + j) * 2, 2);
+                            } else if (gather) {
+                                unpair_line(line, rows[0] + d * 2, rows[1] + d * 2);
+                            } else {
+                                pairs_line(a + d * 2, b + d * 2, line, stream);
+                            }
+                        }
+                        if (gather && pair) {
+                            copy_streaming(a, rows[0], (size_t)dim * 2);
+                            copy_streaming(b, rows[1], (size_t)dim * 2);
+                        }
+                    }
+                }
+            }
+        }
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
 #endif
 }

@@ -1,7 +1,7 @@
 """Save (gather out of vLLM's CPU pages) and load (scatter into them), beside memcpy.
 
     .venv/bin/python -m tests.unit.bench_paged_copy [--repeats 9] [--tokens 2048,8192] \
-        [--against OLD.c] [--torch]
+        [--against OLD.c] [--torch] [--isa amx]
 
 A Llama-8B-shaped block set (32 layers, 8 KV heads, head_dim 128) in bf16 and float32, prompts
 of 2,048 and 8,192 tokens in 128-token pages (shuffled, as a request's pages are) and kvstore
@@ -14,6 +14,7 @@ turn, `--repeats` times; medians in ms and GB/s are printed, then one JSON line.
   REV:client/integrations/vllm_cpu_copy.c > /tmp/old.c`) and times it in the same turns: the
   ratio of the two is what this machine's noise leaves comparable.
 - `--torch` adds the torch fallback (`KVSTORE_NATIVE_COPY=0`).
+- `--isa amx` copies caches laid out by vLLM's "amx" ISA (bf16 only) with their own routine.
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ from kvstore.client.integrations.paged import PagedCache
 LAYERS, HEADS, DIM, PAGE = 32, 8, 128, 128
 
 
-def routines(against: Path | None, with_torch: bool) -> dict[str, object | None]:
+def routines(against: Path | None, with_torch: bool, isa: str) -> dict[str, object | None]:
     """The copies to time, by name: the C routine ("C"), the one built from `against`
     ("against"), torch ("torch", None: `_native` then falls back)."""
     out: dict[str, object | None] = {}
-    fn = paged.native_copy()
+    fn = paged.native_copy(isa)
     if fn is not None:
         out["C"] = fn
     if against is not None:
         current = paged.NATIVE_SOURCE
         paged.NATIVE_SOURCE = against.resolve()
         try:
-            other = paged._build_native()
+            other = paged._build_native(paged.NATIVE_SYMBOLS[isa])
         finally:
             paged.NATIVE_SOURCE = current
         if other is None:
@@ -57,12 +58,13 @@ def routines(against: Path | None, with_torch: bool) -> dict[str, object | None]
 
 
 def measure(dtype: torch.dtype, tokens: int, copies: dict[str, object | None],
-            repeats: int) -> list[dict[str, object]]:
+            repeats: int, isa: str) -> list[dict[str, object]]:
     n = tokens // PAGE
     num_pages = n + 8
     # Filled, not empty: every page touched before the timed copies.
     layers = [torch.ones(num_pages, HEADS, PAGE, 2 * DIM, dtype=dtype) for _ in range(LAYERS)]
-    cache = PagedCache.vllm_cpu(layers, "vec")
+    cache = PagedCache.vllm_cpu(layers, isa)
+    slot = "_native_amx" if isa == "amx" else "_native_fn"
     blocks = torch.ones(n, LAYERS, 2, PAGE, HEADS, DIM, dtype=dtype)
     flat = torch.empty_like(blocks)
     pages = random.Random(0).sample(range(num_pages), n)
@@ -80,12 +82,12 @@ def measure(dtype: torch.dtype, tokens: int, copies: dict[str, object | None],
         order = list(copies.items())
         for name, fn in order if turn % 2 == 0 else reversed(order):
             # None: `native_copy()` is None (its "tried, unavailable" state), torch copies.
-            paged._native_fn = fn if fn is not None else False
+            setattr(paged, slot, fn if fn is not None else False)
             for op, run in ops.items():
                 began = time.perf_counter()
                 run()
                 times.setdefault((name, op), []).append(time.perf_counter() - began)
-    paged._native_fn = None  # built again (from the cache) on next use
+    setattr(paged, slot, None)  # built again (from the cache) on next use
     gb = blocks.numel() * blocks.element_size() / 1e9
     med = {key: statistics.median(v) for key, v in times.items()}
     memcpy = med[("memcpy", "")]
@@ -110,14 +112,16 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another version of "
                         f"{paged.NATIVE_SOURCE.name} to time in the same turns")
     parser.add_argument("--torch", action="store_true", help="also time the torch fallback")
+    parser.add_argument("--isa", choices=("vec", "amx"), default="vec",
+                        help="the cache layout (vLLM's CPU attention ISA)")
     args = parser.parse_args()
-    copies = routines(args.against, args.torch)
+    copies = routines(args.against, args.torch, args.isa)
     if "C" not in copies:
         print("no C compiler (or KVSTORE_NATIVE_COPY=0): the C routine's rows are skipped")
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16,) if args.isa == "amx" else (torch.bfloat16, torch.float32):
         for tokens in map(int, args.tokens.split(",")):
-            for row in measure(dtype, tokens, copies, args.repeats):
+            for row in measure(dtype, tokens, copies, args.repeats, args.isa):
                 line = f"{row['dtype']:8} {tokens:5} {row['copy']:7}"
                 for op in ("load", "save"):
                     line += (f"  {op} {row[f'{op}_ms']:6.1f} ms ({row[f'{op}_gbps']:5.2f} GB/s,"
@@ -127,7 +131,7 @@ def main() -> None:
                     line += ")"
                 print(line, flush=True)
                 rows.append(row)
-    print(json.dumps({"threads": paged.copy_threads(paged.caller_cpus()),
+    print(json.dumps({"threads": paged.copy_threads(paged.caller_cpus()), "isa": args.isa,
                       "against": str(args.against) if args.against else None, "rows": rows}))
 
 

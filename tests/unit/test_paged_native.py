@@ -302,3 +302,110 @@ def test_saves_copy_off_the_compute_cpus_and_loads_on_all_of_them() -> None:
     assert load == every
     assert threads == min(4, len(every))
     assert os.sched_getaffinity(0) == mine  # the test's own thread was left alone
+
+
+# ---- vLLM's "amx" ISA: its own C routine (kvs_vllm_amx_copy) and torch twin.
+
+
+def reference_amx_pages(kv: torch.Tensor, pages: list[int], num_pages: int, ps: int,
+                        count: int | None = None, fill: float = 7.0) -> list[torch.Tensor]:
+    """vLLM "amx" caches holding `kv`'s tokens in `pages`, element by element from the
+    layout's index formulas: per (page, head), K `[ps/16, dim/2, 16, 2]`, then V `[dim/16,
+    ps/2, 16, 2]`; other slots hold `fill`."""
+    layers, _, tokens, heads, dim = kv.shape
+    count = tokens if count is None else count
+    d = torch.arange(dim)
+    out = []
+    for layer in range(layers):
+        t = torch.full((num_pages, heads, 2, ps * dim), fill, dtype=kv.dtype)
+        for token in range(count):
+            page, slot = pages[token // ps], token % ps
+            k_at = (slot // 16) * 16 * dim + (d // 2) * 32 + (slot % 16) * 2 + d % 2
+            v_at = (d // 16) * (ps // 2) * 32 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2
+            t[page, :, 0, k_at] = kv[layer, 0, token]
+            t[page, :, 1, v_at] = kv[layer, 1, token]
+        out.append(t.view(num_pages, heads, ps, 2 * dim))
+    return out
+
+
+needs_native_amx = pytest.mark.skipif(paged.native_copy("amx") is None,
+                                      reason="no C compiler: the torch copy is used instead")
+AMX_CASES = [  # (layers, heads, head_dim, page size, tokens of the last page)
+    (2, 2, 128, 32, 32),  # the engine's shape family, whole pages
+    (1, 3, 64, 64, 37),  # a partial last page: an odd token alone, a short 16-token block
+    (2, 1, 16, 16, 15),  # dims of one line of V; a K row of one line
+    (1, 2, 48, 48, 1),  # dims not a multiple of 32: K's rows not whole lines on a save
+    (1, 2, 32, 32, 18),
+]
+
+
+@needs_native_amx
+@pytest.mark.parametrize(("layers", "heads", "dim", "ps", "last"), AMX_CASES)
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_amx_copies_match_the_layout_element_by_element(layers, heads, dim, ps, last, native,
+                                                        monkeypatch) -> None:
+    """Both directions, C and torch, against the layout's formulas: a partial last page
+    writes only its first slots and reads back only them; the other pages are untouched."""
+    monkeypatch.setenv(paged.NATIVE_ENV, native)
+    pages, count = [3, 0], ps + last
+    kv = random((layers, 2, 2 * ps, heads, dim), torch.bfloat16, seed=8)
+    want = reference_amx_pages(kv, pages, 5, ps, count=count)
+    got = [torch.full_like(t, 7.0) for t in want]
+    cache = PagedCache.vllm_cpu(got, "amx")
+    cache.scatter_views([(kv, 0, pages, count)])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    back = torch.zeros_like(kv)
+    cache.gather_views([(back, 0, pages, count)])
+    assert torch.equal(back[:, :, :count], kv[:, :, :count])
+    assert not back[:, :, count:].any()
+
+
+@needs_native_amx
+def test_amx_native_routine_runs_for_amx_caches(monkeypatch) -> None:
+    """An AMX cache is copied by the AMX routine, not by the "vec" one nor by torch."""
+    calls: list[str] = []
+    real = paged.native_copy("amx")
+
+    def recording(*args):
+        calls.append("amx")
+        return real(*args)
+
+    monkeypatch.setattr(paged, "_native_amx", recording)
+    kv = random((1, 2, 32, 2, 32), torch.bfloat16, seed=9)
+    cache = PagedCache.vllm_cpu([torch.zeros(2, 2, 32, 64, dtype=torch.bfloat16)], "amx")
+    cache.scatter(kv, [1], 0)
+    assert torch.equal(cache.gather([1]), kv)
+    assert calls == ["amx", "amx"]
+
+
+@needs_native_amx
+def test_amx_head_slices_offsets_and_arena_views() -> None:
+    """A head slice writes its head's bytes and no other's; cache layers and KV one element
+    off 16-byte alignment (no streaming stores there); blocks as the daemon's arena holds
+    them, a load starting inside the first one: all as the layout's formulas say."""
+    layers, heads, dim, ps = 2, 2, 32, 32
+    arena = random((3, layers, 2, ps, heads, dim), torch.bfloat16, seed=10)
+    prompt = torch.cat([arena[i] for i in range(3)], dim=2)
+    pages = [4, 1, 3]
+    want = reference_amx_pages(prompt, pages, 5, ps)
+    got = []
+    for w in want:  # one element past an aligned address
+        got.append(torch.full((w.numel() + 1,), 7.0, dtype=w.dtype)[1:].view(w.shape))
+        assert got[-1].data_ptr() % 16 != 0
+    cache = PagedCache.vllm_cpu(got, "amx")
+    cache.scatter_views([(arena[1], 0, pages[1:2]), (prompt, 2 * ps, pages[2:])])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[pages[1:]], w[pages[1:]])
+        assert bool((g[pages[0]] == 7.0).all())
+    for h in range(heads):  # page 4 one head at a time, from separate head tensors
+        cache.head_slice(h, 1).scatter(prompt[..., h : h + 1, :].contiguous(), pages[:1], 0)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g[pages[0], : h + 1], w[pages[0], : h + 1])
+            assert bool((g[pages[0], h + 1 :] == 7.0).all())
+    back = torch.zeros(prompt.numel() + 1, dtype=prompt.dtype)[1:].view(prompt.shape)
+    cache.gather_views([(back, 0, pages)])
+    assert torch.equal(back, prompt)
+    one = torch.zeros(layers, 2, 3 * ps, 1, dim, dtype=prompt.dtype)
+    cache.head_slice(1, 1).gather_views([(one, 0, pages)])
+    assert torch.equal(one, prompt[..., 1:2, :])
