@@ -364,6 +364,18 @@ VLLM_LAYOUTS: tuple[VllmLayout, ...] = (
         EngineLayout.MLA,
         "0.29.0, 0.32.0, 0.33.0",
     ),
+    # CPUs with AMX, bf16: `amx_mla_concat_and_cache` writes the plain latent row of slot
+    # `page * block_size + offset`, and the decode reads the cache as `view(-1, 1, head_size)`
+    # (tests/vllm/test_cpu_isa.py checks both against vLLM 0.32's ops).
+    VllmLayout(
+        "mla_latent_4d",
+        frozenset({"AMX_MLA"}),
+        (0, 32),
+        (0, 32),
+        ("num_blocks", "1", "block_size", "head_size"),
+        EngineLayout.MLA,
+        "0.32.0",
+    ),
 )
 """Every vLLM layout the kernels know. MLA's `head_size` is `kv_lora_rank + qk_rope_head_dim`
 (one latent row per token: `kv_c_normed`, then `k_pe`)."""
@@ -372,8 +384,6 @@ _VLLM_REFUSED = {
     "CPU_ATTN": "its K rows are column-major inside a page for the vec ISAs and tiled for AMX; "
     "the connector copies CPU caches itself (client/integrations/paged.py)",
     "B12X": "it stores K and V as two head slots, [num_blocks, 2, block_size, heads*head_size]",
-    "AMX_MLA": "its latent cache is written by a C++ op (amx_mla_concat_and_cache) whose "
-    "layout was not read; start vLLM with --attention-backend CPU_MLA",
     "FLASH_ATTN_DIFFKV": "its K and V have different head sizes",
     "TRITON_ATTN_DIFFKV": "its K and V have different head sizes",
 }

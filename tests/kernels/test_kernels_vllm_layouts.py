@@ -202,6 +202,11 @@ CASES = [
     VllmCase("0.32-CPU_MLA-16", "CPU_MLA", "0.32.0+cpu",
              kv_cache_layout("LBNHC", mla=True, block_size=16), write_cpu_mla, EngineLayout.MLA,
              page_size=16),
+    # AMX_MLA's amx_mla_concat_and_cache writes the same plain rows (tests/vllm/test_cpu_isa.py
+    # checks it against the op itself, where the CPU has AMX).
+    VllmCase("0.32-AMX_MLA-32", "AMX_MLA", "0.32.0+cpu",
+             kv_cache_layout("LBNHC", mla=True, block_size=32), write_cpu_mla, EngineLayout.MLA,
+             page_size=32),
 ]  # fmt: skip
 """One case per layout, per stride order vLLM allocates it in (the host shim makes a case
 slower than the CPU path, so each backend that shares a layout gets one order, not all)."""
@@ -310,7 +315,7 @@ def shaped(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # B12X packs K and V as two "heads": with 2 KV heads its shape equals the packed one.
         ("B12X", "0.33.0", (9, 2, 16, 256), 2, 128, "two head slots"),
         ("CPU_ATTN", "0.32.0", (9, 2, 16, 256), 2, 128, "paged.py"),
-        ("AMX_MLA", "0.33.0", (9, 1, 32, 576), 1, 576, "not read"),
+        ("AMX_MLA", "0.33.0", (9, 1, 32, 576), 1, 576, r"read for vLLM 0\.32 \(mla"),
         ("TRITON_ATTN_DIFFKV", "0.33.0", (9, 2, 16, 192), 2, 128, "different head sizes"),
         ("FLASHMLA_SPARSE", "0.33.0", (9, 1, 64, 656), 1, 576, "no known cache layout"),
         ("ROCM_ATTN", "0.33.0", (9, 2, 16, 256), 2, 128, "no known cache layout"),
