@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, cast
 
 import grpc
@@ -166,6 +167,49 @@ class _CopyGate:
 
 
 _copies = _CopyGate()
+
+SAVE_NICE_ENV = "KVSTORE_SAVE_NICE"
+"""How far below the process's CPU priority a publish's copies run (nice increment, 0-19;
+default 10): a save is background work, and on a machine whose cores the engine, its API
+server and the daemon share, it should take only the CPU they leave (a request's prefill, the
+scheduler, the daemon's answers come first). 0 runs them as any other thread."""
+_save_pool: ThreadPoolExecutor | None = None
+_save_pool_lock = threading.Lock()
+
+
+def save_nice() -> int:
+    """The nice increment of publish copies (`KVSTORE_SAVE_NICE`, default 10), clamped to
+    0-19; a value that is not an integer is an error that names it."""
+    raw = os.environ.get(SAVE_NICE_ENV, "10")
+    try:
+        return max(0, min(19, int(raw)))
+    except ValueError:
+        raise ValueError(f"{SAVE_NICE_ENV}={raw!r}: expected an integer 0-19") from None
+
+
+def _lower_priority(increment: int) -> None:
+    """Lower the calling thread's CPU priority by `increment` (Linux nice is per thread);
+    nothing where the OS does not allow it."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+
+
+def _save_executor() -> ThreadPoolExecutor | None:
+    """The threads publish copies run on, at `save_nice()` below the process (None: 0, the
+    event loop's default executor). Separate from the loads' threads: a thread's nice cannot
+    be raised back without privileges, so a thread that copied a save never copies a load."""
+    global _save_pool
+    increment = save_nice()
+    if increment == 0:
+        return None
+    with _save_pool_lock:
+        if _save_pool is None:
+            _save_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                            thread_name_prefix="kvstore-save",
+                                            initializer=_lower_priority, initargs=(increment,))
+        return _save_pool
 
 
 def prefault_paused() -> contextlib.AbstractContextManager[None]:
@@ -781,9 +825,10 @@ class AsyncKVClient:
         return self._arena
 
     async def _copy(self, fn: Callable[..., int | None], blocks: int, *args: object,
-                    until: float | None = None) -> int:
+                    until: float | None = None, save: bool = False) -> int:
         """Run a copy of `blocks` blocks between the arena and a tensor in a worker thread,
-        cancellably; returns how many leading blocks it copied in full.
+        cancellably; returns how many leading blocks it copied in full. `save`: a publish's
+        copy, run at a lower CPU priority (`KVSTORE_SAVE_NICE`).
 
         At `until` the copy is told to stop (`stop` is set) and returns what it finished: the
         caller keeps that prefix. A cancelled call stops the copy the same way and waits for
@@ -795,7 +840,8 @@ class AsyncKVClient:
         stop = threading.Event()
         loop = asyncio.get_running_loop()
         timer = loop.call_at(until, stop.set) if until is not None else None
-        fut = loop.run_in_executor(None, functools.partial(_copies.run, fn, *args, stop))
+        fut = loop.run_in_executor(_save_executor() if save else None,
+                                   functools.partial(_copies.run, fn, *args, stop))
         try:
             done = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -1075,7 +1121,7 @@ class AsyncKVClient:
 
         async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
             got = await self._copy(self._copy_in, len(todo), arena, todo, refs, kv,
-                                   until=until)
+                                   until=until, save=True)
             if got < len(todo):
                 raise _CopyStopped(f"publish wrote {got} of {len(todo)} blocks")
 
@@ -1192,14 +1238,15 @@ class AsyncKVClient:
             blocks = list(range(len(keys)))
             got = await self._copy(produce, len(blocks), blocks,
                                    [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks],
-                                   until=until)
+                                   until=until, save=True)
             if got < len(blocks):
                 raise _CopyStopped(f"publish wrote {got} of {len(blocks)} blocks")
             return await self._publish_stream(keys, kv, until)
 
         async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
             got = await self._copy(produce, len(todo), todo,
-                                   [self._block_view(arena, ref) for ref in refs], until=until)
+                                   [self._block_view(arena, ref) for ref in refs], until=until,
+                                   save=True)
             if got < len(todo):
                 raise _CopyStopped(f"publish wrote {got} of {len(todo)} blocks")
 

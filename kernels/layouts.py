@@ -389,6 +389,11 @@ _VLLM_REFUSED = {
 }
 
 
+_VLLM_OTHERWISE = {  # what to run instead, where a backend's layout was read for some versions
+    "AMX_MLA": "; start vLLM with --attention-backend CPU_MLA",
+}
+
+
 def _parse_version(version: str) -> VllmVersion | None:
     parts = version.split(".")
     if len(parts) < 2 or not parts[0].isdigit():
@@ -424,7 +429,8 @@ def vllm_layout(
     found = [lay for lay in candidates if parsed and lay.first <= parsed <= lay.last]
     if not found:
         read = ", ".join(f"{lay.versions()} ({lay.name})" for lay in candidates)
-        raise LayoutError(f"{what}: its layout was read for vLLM {read} only")
+        hint = _VLLM_OTHERWISE.get(backend, "")
+        raise LayoutError(f"{what}: its layout was read for vLLM {read} only{hint}")
     lay = found[0]
     want = lay.expected(num_kv_heads, head_size)
     fits = len(shape) == len(want) and all(

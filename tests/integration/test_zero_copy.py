@@ -114,3 +114,54 @@ def test_daemon_down_is_a_miss_without_a_call(tmp_path):
         assert c.fetch_with(list(range(BT)), lambda b, v, s: calls.append(1)) == 0
         assert c.publish_with(list(range(BT)), lambda b, v, s: calls.append(1)) == 0
     assert calls == []
+
+
+def _nice() -> int:
+    import os
+
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.parametrize("transfer", ["shm", "stream"])
+def test_saves_copy_at_a_lower_cpu_priority_than_loads(daemon, transfer):
+    """A publish's copies run on threads `KVSTORE_SAVE_NICE` (10) below the process, so
+    background saves take only CPU the engine leaves; a fetch's copies run at the process's
+    own priority, never on a thread a save lowered (nice cannot be raised back)."""
+    from kvstore.client import aio
+
+    layout = small_layout(torch.float32)
+    tokens = list(range(900, 900 + 2 * BT))
+    kv = random_kv(layout, len(tokens))
+    seen: dict[str, set[tuple[str, int]]] = {"save": set(), "load": set()}
+
+    def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+        seen["save"].add((threading.current_thread().name, _nice()))
+        for b, view in zip(blocks, views, strict=True):
+            view.copy_(block(kv, b))
+
+    def consume(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> None:
+        seen["load"].add((threading.current_thread().name, _nice()))
+
+    base = _nice()
+    with KVClient(daemon.target, layout, transfer=transfer) as c:
+        for _ in range(3):  # loads after saves: still at the base priority
+            assert c.publish_with(tokens, produce) in (0, 2 * BT)
+            assert c.fetch_with(tokens, consume) == 2 * BT
+    assert {nice for _, nice in seen["save"]} == {min(19, base + aio.save_nice())}
+    assert all(name.startswith("kvstore-save") for name, _ in seen["save"])
+    assert {nice for _, nice in seen["load"]} == {base}
+    assert not {name for name, _ in seen["load"]} & {name for name, _ in seen["save"]}
+
+
+def test_save_nice_setting_is_checked(monkeypatch):
+    from kvstore.client import aio
+
+    monkeypatch.setenv(aio.SAVE_NICE_ENV, "3")
+    assert aio.save_nice() == 3
+    monkeypatch.setenv(aio.SAVE_NICE_ENV, "40")
+    assert aio.save_nice() == 19
+    monkeypatch.setenv(aio.SAVE_NICE_ENV, "0")
+    assert aio.save_nice() == 0 and aio._save_executor() is None
+    monkeypatch.setenv(aio.SAVE_NICE_ENV, "low")
+    with pytest.raises(ValueError, match="KVSTORE_SAVE_NICE='low'"):
+        aio.save_nice()

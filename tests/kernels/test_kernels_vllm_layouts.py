@@ -315,7 +315,7 @@ def shaped(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # B12X packs K and V as two "heads": with 2 KV heads its shape equals the packed one.
         ("B12X", "0.33.0", (9, 2, 16, 256), 2, 128, "two head slots"),
         ("CPU_ATTN", "0.32.0", (9, 2, 16, 256), 2, 128, "paged.py"),
-        ("AMX_MLA", "0.33.0", (9, 1, 32, 576), 1, 576, r"read for vLLM 0\.32 \(mla"),
+        ("AMX_MLA", "0.33.0", (9, 1, 32, 576), 1, 576, r"0\.32 \(mla.*only; .*CPU_MLA"),
         ("TRITON_ATTN_DIFFKV", "0.33.0", (9, 2, 16, 192), 2, 128, "different head sizes"),
         ("FLASHMLA_SPARSE", "0.33.0", (9, 1, 64, 656), 1, 576, "no known cache layout"),
         ("ROCM_ATTN", "0.33.0", (9, 2, 16, 256), 2, 128, "no known cache layout"),
