@@ -29,6 +29,8 @@ Configurations, one engine each, the same workload:
   other requests);
 - `vllm-rerun` (not by default): vLLM alone again, to see how far two runs of the same engine
   agree: with requests batched differently, vLLM's own outputs differ between runs.
+- `kvstore-nice0` (not by default): the compose stack with `KVSTORE_SAVE_NICE=0`, the saves'
+  copies at the engine's own CPU priority (as before 2026-11-29), beside `kvstore`.
 
 TTFT is the time from sending a request to its first streamed token, measured by the client;
 throughput is output tokens over the run's wall time. Per request the kvstore TTFT is compared
@@ -237,6 +239,8 @@ def main() -> None:
                         "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
             if config == "kvstore-async":  # the compose connector config, loads asynchronous
                 vllm_args.append(async_transfer_config(native))
+            if config == "kvstore-nice0":  # saves at the engine's priority
+                env["KVSTORE_SAVE_NICE"] = "0"
             running.enter_context(stack(
                 native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
                 vllm_args=tuple(vllm_args),
