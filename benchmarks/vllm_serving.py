@@ -1,7 +1,8 @@
 """Serving under concurrency: several users, several rounds each, over a shared system prompt,
 through vLLM's OpenAI server as docker-compose.yml runs it, with kvstore and without, in one run.
 
-    .venv-vllm/bin/python -m benchmarks.vllm_serving [--users 6] [--rounds 4] [--system 1024]
+    .venv-vllm/bin/python -m benchmarks.vllm_serving [--users 6] [--rounds 4] [--system 1024] \
+        [--repeats 3]
 
 As LMCache's multi-round QA benchmark: every user's prompt in round r is the system prompt, the
 user's earlier questions and answers, and a new question; each user sends its next question
@@ -31,6 +32,11 @@ Configurations, one engine each, the same workload:
   agree: with requests batched differently, vLLM's own outputs differ between runs.
 - `kvstore-nice0` (not by default): the compose stack with `KVSTORE_SAVE_NICE=0`, the saves'
   copies at the engine's own CPU priority (as before 2026-11-29), beside `kvstore`.
+
+With `--repeats N` every configuration runs N times, in turn, the order reversed every other
+pass, and a request's TTFT is the median of its N runs: on this VM one request's TTFT moved by
++-20% between two runs of the same engine (docs/PERFORMANCE.md, 2026-11-29), more than the
+differences the per-request comparison looks for.
 
 TTFT is the time from sending a request to its first streamed token, measured by the client;
 throughput is output tokens over the run's wall time. Per request the kvstore TTFT is compared
@@ -188,6 +194,58 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     save(fig, path)
 
 
+def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int,
+               sys_prompt: list[int], turns: list[list[list[int]]],
+               ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
+    """One engine of `config`, the whole workload: its requests' records, the wall time and
+    vLLM's prefix-cache counters."""
+    native = Native(Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp")))  # short paths
+    (native.root / "models").symlink_to(models)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "LMCACHE_TRACK_USAGE": "false"}
+    vllm_args = [f"--max-model-len={max_len}", f"--num-gpu-blocks-override={args.cache_blocks}"]
+    with contextlib.ExitStack() as running:  # vllm-rerun: vLLM alone, a second time
+        if config == "lmcache":
+            port = free_port()
+            running.enter_context(lmcache_server(port, native.root / "lmcache.log",
+                                                 args.lmcache_gib, 256))
+            vllm_args.append("--kv-transfer-config=" + json.dumps({
+                "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                    "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
+        if config == "kvstore-async":  # the compose connector config, loads asynchronous
+            vllm_args.append(async_transfer_config(native))
+        if config == "kvstore-nice0":  # saves at the engine's priority
+            env["KVSTORE_SAVE_NICE"] = "0"
+        running.enter_context(stack(
+            native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
+            vllm_args=tuple(vllm_args),
+            vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
+        with tqdm(total=args.users * args.rounds, desc=config, unit="req") as bar:
+            records, wall = run_users(native, sys_prompt, turns, args.question, args.answer,
+                                      args.stagger_s, bar)
+        counters = {name: metric(native.url, name) for name in (
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+            "vllm:external_prefix_cache_hits_total")}
+    return records, wall, counters
+
+
+def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
+          ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
+    """Several runs of one configuration as one: each request's TTFT the median of its runs
+    (`ttft_runs` lists them; output and log-probabilities are the first run's), the median
+    wall time, the counters summed."""
+    records = []
+    for same in zip(*(r[0] for r in runs), strict=True):
+        times = [r["ttft_s"] for r in same]
+        records.append({**same[0], "ttft_s": float(np.median(times)), "ttft_runs": times})
+    counters: dict[str, float] = {}
+    for _, _, c in runs:
+        for name, value in c.items():
+            counters[name] = counters.get(name, 0.0) + value
+    return records, float(np.median([r[1] for r in runs])), counters
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,6 +262,9 @@ def main() -> None:
                    help="VLLM_CPU_KVCACHE_SPACE: the memory vLLM sizes its cache within")
     p.add_argument("--lmcache-gib", type=int, default=4, help="LMCache's L1 (CPU) size")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every configuration, in turn, the order reversed every other "
+                        "pass; a request's TTFT is then the median of its runs")
     p.add_argument("--name", default="vllm_serving", help="results file name (.json, .png)")
     args = p.parse_args()
     configs = args.configs.split(",")
@@ -219,38 +280,16 @@ def main() -> None:
         raise SystemExit(f"the longest prompt ({longest} tokens) does not fit vLLM's cache "
                          f"of {args.cache_blocks} blocks: raise --cache-blocks")
     models = Path(tempfile.mkdtemp(prefix="kvs-models-", dir="/tmp"))  # built once, shared
+    runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, float]]]] = {}
+    for rep in range(args.repeats):
+        # Every other pass in reverse: the VM's speed drifts within minutes, and no
+        # configuration should always run first (the first engine of a run was the slowest).
+        for config in configs if rep % 2 == 0 else configs[::-1]:
+            runs.setdefault(config, []).append(
+                run_config(config, args, models, max_len, sys_prompt, turns))
     rows, per_request = [], {}
-    requests = args.users * args.rounds
     for config in configs:
-        native = Native(Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp")))  # short paths
-        (native.root / "models").symlink_to(models)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "LMCACHE_TRACK_USAGE": "false"}
-        vllm_args = [f"--max-model-len={max_len}",
-                     f"--num-gpu-blocks-override={args.cache_blocks}"]
-        with contextlib.ExitStack() as running:  # vllm-rerun: vLLM alone, a second time
-            if config == "lmcache":
-                port = free_port()
-                running.enter_context(lmcache_server(port, native.root / "lmcache.log",
-                                                     args.lmcache_gib, 256))
-                vllm_args.append("--kv-transfer-config=" + json.dumps({
-                    "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {
-                        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
-                        "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
-            if config == "kvstore-async":  # the compose connector config, loads asynchronous
-                vllm_args.append(async_transfer_config(native))
-            if config == "kvstore-nice0":  # saves at the engine's priority
-                env["KVSTORE_SAVE_NICE"] = "0"
-            running.enter_context(stack(
-                native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
-                vllm_args=tuple(vllm_args),
-                vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
-            with tqdm(total=requests, desc=config, unit="req") as bar:
-                records, wall = run_users(native, sys_prompt, turns, args.question,
-                                          args.answer, args.stagger_s, bar)
-            counters = {name: metric(native.url, name) for name in (
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                "vllm:external_prefix_cache_hits_total")}
+        records, wall, counters = merge(runs[config])
         rows.append(summary(config, records, wall, counters))
         per_request[config] = records
     for row in rows:  # each request against vLLM alone's run of the same request
