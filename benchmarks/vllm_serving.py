@@ -61,7 +61,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, save, table, write_results
-from benchmarks.vllm_ttft import free_port, lmcache_server
+from benchmarks.vllm_ttft import LOGGING, free_port, lmcache_server
 from tests.vllm.compose import MODEL_NAME, Native, stack
 
 CONFIGS = ("vllm", "kvstore", "lmcache")
@@ -201,7 +201,11 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
     vLLM's prefix-cache counters."""
     native = Native(Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp")))  # short paths
     (native.root / "models").symlink_to(models)
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "LMCACHE_TRACK_USAGE": "false"}
+    # vLLM's log gets the connector's per-request lines too (loads, saves and their times).
+    logging_config = native.root / "logging.json"
+    logging_config.write_text(json.dumps(LOGGING))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "LMCACHE_TRACK_USAGE": "false",
+           "VLLM_LOGGING_CONFIG_PATH": str(logging_config)}
     vllm_args = [f"--max-model-len={max_len}", f"--num-gpu-blocks-override={args.cache_blocks}"]
     with contextlib.ExitStack() as running:  # vllm-rerun: vLLM alone, a second time
         if config == "lmcache":
