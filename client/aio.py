@@ -184,7 +184,8 @@ def save_nice() -> int:
     try:
         return max(0, min(19, int(raw)))
     except ValueError:
-        raise ValueError(f"{SAVE_NICE_ENV}={raw!r}: expected an integer 0-19") from None
+        raise InvalidArgumentError(f"{SAVE_NICE_ENV}={raw!r}: expected an integer 0-19") \
+            from None
 
 
 def _lower_priority(increment: int) -> None:
@@ -277,6 +278,7 @@ class AsyncKVClient:
             raise InvalidArgumentError(f"deadline_s must be positive, got {deadline_s}")
         if transfer not in ("auto", "shm", "stream"):
             raise InvalidArgumentError(f"transfer must be auto, shm or stream, got {transfer!r}")
+        save_nice()  # a bad KVSTORE_SAVE_NICE fails here, at the start, not in every save
         self.target, self.is_unix = normalize_target(target)
         self.layout = layout
         self.namespace = Namespace(layout, lora=lora, tenant=tenant, salt=salt)

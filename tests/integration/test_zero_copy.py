@@ -165,3 +165,5 @@ def test_save_nice_setting_is_checked(monkeypatch):
     monkeypatch.setenv(aio.SAVE_NICE_ENV, "low")
     with pytest.raises(ValueError, match="KVSTORE_SAVE_NICE='low'"):
         aio.save_nice()
+    with pytest.raises(ValueError, match="KVSTORE_SAVE_NICE='low'"):  # at the start
+        KVClient("unix:///nonexistent.sock", small_layout(torch.float32))
