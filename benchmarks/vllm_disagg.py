@@ -247,6 +247,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--setups", default="one,two", help="one (one daemon), two (two + redis)")
+    p.add_argument("--name", default="vllm_disagg", help="results file name (JSON)")
     args = p.parse_args()
     from benchmarks.common import RESULTS, table
 
@@ -263,7 +264,7 @@ def main() -> None:
     columns = ["setup", "tokens", "recompute s", "producer s", "consumer TTFT s", "speedup",
                "same first token"]
     print(table(rows, columns))
-    out = RESULTS / "vllm_disagg.json"
+    out = RESULTS / f"{args.name}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "layers": args.layers,
                                "block_size": args.block_size, "repeats": args.repeats,
                                "rows": rows}, indent=1))

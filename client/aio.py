@@ -329,12 +329,18 @@ class AsyncKVClient:
             return list(tokens.keys)
         return self._key_cache.keys(tokens)
 
-    async def lookup(self, tokens: Tokens) -> int:
-        """Tokens in the longest cached prefix of `tokens` (a multiple of block_tokens)."""
+    async def lookup(self, tokens: Tokens, *, prefetch: bool = False) -> int:
+        """Tokens in the longest cached prefix of `tokens` (a multiple of block_tokens).
+
+        `prefetch`: the daemon also starts promoting the prefix's blocks that its host tier
+        lacks (remote or disk hits) into host in the background, for a caller that will fetch
+        the prompt a little later (after waiting for more of it): the fetch then finds them in
+        host. A hint: one prefetch runs per daemon at a time, and a fetch never depends on it.
+        """
         keys = self.keys(tokens)
         if not keys:
             return 0
-        reply = await self._guard(lambda: self._lookup(keys), None)
+        reply = await self._guard(lambda: self._lookup(keys, prefetch), None)
         return 0 if reply is None else reply.hits * self.layout.block_tokens
 
     async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
@@ -792,9 +798,12 @@ class AsyncKVClient:
     async def _info(self) -> pb.InfoReply:
         return await self._unary("Info", pb.InfoRequest())
 
-    async def _lookup(self, keys: list[bytes]) -> pb.LookupReply:
-        reply: pb.LookupReply = await self._unary(
-            "Lookup", pb.LookupRequest(namespace=self._ns, keys=keys))
+    async def _lookup(self, keys: list[bytes], prefetch: bool = False) -> pb.LookupReply:
+        request = pb.LookupRequest(namespace=self._ns, keys=keys)
+        if prefetch:
+            request.prefetch = True
+            request.layout.CopyFrom(self._layout_pb)
+        reply: pb.LookupReply = await self._unary("Lookup", request)
         self._read_bandwidth.update(reply.read_bandwidth)
         return reply
 

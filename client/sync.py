@@ -74,8 +74,8 @@ class KVClient:
     def keys(self, tokens: Tokens) -> list[bytes]:
         return self._aio.keys(tokens)
 
-    def lookup(self, tokens: Tokens) -> int:
-        return self._run(self._aio.lookup(tokens), 0)
+    def lookup(self, tokens: Tokens, *, prefetch: bool = False) -> int:
+        return self._run(self._aio.lookup(tokens, prefetch=prefetch), 0)
 
     def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
               max_blocks: int | None = None, budget_s: float | None = None,

@@ -43,6 +43,10 @@ class StoreCollector(Collector):
             ("kvstore_late_fetches", c.late_fetches,
              "Fetches answered short, before some disk reads started: their client's deadline "
              "was half gone (the client asks for the rest)."),
+            ("kvstore_prefetches", c.prefetches,
+             "Prefetches started by lookups: a waiting caller's hit promoted into host."),
+            ("kvstore_prefetched_blocks", c.prefetched_blocks,
+             "Blocks those prefetches promoted into host (remote or disk hits)."),
             ("kvstore_sessions_ended", c.sessions_ended,
              "EndSession hints: conversations their clients said had ended."),
             ("kvstore_session_blocks_marked", c.session_blocks_marked,

@@ -265,8 +265,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # Past the local prefix the shared remote tier is asked too (keys there are
         # prefixed by the namespace, so it needs one; a malformed one just skips remote).
         scope = current_scope()  # a TCP tenant's keys and namespace are rewritten (tenancy.py)
-        found = await self.store.lookup_through(scope.keys(self._keys(request.keys)),
-                                                scope.namespace(request.namespace))
+        keys = scope.keys(self._keys(request.keys))
+        ns = scope.namespace(request.namespace)
+        layout = layout_from_proto(request.layout) if request.prefetch else None
+        found = await self.store.lookup_through(keys, ns)
+        if layout is not None and any(t != self.store.host.name for t in found):
+            self.store.prefetch(keys[: len(found)], layout.digest(), ns, layout.block_bytes,
+                                owner=scope.tenant)
         bw = self.store.read_bandwidth()  # measured tiers only (the host tier never is)
         return pb.LookupReply(hits=len(found), tiers=found,
                               read_bandwidth={t: bw[t] for t in set(found) if t in bw})
@@ -587,4 +592,5 @@ def stats_reply(store: TieredStore, inflight_rpcs: int = 0, shed_rpcs: int = 0) 
         session_blocks_marked=c.session_blocks_marked,
         host_prefaulted_bytes=store.host.prefaulted_bytes,
         fenced_leases=store.fences.fenced_total, fenced_bytes=store.fences.nbytes,
-        late_fetches=c.late_fetches)
+        late_fetches=c.late_fetches, prefetches=c.prefetches,
+        prefetched_blocks=c.prefetched_blocks)

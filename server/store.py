@@ -176,6 +176,7 @@ class _Room:
     layout_digest: bytes
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
     slab_ok: bool = False  # the client reads gpu-only blocks in the slab: no host room for them
+    promote_only: bool = False  # a prefetch: no scratch space (freed at release, read for nothing)
     share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
     gpu_bytes: int = 0  # copied out of the gpu tier into scratch space, for its read rate
@@ -201,6 +202,14 @@ class _Lift:
 
 
 @dataclass
+class _Prefetch:
+    """A prefetch running (`TieredStore.prefetch`): its keys, and the task reading them."""
+
+    keys: frozenset[bytes]
+    task: asyncio.Task[None]
+
+
+@dataclass
 class StoreCounters:
     lookups: int = 0
     hit_blocks: int = 0
@@ -216,6 +225,8 @@ class StoreCounters:
     expired_leases: int = 0  # reclaimed by the reaper: their client never ended them
     lifts_skipped: int = 0  # promotions into gpu not started: another prompt's was running
     late_fetches: int = 0  # answered short at `answer_within`: some reads never started
+    prefetches: int = 0  # started by lookups (`prefetch`)
+    prefetched_blocks: int = 0  # blocks they promoted into host
     sessions_ended: int = 0  # EndSession hints
     session_blocks_marked: int = 0  # blocks they marked to go first (once per tier)
     tier_hits: dict[str, int] = field(default_factory=dict)
@@ -305,6 +316,7 @@ class TieredStore:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
         self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
         self._lifting: _Lift | None = None  # the promotion into gpu running now (`_lift`)
+        self._prefetching: _Prefetch | None = None  # the prefetch running now (`prefetch`)
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -364,11 +376,57 @@ class TieredStore:
         prefixed by the namespace, which clients send with every call."""
         return self.remote if len(namespace) == KEY_BYTES else None
 
+    # ---- prefetch
+    def prefetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes,
+                 block_bytes: int, owner: str = "") -> bool:
+        """Start promoting into host, in the background, the blocks of `keys` (a lookup's hit,
+        in chain order) that host does not hold: read from the remote tier or disk as a fetch
+        reads them, within the prompt's share of host (never into scratch space), then left
+        unpinned. For a caller that looked a prompt up and fetches it later: a disaggregated
+        decode instance waiting for the rest of its producer's blocks reads the first ones
+        while the producer's daemon still writes the last ones through. A fetch of any of
+        these keys waits for the prefetch rather than read them a second time. One prefetch
+        runs at a time: False (none started) while one runs; the caller's next lookup asks
+        again."""
+        run = self._prefetching
+        if not keys or (run is not None and not run.task.done()):
+            return False
+        self.counters.prefetches += 1
+        task = asyncio.get_running_loop().create_task(
+            self._prefetch(list(keys), layout_digest, namespace, block_bytes, owner))
+        self._prefetching = _Prefetch(frozenset(keys), task)
+        return True
+
+    async def _prefetch(self, keys: list[bytes], layout_digest: bytes, namespace: bytes,
+                        block_bytes: int, owner: str) -> None:
+        try:
+            lease = await self.fetch(keys, layout_digest, namespace, block_bytes, owner=owner,
+                                     hold=True, whole=True, prefetch=True)
+            self.release(lease.id)
+        except CapacityError as e:  # a hint: the fetch that follows reads what is missing
+            log.debug("prefetch of %d blocks stopped: %s", len(keys), e)
+        except Exception:
+            log.exception("prefetch of %d blocks failed", len(keys))
+
+    async def _prefetch_done(self, keys: Sequence[bytes], within: float | None) -> None:
+        """Wait (up to `within` seconds) for a running prefetch of any of `keys`: the blocks
+        it is promoting are in flight, and a fetch reaching one would miss it there."""
+        run = self._prefetching
+        if run is not None and not run.task.done() and not run.keys.isdisjoint(keys):
+            await asyncio.wait([run.task], timeout=within)
+
+    async def stop_prefetch(self) -> None:
+        """Cancel the running prefetch and wait for it to unwind (shutdown)."""
+        if (run := self._prefetching) is not None and not run.task.done():
+            run.task.cancel()
+            await asyncio.wait([run.task])
+
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
                     block_bytes: int = 0, owner: str = "", hold: bool = False,
                     prior: Sequence[bytes] = (), slab_ok: bool = False,
-                    whole: bool = False, answer_within: float | None = None) -> FetchLease:
+                    whole: bool = False, answer_within: float | None = None,
+                    prefetch: bool = False) -> FetchLease:
         """Pin the longest cached prefix in host memory (promoting disk and remote hits, or
         reading them into scratch space, see `_Room`) under a lease.
 
@@ -394,9 +452,14 @@ class TieredStore:
         before the client's deadline with the prefix it read (the client asks for the rest, as
         after a window).
 
+        `prefetch`: the call is `prefetch`'s: it promotes only (no scratch space), and counts
+        its promotions in `prefetched_blocks`, not as hits; no lift, no ranking.
+
         The lease is held (never reaped) while it is built; with `hold` it stays held and the
         caller must release it, else it is handed over to the client's timeout.
         """
+        if not prefetch:
+            await self._prefetch_done(keys, answer_within)
         lease = self._new_lease(FetchLease, owner)
         staged: list[_Staged] = []
         remote = None
@@ -404,7 +467,7 @@ class TieredStore:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
-                     slab_ok=slab_ok and self.gpu is not None)
+                     slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch)
         window = 0 if whole else self.fetch_window_bytes
         promoted = 0
         try:
@@ -467,6 +530,9 @@ class TieredStore:
         if self.gpu is not None and room.gpu_bytes:
             self.read_rates.observe(self.gpu.name, room.gpu_bytes, room.gpu_s)
         served = len(lease.entries)
+        if prefetch:
+            self.counters.prefetched_blocks += sum(t != self.host.name for t in lease.tiers)
+            return self.hand_over(lease, hold)
         self.counters.hit_blocks += served
         self.counters.miss_blocks += len(keys) - served
         for name in lease.tiers:
@@ -704,6 +770,8 @@ class TieredStore:
         made."""
         share = room.share or self._plan_room(room, length)
         size = self.host.units_for(length) * PAGE
+        if room.promote_only and (scratch or not share.promotes(size)):
+            raise CapacityError("a prefetch promotes within the prompt's share of host only")
         if not scratch and share.promotes(size):
             dst = await self._reserve(self.host_level, key, namespace, layout_digest, length)
             share.used += size if dst is not None else 0
@@ -1005,6 +1073,7 @@ class TieredStore:
         ahead of children.
         """
         await self.stop_lifts()  # shutdown: no block moves up while the flush writes down
+        await self.stop_prefetch()
         disk = self.disk
         if disk is None or budget_s <= 0:
             return 0
@@ -1143,6 +1212,8 @@ class TieredStore:
         return len(removed)
 
     def close(self) -> None:
+        if (run := self._prefetching) is not None:
+            run.task.cancel()  # as a lift's: its read in flight ends in the pool shutdown
         if (lift := self._lifting) is not None and self.gpu is not None:
             # Not awaited (close is synchronous): its copy in flight ends in the pool shutdown
             # below, and the task unwinds on closed tiers if the loop runs it again.

@@ -66,7 +66,9 @@ producer's answer only once those blocks are committed, and its `request_finishe
 are never stored). A consumer request carrying those params that a lookup finds short (the
 producer's daemon still writing through to the remote tier) stays waiting, unscheduled, and is
 looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM computes what is
-missing: a slow or dead producer costs time, never a wrong answer.
+missing: a slow or dead producer costs time, never a wrong answer. Those lookups ask the daemon
+to prefetch what has arrived into host meanwhile, and an engine step that computes nothing
+while they wait sleeps until the next lookup is due rather than spin.
 
 A conversation's last turn can say so: `{"kvstore_end_session": true}` in its
 `kv_transfer_params` (`extra_body` of an OpenAI request, `SamplingParams.extra_args` offline),
@@ -670,6 +672,14 @@ def _namespace_of(request: Request) -> tuple[str, str] | None:
     return request.cache_salt or "", f"{lora.lora_name}@{lora.lora_path}" if lora else ""
 
 
+def _prefilled_tokens(request: Request) -> int | None:
+    """The tokens a disaggregated producer published for `request` (`kv_transfer_params`,
+    `PREFILLED_TOKENS`), or None."""
+    params = request.kv_transfer_params
+    want = params.get(PREFILLED_TOKENS) if isinstance(params, dict) else None
+    return want if isinstance(want, int) and not isinstance(want, bool) else None
+
+
 class _CopyGuard:
     """Keeps a copy callback from touching vLLM's pages once its call has returned.
 
@@ -967,7 +977,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # shard) cached prefixes (every shard of every group stores every block, so each
             # one's prefix ends where its first missing block is).
             keys = self._prompt_keys(request, ns, tokens)
-            hit = self._shortest_hit(ns, keys)
+            # A consumer's request the producer prefilled: its blocks come through the remote
+            # tier now or soon; the daemon reads what has arrived into host meanwhile.
+            hit = self._shortest_hit(ns, keys, prefetch=self._consumer
+                                     and _prefilled_tokens(request) is not None)
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -979,17 +992,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         n = max(0, min(hit, len(tokens) - 1) - num_computed_tokens)
         return n, self._async_load and n > 0
 
-    def _shortest_hit(self, ns: tuple[str, str], keys: list[list[PrefixKeys]]) -> int:
+    def _shortest_hit(self, ns: tuple[str, str], keys: list[list[PrefixKeys]],
+                      prefetch: bool = False) -> int:
         """The tokens every (group, shard) holds of the prompt: each shard is looked up only
         as far as the shorter hits before it reach, and not at all after a miss (a prompt
-        nothing holds costs one lookup, not one per KV head with `shared_model`)."""
+        nothing holds costs one lookup, not one per KV head with `shared_model`). `prefetch`:
+        the daemon starts reading the hit's remote (and disk) blocks into host
+        (`KVClient.lookup`)."""
         hit: int | None = None
         for g in self._groups:
             for s in g.all_shards:
                 chain = keys[g.index][s.index]
                 if hit is not None:
                     chain = chain.prefix(hit // chain.block_tokens)
-                hit = self._client(*ns, g.index, s.index).lookup(chain)
+                hit = self._client(*ns, g.index, s.index).lookup(chain, prefetch=prefetch)
                 if hit == 0:
                     return 0
         return hit or 0
@@ -999,11 +1015,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         (`kvstore_prefilled_tokens` in its `kv_transfer_params`) that a lookup, `found`
         tokens, does not reach yet; for `consumer_wait_s` from its first lookup at most."""
         rid = request.request_id
-        params = request.kv_transfer_params
-        want = params.get(PREFILLED_TOKENS) if isinstance(params, dict) else None
+        want = _prefilled_tokens(request)
         entry = self._waiting.get(rid)
         began = entry[0] if entry is not None else now
-        if not isinstance(want, int) or found >= want:
+        if want is None or found >= want:
             if entry is not None:
                 log.info("kvstore: request %s waited %.1f ms for its producer's blocks",
                          rid, (now - began) * 1e3)
@@ -1053,6 +1068,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                  self._hash_block_size, _event_group(g) if self._hybrid else None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._waiting and not scheduler_output.total_num_scheduled_tokens:
+            self._idle_while_waiting()
         meta = KVStoreConnectorMetadata(
             preempted=sorted(scheduler_output.preempted_req_ids or ()))
         scheduled = scheduler_output.num_scheduled_tokens
@@ -1084,6 +1101,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     mine.extend(more)
             self._plan(req_id, state, cached.num_computed_tokens[i], scheduled[req_id], meta)
         return meta
+
+    def _idle_while_waiting(self) -> None:
+        """A step that computes nothing while consumer requests wait for their producer's
+        blocks: vLLM's engine loop runs steps back to back while it has requests, so it would
+        spin through empty ones, taking a core from the daemons and the remote tier that are
+        moving those very blocks (on two cores that doubled the wait). Sleep until the next
+        lookup is due instead: at most `_WAIT_LOOKUP_S`, and only when nothing is computed
+        (a request arriving meanwhile is admitted that much later)."""
+        due = min(last for _, last in self._waiting.values()) + _WAIT_LOOKUP_S
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(min(pause, _WAIT_LOOKUP_S))
 
     def _prefill_span(self, out: SchedulerOutput) -> tuple[int, int] | None:
         """`(start, end)` of the prompt tokens this step computes, when it computes only those

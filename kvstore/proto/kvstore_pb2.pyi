@@ -95,12 +95,16 @@ class Slab(_message.Message):
     def __init__(self, id: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[str] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., ipc_storage_bytes: _Optional[int] = ..., ipc_storage_offset: _Optional[int] = ..., ipc_ref_counter_handle: _Optional[bytes] = ..., ipc_ref_counter_offset: _Optional[int] = ..., ipc_event_handle: _Optional[bytes] = ..., ipc_event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "prefetch", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prefetch: bool
+    layout: Layout
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("hits", "tiers", "read_bandwidth")
@@ -282,7 +286,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., read_bandwidth: _Optional[float] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs", "kv_events_published", "kv_events_dropped", "lifts_skipped", "sessions_ended", "session_blocks_marked", "host_prefaulted_bytes", "fenced_leases", "fenced_bytes", "late_fetches")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "hit_blocks", "miss_blocks", "integrity_failures", "active_leases", "demotions", "promotions", "stored_blocks", "remote", "inflight_rpcs", "expired_leases", "shed_rpcs", "kv_events_published", "kv_events_dropped", "lifts_skipped", "sessions_ended", "session_blocks_marked", "host_prefaulted_bytes", "fenced_leases", "fenced_bytes", "late_fetches", "prefetches", "prefetched_blocks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +311,8 @@ class StatsReply(_message.Message):
     FENCED_LEASES_FIELD_NUMBER: _ClassVar[int]
     FENCED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LATE_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -331,7 +337,9 @@ class StatsReply(_message.Message):
     fenced_leases: int
     fenced_bytes: int
     late_fetches: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ..., lifts_skipped: _Optional[int] = ..., sessions_ended: _Optional[int] = ..., session_blocks_marked: _Optional[int] = ..., host_prefaulted_bytes: _Optional[int] = ..., fenced_leases: _Optional[int] = ..., fenced_bytes: _Optional[int] = ..., late_fetches: _Optional[int] = ...) -> None: ...
+    prefetches: int
+    prefetched_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., integrity_failures: _Optional[int] = ..., active_leases: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., inflight_rpcs: _Optional[int] = ..., expired_leases: _Optional[int] = ..., shed_rpcs: _Optional[int] = ..., kv_events_published: _Optional[int] = ..., kv_events_dropped: _Optional[int] = ..., lifts_skipped: _Optional[int] = ..., sessions_ended: _Optional[int] = ..., session_blocks_marked: _Optional[int] = ..., host_prefaulted_bytes: _Optional[int] = ..., fenced_leases: _Optional[int] = ..., fenced_bytes: _Optional[int] = ..., late_fetches: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetched_blocks: _Optional[int] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("url", "available", "queue_depth", "queue_capacity", "queued_writes", "shed_writes", "written_blocks", "failed_writes", "lost_writes", "errors", "timeouts", "breaker_opens", "skipped_calls", "integrity_failures", "lookup_hits", "dropped_writes")

@@ -260,3 +260,43 @@ def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisC
         n, got = cb.fetch(prompts[3])
         assert n == full and same_bytes(got, kvs[3])
         assert ca.stats().integrity_failures == 0 and cb.stats().integrity_failures == 0
+
+
+def test_a_prefetching_lookup_brings_the_remote_prefix_into_host(redis_server: RedisServer,
+                                                                 daemon_factory) -> None:
+    """`lookup(..., prefetch=True)` (a disaggregated decode instance waiting for its producer's
+    blocks): the reading daemon promotes the remote hit into its host tier in the background,
+    so the fetch that follows reads nothing from Redis; proved by stopping Redis first."""
+    import grpc
+
+    from kvstore.proto import kvstore_pb2 as pb
+    from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+    args = _daemon_args(redis_server.url)
+    a: DaemonProcess = daemon_factory(*args, name="A").start()
+    b: DaemonProcess = daemon_factory(*args, name="B").start()
+    layout = small_layout()
+    tokens = list(range(12 * 16))
+    kv = random_kv(layout, len(tokens), seed=3)
+    with KVClient(a.target, layout) as ca, KVClient(b.target, layout, deadline_s=1.0) as cb:
+        assert ca.publish(tokens, kv) == len(tokens)
+        _wait_for(lambda: _remote_written(ca) >= 12)
+        assert cb.lookup(tokens) == len(tokens)  # no prefetch asked: none started
+        stats = cb.stats()
+        assert stats is not None and stats.prefetches == 0
+        assert cb.lookup(tokens, prefetch=True) == len(tokens)
+        _wait_for(lambda: (s := cb.stats()) is not None and s.prefetched_blocks == 12)
+        assert cb.lookup(tokens, prefetch=True) == len(tokens)  # all in host: none started
+        redis_server.stop()
+        n, got = cb.fetch(tokens)
+        assert n == len(tokens) and same_bytes(got, kv)
+        stats = cb.stats()
+        assert stats is not None and stats.prefetches == 1 and stats.integrity_failures == 0
+        remote = next(t for t in stats.tiers if t.name == "remote")
+        assert remote.hits == 0 and stats.hit_blocks == 12  # the fetch's; the prefetch's aren't
+    with grpc.insecure_channel(b.target) as channel:  # prefetch without the layout it needs
+        stub = pb_grpc.KVStoreStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Lookup(pb.LookupRequest(namespace=NS, keys=[_key(1)], prefetch=True), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "layout" in e.value.details()

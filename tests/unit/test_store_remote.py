@@ -304,3 +304,132 @@ def test_remote_read_bandwidth_is_measured_from_the_gets(pair, remote) -> None:
     assert set(bw) == {"remote"}  # the host tier (where the blocks now are) is never measured
     # one batched GET of 4 blocks that took at least its delay: the rate cannot be higher
     assert 0 < bw["remote"] <= 4 * LENGTH / remote.get_delay_s
+
+
+# ---- prefetch: a lookup's hit promoted into host in the background (`TieredStore.prefetch`)
+async def _prefetched(store: TieredStore, keys: list[bytes]) -> None:
+    assert store.prefetch(keys, LAYOUT, NS_A, LENGTH)
+    run = store._prefetching
+    assert run is not None
+    await asyncio.wait([run.task])
+
+
+def test_prefetch_promotes_the_hit_into_host_and_counts_no_hit(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        assert await b.lookup_through(keys, NS_A) == ["remote"] * 4
+        await _prefetched(b, keys)
+        assert b.lookup(keys) == ["host"] * 4
+        assert not b.leases  # its lease is ended: nothing pinned
+        remote.down = True  # now served from host alone
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["host"] * 4
+        assert fetched_bytes(b, lease) == [payload(k) for k in keys]
+
+    asyncio.run(main())
+    c = b.counters
+    assert (c.prefetches, c.prefetched_blocks, c.promotions) == (1, 4, 4)
+    assert c.hit_blocks == 4 and c.tier_hits == {"host": 4}  # the fetch's, not the prefetch's
+
+
+def test_a_fetch_during_a_prefetch_waits_for_it_and_reads_nothing_twice(pair, remote) -> None:
+    """Without the wait the fetch would find the blocks in flight (being promoted by the
+    prefetch) and answer a miss."""
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        remote.get_delay_s = 0.1
+        assert b.prefetch(keys[:3], LAYOUT, NS_A, LENGTH)
+        await asyncio.sleep(0.01)  # the prefetch's GET is in flight
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
+        assert lease.tiers == ["host"] * 3 + ["remote"]
+        assert fetched_bytes(b, lease) == [payload(k) for k in keys]
+        assert remote.batches == [3, 1]  # the prefetch's GET, then the fetch's for the rest
+
+    asyncio.run(main())
+
+
+def test_one_prefetch_at_a_time_and_none_for_nothing(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        remote.get_delay_s = 0.05
+        assert b.prefetch(keys[:2], LAYOUT, NS_A, LENGTH)
+        assert not b.prefetch(keys[2:], LAYOUT, NS_A, LENGTH)  # one runs: none started
+        assert not b.prefetch([], LAYOUT, NS_A, LENGTH)
+        first = b._prefetching
+        assert first is not None
+        await asyncio.wait([first.task])
+        await _prefetched(b, keys[2:])  # the first is over: this one starts
+        assert b.lookup(keys) == ["host"] * 4
+
+    asyncio.run(main())
+    assert b.counters.prefetches == 2 and b.counters.prefetched_blocks == 4
+
+
+def test_prefetch_stays_within_the_prompts_share_of_host(tmp_path, remote) -> None:
+    """A prompt larger than host: a prefetch promotes what the prompt's share holds and stops;
+    it never reads into scratch space (freed at its release: read for nothing), where a fetch
+    would."""
+    a = make(tmp_path, "a", remote, host_blocks=12)
+    b = make(tmp_path, "b", remote, host_blocks=8)
+    b.fetch_window_bytes = 2 * PAGE  # one block: the prompt's share is 6 of host's 8 blocks
+    keys = [key(i) for i in range(10)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        await publish(b, keys[:7])  # B holds the prompt's head already, past its share
+        await _prefetched(b, keys)
+        # nothing promoted past the share, nothing read into scratch space (a fetch would)
+        assert (b.counters.scratch_reads, b.counters.demotions) == (0, 0) and not b.leases
+        assert b.counters.prefetched_blocks == 0 and "remote" not in b.counters.bytes_read
+        assert b.lookup(keys) == ["host"] * 7
+        got: list[str] = []
+        data: list[bytes] = []
+        more = True
+        while more:  # asked for in parts, as a client does
+            lease = await b.fetch(keys[len(got):], LAYOUT, NS_A, LENGTH, prior=keys[:len(got)])
+            got += lease.tiers
+            data += fetched_bytes(b, lease)
+            more = lease.more
+            b.release(lease.id)
+        assert got == ["host"] * 7 + ["remote"] * 3 and data == [payload(k) for k in keys]
+        assert b.counters.scratch_reads == 3  # the fetch's, past the share
+
+    try:
+        asyncio.run(main())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_prefetch_stopped_at_shutdown_leaves_nothing_pinned(pair, remote) -> None:
+    a, b = pair
+    keys = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(a, keys)
+        await settle(a)
+        remote.get_delay_s = 0.2
+        assert b.prefetch(keys, LAYOUT, NS_A, LENGTH)
+        await asyncio.sleep(0.02)
+        await b.stop_prefetch()
+        assert not b.leases
+        assert b.lookup(keys) == []  # nothing half-promoted is visible
+        remote.get_delay_s = 0.0
+        lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)  # and nothing in the way
+        assert lease.tiers == ["remote"] * 4
+
+    asyncio.run(main())
+    assert b.counters.prefetched_blocks == 0
