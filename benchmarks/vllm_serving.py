@@ -32,10 +32,14 @@ Configurations, one engine each, the same workload:
   agree: with requests batched differently, vLLM's own outputs differ between runs.
 - `kvstore-nice0` (not by default): the compose stack with `KVSTORE_SAVE_NICE=0`, the saves'
   copies at the engine's own CPU priority (as before 2026-11-29), beside `kvstore`.
+- `kvstore-nosave` (not by default): the compose stack's connector as a `kv_consumer`: it
+  looks up and loads but never saves (so it never hits either): what the connector costs an
+  engine apart from its saves.
 
 With `--repeats N` every configuration runs N times, in turn, the order reversed every other
-pass, and a request's TTFT is the median of its N runs: on this VM one request's TTFT moved by
-+-20% between two runs of the same engine (docs/PERFORMANCE.md, 2026-11-29), more than the
+pass (`--rotate`: rotated by one every pass, so each configuration takes every position), and
+a request's TTFT is the median of its N runs: on this VM one request's TTFT moved by +-20%
+between two runs of the same engine (docs/PERFORMANCE.md, 2026-11-29), more than the
 differences the per-request comparison looks for.
 
 TTFT is the time from sending a request to its first streamed token, measured by the client;
@@ -68,13 +72,16 @@ CONFIGS = ("vllm", "kvstore", "lmcache")
 VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
 
 
-def async_transfer_config(native: Native) -> str:
-    """The compose file's `--kv-transfer-config` with `kvstore.async_load` set (given after
-    it, it replaces it)."""
+def changed_transfer_config(native: Native, role: str | None = None,
+                            **extra: Any) -> str:
+    """The compose file's `--kv-transfer-config` with `kv_role` and connector options changed
+    (given after it, it replaces it)."""
     flag = "--kv-transfer-config="
     arg = next(a for a in native.command("vllm") if a.startswith(flag))
     cfg = json.loads(arg[len(flag):])
-    cfg["kv_connector_extra_config"]["kvstore.async_load"] = True
+    cfg["kv_connector_extra_config"].update(extra)
+    if role is not None:
+        cfg["kv_role"] = role
     return flag + json.dumps(cfg)
 
 
@@ -218,7 +225,9 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
                     "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
                     "lmcache.mp.mp_transfer_mode": "lmcache_driven"}}))
         if config == "kvstore-async":  # the compose connector config, loads asynchronous
-            vllm_args.append(async_transfer_config(native))
+            vllm_args.append(changed_transfer_config(native, **{"kvstore.async_load": True}))
+        if config == "kvstore-nosave":  # a consumer: looks up and loads, never saves
+            vllm_args.append(changed_transfer_config(native, role="kv_consumer"))
         if config == "kvstore-nice0":  # saves at the engine's priority
             env["KVSTORE_SAVE_NICE"] = "0"
         running.enter_context(stack(
@@ -269,6 +278,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every configuration, in turn, the order reversed every other "
                         "pass; a request's TTFT is then the median of its runs")
+    p.add_argument("--rotate", action="store_true",
+                   help="with --repeats: rotate the order by one every pass instead of "
+                        "reversing it, so that each configuration takes every position (with "
+                        "three, reversing keeps the second one in the middle of every pass)")
     p.add_argument("--name", default="vllm_serving", help="results file name (.json, .png)")
     args = p.parse_args()
     configs = args.configs.split(",")
@@ -288,7 +301,11 @@ def main() -> None:
     for rep in range(args.repeats):
         # Every other pass in reverse: the VM's speed drifts within minutes, and no
         # configuration should always run first (the first engine of a run was the slowest).
-        for config in configs if rep % 2 == 0 else configs[::-1]:
+        if args.rotate:
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        else:
+            order = configs if rep % 2 == 0 else configs[::-1]
+        for config in order:
             runs.setdefault(config, []).append(
                 run_config(config, args, models, max_len, sys_prompt, turns))
     rows, per_request = [], {}
