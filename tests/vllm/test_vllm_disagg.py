@@ -266,6 +266,8 @@ class TestTwoDaemons:
         # Daemon B never had these blocks locally: every one came from redis.
         assert after.remote.lookup_hits - before.remote.lookup_hits >= sum(
             len(i) // BLOCK for i in batch)
+        # The consumer's lookups asked B to read them into host ahead of its fetch.
+        assert after.prefetches > before.prefetches
         assert after.hit_blocks - before.hit_blocks == sum(fetched_blocks(n)
                                                            for n in got["cached"])
 
