@@ -103,6 +103,7 @@ def main() -> None:
     finally:
         daemon.stop(flush_s + 30)
         bar.close()
+        shutil.rmtree(data / "kvstore", ignore_errors=True)  # gigabytes of blocks
     prefault = os.environ.get(PREFAULT_ENV, "default (16 GiB)")
     rows = []
     for n in lengths:

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_ttft import LOGGING  # vLLM's and kvstore's INFO lines to stdout
+from benchmarks.vllm_ttft import logging_config  # vLLM's and kvstore's INFO lines
 from benchmarks.worker import JsonLineWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,12 +101,6 @@ def engine_main(opts: dict[str, Any]) -> None:
                      for step in o.outputs[0].logprobs or []] for o in outs]}
         print("RESULT " + json.dumps(result), flush=True)
     del llm  # shuts the engine core process down
-
-
-def logging_config() -> Path:
-    path = Path(tempfile.gettempdir()) / f"kvstore-disagg-logging-{os.getpid()}.json"
-    path.write_text(json.dumps(LOGGING))
-    return path
 
 
 class Engine(JsonLineWorker):
@@ -255,12 +250,17 @@ def main() -> None:
     if any(n % args.block_size for n in lengths):
         raise SystemExit("--lengths must be whole blocks of --block-size")
     root = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short socket paths
-    model = make_model(root / "model", args.layers)
     rows: list[dict[str, Any]] = []
-    for setup in args.setups.split(","):
-        two = setup == "two"
-        rows += run_setup("two daemons + redis" if two else "one daemon", model, root, two,
-                          lengths, args.repeats, args.block_size)
+    try:
+        model = make_model(root / "model", args.layers)
+        for setup in args.setups.split(","):
+            two = setup == "two"
+            rows += run_setup("two daemons + redis" if two else "one daemon", model, root, two,
+                              lengths, args.repeats, args.block_size)
+    finally:  # the model and the daemons' blocks; the logs stay
+        for path in root.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
     columns = ["setup", "tokens", "recompute s", "producer s", "consumer TTFT s", "speedup",
                "same first token"]
     print(table(rows, columns))

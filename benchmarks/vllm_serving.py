@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import json
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -66,7 +67,7 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, save, table, write_results
 from benchmarks.vllm_ttft import LOGGING, free_port, lmcache_server
-from tests.vllm.compose import MODEL_NAME, Native, stack
+from tests.vllm.compose import MODEL_NAME, Native, remove_volumes, stack
 
 CONFIGS = ("vllm", "kvstore", "lmcache")
 VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
@@ -215,6 +216,7 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
            "VLLM_LOGGING_CONFIG_PATH": str(logging_config)}
     vllm_args = [f"--max-model-len={max_len}", f"--num-gpu-blocks-override={args.cache_blocks}"]
     with contextlib.ExitStack() as running:  # vllm-rerun: vLLM alone, a second time
+        running.callback(remove_volumes, native)  # keeps the logs
         if config == "lmcache":
             port = free_port()
             running.enter_context(lmcache_server(port, native.root / "lmcache.log",
@@ -259,6 +261,29 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
     return records, float(np.median([r[1] for r in runs])), counters
 
 
+def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len: int,
+            sys_prompt: list[int], turns: list[list[list[int]]],
+            ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Every configuration `args.repeats` times: a summary row each, and their requests."""
+    runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, float]]]] = {}
+    for rep in range(args.repeats):
+        # Every other pass in reverse: the VM's speed drifts within minutes, and no
+        # configuration should always run first (the first engine of a run was the slowest).
+        if args.rotate:
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        else:
+            order = configs if rep % 2 == 0 else configs[::-1]
+        for config in order:
+            runs.setdefault(config, []).append(
+                run_config(config, args, models, max_len, sys_prompt, turns))
+    rows, per_request = [], {}
+    for config in configs:
+        records, wall, counters = merge(runs[config])
+        rows.append(summary(config, records, wall, counters))
+        per_request[config] = records
+    return rows, per_request
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,22 +322,10 @@ def main() -> None:
         raise SystemExit(f"the longest prompt ({longest} tokens) does not fit vLLM's cache "
                          f"of {args.cache_blocks} blocks: raise --cache-blocks")
     models = Path(tempfile.mkdtemp(prefix="kvs-models-", dir="/tmp"))  # built once, shared
-    runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, float]]]] = {}
-    for rep in range(args.repeats):
-        # Every other pass in reverse: the VM's speed drifts within minutes, and no
-        # configuration should always run first (the first engine of a run was the slowest).
-        if args.rotate:
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-        else:
-            order = configs if rep % 2 == 0 else configs[::-1]
-        for config in order:
-            runs.setdefault(config, []).append(
-                run_config(config, args, models, max_len, sys_prompt, turns))
-    rows, per_request = [], {}
-    for config in configs:
-        records, wall, counters = merge(runs[config])
-        rows.append(summary(config, records, wall, counters))
-        per_request[config] = records
+    try:
+        rows, per_request = run_all(configs, args, models, max_len, sys_prompt, turns)
+    finally:
+        shutil.rmtree(models, ignore_errors=True)
     for row in rows:  # each request against vLLM alone's run of the same request
         if row["config"] != "vllm" and "vllm" in per_request:
             pairs = list(zip(per_request[row["config"]], per_request["vllm"], strict=True))

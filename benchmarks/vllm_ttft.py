@@ -53,6 +53,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,18 @@ LOGGING = {
     "loggers": {name: {"handlers": ["out"], "level": "INFO", "propagate": False}
                 for name in ("vllm", "kvstore")},
 }
+
+
+def logging_config() -> Path:
+    """`LOGGING` as a file for `VLLM_LOGGING_CONFIG_PATH`: one shared file, rewritten whole
+    (atomically) by each caller, rather than one per process left behind in /tmp."""
+    path = Path(tempfile.gettempdir()) / "kvstore-vllm-logging.json"
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(LOGGING))
+    os.replace(tmp, path)
+    return path
+
+
 LOAD_LINE = re.compile(r"kvstore: request \S+ loaded (?:group 0 )?tokens \[(\d+), (\d+)\) in "
                        r"([\d.]+) ms")
 SAVE_LINE = re.compile(r"kvstore: request \S+ saved (\d+) tokens (?:\(group \d+\) )?in "
@@ -480,6 +493,7 @@ def run(args: argparse.Namespace) -> None:
     finally:
         engine.close()
         daemon.stop()
+        shutil.rmtree(data / "kvstore", ignore_errors=True)  # gigabytes of blocks
     saves = save_times(data / "engine-kvstore.log")
     for n in lengths:  # the cold run saved the prompt (in the background, after its TTFT)
         for r in samples.get((n, "kvstore cold"), []):

@@ -29,7 +29,7 @@ from tests.vllm.vllm_runner import make_model
 
 
 def scheduler_connector(model: Path, target: str, block: int, max_len: int,
-                        deadline_s: float = 10.0) -> Any:
+                        deadline_s: float = 10.0, role: str = "kv_both") -> Any:
     """A scheduler-role `KVStoreConnector` for `make_model`'s tiny Llama (2 layers, 2 KV heads,
     head_dim 64, float32) with vLLM blocks of `block` tokens. A long deadline: tests and
     timings run on loaded machines, where a miss by deadline would change what they count.
@@ -39,14 +39,14 @@ def scheduler_connector(model: Path, target: str, block: int, max_len: int,
     process's later subprocesses (the kernels' ASan shim refuses that LD_PRELOAD)."""
     environ = dict(os.environ)
     try:
-        return _scheduler_connector(model, target, block, max_len, deadline_s)
+        return _scheduler_connector(model, target, block, max_len, deadline_s, role)
     finally:
         os.environ.clear()
         os.environ.update(environ)
 
 
 def _scheduler_connector(model: Path, target: str, block: int, max_len: int,
-                         deadline_s: float) -> Any:
+                         deadline_s: float, role: str) -> Any:
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -57,7 +57,7 @@ def _scheduler_connector(model: Path, target: str, block: int, max_len: int,
     extra = {"kvstore.target": target, "kvstore.deadline_s": deadline_s}
     ktc = KVTransferConfig(kv_connector="KVStoreConnector",
                            kv_connector_module_path="kvstore.client.integrations.vllm",
-                           kv_role="kv_both", kv_connector_extra_config=extra)
+                           kv_role=role, kv_connector_extra_config=extra)
     config = VllmConfig(model_config=ModelConfig(model=str(model), dtype="float32",
                                                  max_model_len=max_len),
                         cache_config=CacheConfig(block_size=block), kv_transfer_config=ktc)

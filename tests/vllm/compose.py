@@ -211,14 +211,30 @@ def stack(native: Native, *, remote: bool, vllm_env: dict[str, str] | None = Non
                 started[name].stop()
 
 
+def remove_volumes(native: Native) -> None:
+    """Remove the volumes (the daemon's blocks and the model: gigabytes), keep the logs.
+
+    Left behind, each run's volumes piled up in /tmp (58 GiB on 2026-11-29) until a CI run on a
+    copy of the machine failed with ENOSPC."""
+    for name in ("data", "models", "run"):
+        path = native.root / name
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def main() -> None:
     remote = "--remote" in sys.argv
     native = Native(Path(tempfile.mkdtemp(prefix="kvc-", dir="/tmp")))
-    with stack(native, remote=remote, vllm_env={"VLLM_SERVER_DEV_MODE": "1"}):
-        print(f"up: vLLM {native.url}, daemon {native.socket}, metrics "
-              f"127.0.0.1:{native.metrics_port}; logs in {native.root}", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
+    try:
+        with stack(native, remote=remote, vllm_env={"VLLM_SERVER_DEV_MODE": "1"}):
+            print(f"up: vLLM {native.url}, daemon {native.socket}, metrics "
+                  f"127.0.0.1:{native.metrics_port}; logs in {native.root}", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+    finally:
+        remove_volumes(native)
 
 
 if __name__ == "__main__":

@@ -139,8 +139,11 @@ def compose() -> Iterator[tuple[Native, dict[str, Service]]]:
     # Test-only additions: the prefix-cache reset endpoint, and no 300 s limit on one step
     # (a cold 16k-token prefill on a slow 2-core machine takes longer).
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600"}
-    with stack(native, remote=True, vllm_env=env) as started:
-        yield native, started
+    try:
+        with stack(native, remote=True, vllm_env=env) as started:
+            yield native, started
+    finally:
+        shutil.rmtree(native.root, ignore_errors=True)  # gigabytes of blocks (16k tokens)
 
 
 @pytest.mark.timeout(4 * 3600)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,5 +144,58 @@ def test_request_finished_sends_the_end_of_session_hint(model_dir: Path, daemon:
             # Host only holds the blocks (disk is written at eviction or shutdown).
             assert ended({"kvstore_end_session": True, "kvstore_shared_tokens": 3 * BLOCK}) \
                 == (1, 5)
+    finally:
+        conn.shutdown()
+
+
+def empty_step(scheduled: int = 0) -> SimpleNamespace:
+    """A `SchedulerOutput` with no request of the connector's: `scheduled` tokens of two
+    others (decodes), or nothing at all."""
+    return SimpleNamespace(
+        preempted_req_ids=set(), scheduled_new_reqs=[], total_num_scheduled_tokens=scheduled,
+        num_scheduled_tokens={"a": scheduled - scheduled // 2, "b": scheduled // 2}
+        if scheduled else {},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]))
+
+
+@pytest.mark.timeout(300)
+def test_a_step_that_computes_nothing_sleeps_while_a_consumer_waits(
+        model_dir: Path, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer waiting for its producer's blocks: a step that schedules nothing sleeps until
+    its next lookup is due (at most the 20 ms lookup interval) instead of vLLM's engine loop
+    spinning through empty steps; a step that computes something, or one with no consumer
+    waiting, does not sleep."""
+    import kvstore.client.integrations.vllm as connector_module
+
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048, role="kv_consumer")
+    real_sleep = time.sleep
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():  # the scheduler's
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    try:
+        rng = random.Random(2)
+        tokens = [rng.randrange(3, 900) for _ in range(8 * BLOCK + 1)]
+        req = request("c1", tokens)
+        req.kv_transfer_params = {"kvstore_prefilled_tokens": 8 * BLOCK}
+        assert conn.get_num_new_matched_tokens(req, 0) == (None, False)  # its producer's blocks
+        monkeypatch.setattr(connector_module.time, "sleep", sleep)
+        conn.build_connector_meta(empty_step())
+        assert len(slept) == 1 and 0 < slept[0] <= connector_module._WAIT_LOOKUP_S, slept
+        conn.build_connector_meta(empty_step(scheduled=6))  # others' decodes: no pause
+        assert len(slept) == 1
+
+        with KVClient(daemon.target, conn._layout, deadline_s=10) as c:  # the producer's save
+            assert c.publish(tokens[: 8 * BLOCK], random_kv(conn._layout, 8 * BLOCK)) \
+                == 8 * BLOCK
+        real_sleep(connector_module._WAIT_LOOKUP_S)  # the next lookup is due
+        assert conn.get_num_new_matched_tokens(req, 0) == (8 * BLOCK, False)
+        assert not conn._waiting
+        conn.build_connector_meta(empty_step())  # nobody waits: vLLM's loop idles by itself
+        assert len(slept) == 1
     finally:
         conn.shutdown()

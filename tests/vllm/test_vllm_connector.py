@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.vllm_ttft import logging_config
 from benchmarks.worker import JsonLineWorker
 from kvstore.server.process import ROOT, DaemonProcess
 
@@ -37,16 +37,6 @@ BLOCK = 32  # vLLM's block size and kvstore's block_tokens
 MAX_TOKENS = 16
 LOGPROB_TOL = 1e-3  # loaded KV are the recompute run's bytes; only the suffix math differs
 DOWN_BOUND_S = 30.0  # a generate with the daemon gone: recompute, bounded by client deadlines
-
-
-def logging_config() -> Path:
-    """A logging config for every vLLM process (`VLLM_LOGGING_CONFIG_PATH`) that also shows
-    the connector's INFO lines (its loads and saves) in the engine's output."""
-    from benchmarks.vllm_ttft import LOGGING
-
-    path = Path(tempfile.gettempdir()) / f"kvstore-vllm-test-logging-{os.getpid()}.json"
-    path.write_text(json.dumps(LOGGING))
-    return path
 
 
 class Engine(JsonLineWorker):
