@@ -261,6 +261,30 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
     return records, float(np.median([r[1] for r in runs])), counters
 
 
+def pooled(names: list[str]) -> list[dict[str, Any]]:
+    """TTFT percentiles over several results files of one workload: each request's TTFT the
+    median of its runs in all of them (a single run of the VM is noisier than the stores'
+    differences)."""
+    runs: dict[str, list[list[float]]] = {}
+    for name in names:
+        requests = json.loads((RESULTS / f"{name}.json").read_text())["requests"]
+        for config, records in requests.items():
+            per = runs.setdefault(config, [[] for _ in records])
+            if len(per) != len(records):
+                raise SystemExit(f"{name}: {config} has {len(records)} requests, not "
+                                 f"{len(per)}: not the same workload")
+            for mine, record in zip(per, records, strict=True):
+                mine.extend(record.get("ttft_runs", [record["ttft_s"]]))
+    rows = []
+    for config, per in runs.items():
+        ttft = np.array([np.median(r) for r in per])
+        rows.append({"config": config, "runs per request": min(len(r) for r in per),
+                     "TTFT p50 s": float(np.percentile(ttft, 50)),
+                     "TTFT p99 s": float(np.percentile(ttft, 99)),
+                     "TTFT mean s": float(ttft.mean())})
+    return rows
+
+
 def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len: int,
             sys_prompt: list[int], turns: list[list[list[int]]],
             ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
@@ -308,7 +332,14 @@ def main() -> None:
                         "reversing it, so that each configuration takes every position (with "
                         "three, reversing keeps the second one in the middle of every pass)")
     p.add_argument("--name", default="vllm_serving", help="results file name (.json, .png)")
+    p.add_argument("--pool", metavar="NAMES",
+                   help="run nothing: pool earlier results files (comma-separated names of "
+                        "the same workload), each request's TTFT the median of all its runs")
     args = p.parse_args()
+    if args.pool:
+        print(table(pooled(args.pool.split(",")), ["config", "runs per request", "TTFT p50 s",
+                                                   "TTFT p99 s", "TTFT mean s"]))
+        return
     configs = args.configs.split(",")
     if "lmcache" in configs and not VENV_LMCACHE.exists():
         print(f"no {VENV_LMCACHE}: the lmcache configuration is skipped "
