@@ -269,12 +269,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = scope.namespace(request.namespace)
         layout = layout_from_proto(request.layout) if request.prefetch else None
         found = await self.store.lookup_through(keys, ns)
-        # Only blocks a promotion into host helps: remote and disk hits (a gpu hit is read
-        # where it lies, or through scratch space, never promoted down into host).
-        fast = {t.name for t in self.store.tiers if t is not self.store.disk}
-        if layout is not None and any(t not in fast for t in found):
-            self.store.prefetch(keys[: len(found)], layout.digest(), ns, layout.block_bytes,
-                                owner=scope.tenant)
+        if layout is not None:
+            # Only blocks a promotion into host helps: remote and disk hits (a gpu hit is read
+            # where it lies, or through scratch space, never promoted down into host).
+            resident = {t.name for t in self.store.tiers if t is not self.store.disk}
+            if any(t not in resident for t in found):
+                self.store.prefetch(keys[: len(found)], layout.digest(), ns, layout.block_bytes,
+                                    owner=scope.tenant)
         bw = self.store.read_bandwidth()  # measured tiers only (the host tier never is)
         return pb.LookupReply(hits=len(found), tiers=found,
                               read_bandwidth={t: bw[t] for t in set(found) if t in bw})

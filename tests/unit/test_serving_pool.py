@@ -1,0 +1,38 @@
+"""`benchmarks.vllm_serving --pool`: the pooled TTFT figures PERFORMANCE.md quotes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import benchmarks.vllm_serving as serving
+
+
+def write(results: Path, name: str, runs: dict[str, list[list[float]]]) -> None:
+    requests = {config: [{"ttft_s": float(sorted(r)[len(r) // 2]), "ttft_runs": r}
+                         for r in per] for config, per in runs.items()}
+    (results / f"{name}.json").write_text(json.dumps({"requests": requests}))
+
+
+def test_each_request_is_the_median_of_all_its_runs(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+    write(tmp_path, "one", {"kvstore": [[1.0, 9.0], [2.0, 2.0]], "vllm": [[5.0], [6.0]]})
+    write(tmp_path, "two", {"kvstore": [[2.0], [4.0, 4.0]], "vllm": [[7.0], [8.0]]})
+    rows = {r["config"]: r for r in serving.pooled(["one", "two"])}
+    # kvstore: request 0 over 1, 9, 2 -> 2; request 1 over 2, 2, 4, 4 -> 3 (not 9's pull).
+    assert rows["kvstore"]["runs per request"] == 3
+    assert rows["kvstore"]["TTFT mean s"] == pytest.approx(2.5)
+    assert rows["kvstore"]["TTFT p50 s"] == pytest.approx(2.5)
+    assert rows["vllm"]["TTFT mean s"] == pytest.approx(6.5)  # medians 6 and 7
+
+
+def test_files_of_other_workloads_are_refused(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+    write(tmp_path, "one", {"kvstore": [[1.0], [2.0]]})
+    write(tmp_path, "three", {"kvstore": [[1.0], [2.0], [3.0]]})
+    with pytest.raises(SystemExit, match="not the same workload"):
+        serving.pooled(["one", "three"])
