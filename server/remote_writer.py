@@ -2,9 +2,11 @@
 
 One task per daemon takes a batch of queued keys, finds each block where it lives now (where a
 fetch would read it: host, else gpu or disk), pins it just long enough to frame it in a worker
-thread (a disk copy is verified on the way, so a rotten local copy is never shared), and writes
-the batch in one pipeline. Blocks queued by a demotion are sent only where the remote tier
-lacks them.
+thread (a disk copy is verified on the way, so a rotten local copy is never shared), and hands
+the batch to a second task, which writes it in one pipeline while the first frames the next
+batch: a consumer waiting for a producer's blocks (disaggregated prefill) gets them after the
+framing of one batch plus the sending of all, not after both of every batch. Blocks queued by
+a demotion are sent only where the remote tier lacks them.
 
 While the remote tier's breaker is open the task waits rather than fail each batch, and a write
 that failed for a transient reason goes back to the front of the queue, up to
@@ -17,6 +19,7 @@ disable write-through.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -56,29 +59,65 @@ class RemoteWriter:
         self._run_io = run_io  # the store's byte-movement workers
 
     async def run(self) -> None:
-        """Write queued blocks through, a batch at a time, until cancelled."""
-        while True:
-            delay = self.remote.breaker.wait_s()
-            if delay > 0:
-                await asyncio.sleep(min(delay, 0.5))
-                continue
-            batch = await self.queue.take(WRITE_BATCH_BLOCKS, WRITE_BATCH_BYTES,
-                                          self._local_length)
-            retry: list[QueuedWrite] = []
-            try:
-                retry = await self._write(batch)
-            except RemoteSkippedError:  # another call is probing the remote tier: wait
-                retry = batch
-                await asyncio.sleep(0.05)
-            except RemoteUnavailableError as e:
-                log.debug("write-through of %d blocks failed: %s", len(batch), e)
-                retry = self._failed_attempt(batch)
-            except Exception:
-                log.exception("write-through of %d blocks failed", len(batch))
-                self.store.counters.remote_dropped_writes += len(batch)
-            finally:
+        """Frame queued blocks a batch at a time, and send each framed batch, until cancelled;
+        one framed batch waits for the sender at most (its frames are copies)."""
+        framed: asyncio.Queue[tuple[list[QueuedWrite], list[RemoteWrite]]] = asyncio.Queue(1)
+        sender = asyncio.create_task(self._send_framed(framed))
+        try:
+            while True:
+                delay = self.remote.breaker.wait_s()
+                if delay > 0:
+                    await asyncio.sleep(min(delay, 0.5))
+                    continue
+                batch = await self.queue.take(WRITE_BATCH_BLOCKS, WRITE_BATCH_BYTES,
+                                              self._local_length)
+                try:
+                    writes = await self._frame(batch)
+                    await framed.put((batch, writes))
+                except BaseException as e:
+                    await self._settle(batch, e)
+                    if not isinstance(e, Exception):
+                        raise
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender  # its batch settled
+            while not framed.empty():  # framed, never sent: back in the queue
                 self.queue.done()
+                self.queue.requeue(framed.get_nowait()[0])
+
+    async def _send_framed(self, framed: asyncio.Queue[tuple[list[QueuedWrite],
+                                                            list[RemoteWrite]]]) -> None:
+        while True:
+            batch, writes = await framed.get()
+            try:
+                retry = await self._send(batch, writes)
+            except BaseException as e:
+                await self._settle(batch, e)
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            self.queue.done()
             self.queue.requeue(retry)
+
+    async def _settle(self, batch: list[QueuedWrite], error: BaseException) -> None:
+        """A batch whose framing or sending raised: requeued for another attempt, or given up
+        (counted); either way its turn is over."""
+        retry: list[QueuedWrite] = []
+        if isinstance(error, RemoteSkippedError):  # another call is probing: try again later
+            retry = batch
+        elif isinstance(error, RemoteUnavailableError):
+            log.debug("write-through of %d blocks failed: %s", len(batch), error)
+            retry = self._failed_attempt(batch)
+        elif isinstance(error, Exception):
+            log.error("write-through of %d blocks failed", len(batch), exc_info=error)
+            self.store.counters.remote_dropped_writes += len(batch)
+        else:  # cancelled: queued again, for a writer that runs later
+            retry = batch
+        self.queue.done()
+        self.queue.requeue(retry)
+        if isinstance(error, RemoteSkippedError):
+            await asyncio.sleep(0.05)
 
     async def drain(self, budget_s: float) -> bool:
         """Wait up to `budget_s` for the queue to empty; True if it did. Gives up at once
@@ -115,8 +154,9 @@ class RemoteWriter:
         found = self._local(key)
         return found[1].length if found is not None else 0
 
-    async def _write(self, batch: list[QueuedWrite]) -> list[QueuedWrite]:
-        """Frame and send one batch; returns the writes to try again (transient failures)."""
+    async def _frame(self, batch: list[QueuedWrite]) -> list[RemoteWrite]:
+        """The framed values of a batch's blocks (those still held locally, and, for blocks
+        queued by a demotion, not in the remote tier yet)."""
         store = self.store
         checks: dict[bytes, list[bytes]] = {}  # namespace -> keys to check first
         for w in batch:
@@ -148,10 +188,15 @@ class RemoteWriter:
                 store._integrity_failure(tier, entry, frame)  # counted, the bad copy deleted
             else:
                 writes.append(RemoteWrite(entry.namespace, entry.key, frame))
+        return writes
+
+    async def _send(self, batch: list[QueuedWrite], writes: list[RemoteWrite],
+                    ) -> list[QueuedWrite]:
+        """Send one framed batch; returns the writes to try again (transient failures)."""
         if not writes:
             return []
         result = await self.remote.put(writes)
-        store.counters.remote_dropped_writes += len(result.rejected)
+        self.store.counters.remote_dropped_writes += len(result.rejected)
         transient = set(result.transient)
         return self._failed_attempt([w for w in batch if w.key in transient])
 

@@ -172,6 +172,38 @@ def test_dead_server_costs_one_deadline_not_one_per_call() -> None:
     assert not s.available
 
 
+def test_a_write_to_a_server_that_never_answers_ends_at_its_deadline() -> None:
+    # Writes go through a blocking client in a thread of their own (its socket timeout is
+    # seconds): the call must still end at its deadline, and closing the tier must not wait
+    # for the thread.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+    write = RemoteWrite(NS, _key(0), frame_value(_key(0), LAYOUT, _payload(0, 1 << 20)))
+
+    async def main() -> tuple[RemoteTier, float, float]:
+        tier = RemoteTier(url, RemoteOptions(timeout_s=0.2, retry_s=5.0))
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailableError, match="timed out"):
+            await tier.put([write])
+        took = time.monotonic() - t0
+        with pytest.raises(RemoteUnavailableError, match="breaker open"):
+            await tier.put([write])  # refused at once: the first one opened the breaker
+        t0 = time.monotonic()
+        await tier.close()
+        return tier, took, time.monotonic() - t0
+
+    try:
+        tier, took, closing = asyncio.run(main())
+    finally:
+        hole.close()
+    assert 0.15 < took < tier.deadline_s(len(write.frame)) + 0.3, took
+    assert closing < 1.0, closing
+    s = tier.stats()
+    assert (s.timeouts, s.breaker_opens, s.failed_writes, s.blocks_written) == (1, 1, 1, 0)
+
+
 def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -300,3 +332,26 @@ def test_a_prefetching_lookup_brings_the_remote_prefix_into_host(redis_server: R
             stub.Lookup(pb.LookupRequest(namespace=NS, keys=[_key(1)], prefetch=True), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layout" in e.value.details()
+
+
+def test_a_cluster_with_no_node_up_is_a_miss_not_an_error(daemon_factory) -> None:
+    # A Cluster client that reaches no node raises `RedisClusterException`, which is not a
+    # `RedisError`: it escaped the tier's error handling, so every lookup past the local
+    # prefix failed (the client's miss, however many blocks host held) and the breaker never
+    # opened.
+    dead = [redis_servers.free_port() for _ in range(2)]
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in dead)
+    d = daemon_factory(*_daemon_args(url)).start()
+    layout = small_layout()
+    tokens = list(range(4 * 16))
+    kv = random_kv(layout, len(tokens))
+    with KVClient(d.target, layout, deadline_s=5.0) as c:
+        assert c.publish(tokens, kv) == len(tokens)
+        longer = tokens + list(range(1000, 1000 + 2 * 16))  # past the local prefix: asks remote
+        assert c.lookup(longer) == len(tokens)
+        n, got = c.fetch(longer)
+        assert n == len(tokens) and same_bytes(got, kv)
+        _wait_for(lambda: c.stats().remote.breaker_opens >= 1)
+        r = c.stats().remote
+    assert r.written_blocks == 0 and r.errors >= 1
+    assert d.stop() == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.server import remote_writer
 from kvstore.server.remote_writer import REMOTE_WRITE_ATTEMPTS
 from kvstore.server.store import TieredStore
 from kvstore.tiers.base import PAGE
@@ -42,6 +43,8 @@ class FakeRemote:
         self.batches: list[int] = []  # sizes of the GET batches asked for
         self.down = False
         self.get_delay_s = 0.0  # each GET takes at least this long (a slow network)
+        self.put_delay_s = 0.0  # each write call takes at least this long
+        self.putting = asyncio.Event()  # set when a write call begins
         self.transient_once: set[bytes] = set()  # keys whose next write fails transiently
         self.breaker = CircuitBreaker("fake", 0.01, 0.02, 0.1, logging.getLogger("fake"))
 
@@ -69,6 +72,9 @@ class FakeRemote:
 
     async def put(self, writes: Sequence[RemoteWrite]) -> PutResult:
         self._check()
+        self.putting.set()
+        if self.put_delay_s:
+            await asyncio.sleep(self.put_delay_s)
         out = PutResult()
         for w in writes:
             if w.key in self.transient_once:
@@ -433,3 +439,77 @@ def test_a_prefetch_stopped_at_shutdown_leaves_nothing_pinned(pair, remote) -> N
 
     asyncio.run(main())
     assert b.counters.prefetched_blocks == 0
+
+
+def test_the_writer_frames_the_next_batch_while_one_is_sent(tmp_path: Path, remote: FakeRemote,
+                                                            monkeypatch) -> None:
+    # A consumer waiting for a producer's blocks gets the last one after the framing of one
+    # batch and the sending of all, not after both of every batch.
+    monkeypatch.setattr(remote_writer, "WRITE_BATCH_BLOCKS", 2)
+    remote.put_delay_s = 0.5
+    store = make(tmp_path, "a", remote)
+    keys = [key(i) for i in range(6)]
+
+    async def main() -> int:
+        await publish(store, keys)
+        queue = store.write_queue
+        assert queue is not None and len(queue) == 6
+        writer = asyncio.create_task(store.remote_writer())
+        try:
+            await asyncio.wait_for(remote.putting.wait(), 5)  # the first batch is being sent
+            for _ in range(100):  # meanwhile the second is taken and framed
+                if len(queue) == 2:
+                    break
+                await asyncio.sleep(0.002)
+            depth = len(queue)
+            assert remote.puts == []  # still within the first write call
+            for _ in range(1000):
+                if queue.idle():
+                    break
+                await asyncio.sleep(0.005)
+            return depth
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    try:
+        assert asyncio.run(main()) == 2
+        assert remote.puts == keys and all(remote.holds(k) for k in keys)
+    finally:
+        store.close()
+
+
+def test_a_cancelled_writer_leaves_its_batches_queued(tmp_path: Path, remote: FakeRemote,
+                                                      monkeypatch) -> None:
+    # Cancelled with one batch being sent and the next framed: both go back in the queue
+    # (nothing counted busy for ever, which would hold up every later drain), and a writer
+    # started later writes all of them.
+    monkeypatch.setattr(remote_writer, "WRITE_BATCH_BLOCKS", 2)
+    remote.put_delay_s = 0.5
+    store = make(tmp_path, "a", remote)
+    keys = [key(i) for i in range(6)]
+
+    async def main() -> int:
+        await publish(store, keys)
+        queue = store.write_queue
+        assert queue is not None
+        writer = asyncio.create_task(store.remote_writer())
+        await asyncio.wait_for(remote.putting.wait(), 5)
+        for _ in range(100):
+            if len(queue) == 2:
+                break
+            await asyncio.sleep(0.002)
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        left = len(queue)
+        remote.put_delay_s = 0.0
+        await settle(store)  # a new writer; fails unless the queue becomes idle
+        return left
+
+    try:
+        assert asyncio.run(main()) == 6
+        assert sorted(remote.puts) == sorted(keys) and all(remote.holds(k) for k in keys)
+    finally:
+        store.close()
