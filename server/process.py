@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvstore.arena import Arena
+from kvstore.config import ServerConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 # The daemon runs from the repository root in a checkout (where `python -m kvstore.server`
 # imports without an install); from an installed wheel, from wherever its caller is.
@@ -58,9 +61,20 @@ class DaemonProcess:
                            f"log:\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
+        """SIGKILL, as a crash would; then remove the arena it left (the next daemon to start
+        on that directory would, but until then its pages stay in shared memory)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+            Arena.remove_stale(self.shm_dir)  # those no live daemon holds, this one's among them
+
+    @property
+    def shm_dir(self) -> str:
+        """Where the daemon keeps its arena: `--shm-dir`, else `KVSTORE_SHM_DIR`, else the
+        default (a `--config` file's setting is not read)."""
+        if "--shm-dir" in self.args[:-1]:
+            return self.args[self.args.index("--shm-dir") + 1]
+        return os.environ.get("KVSTORE_SHM_DIR", ServerConfig.shm_dir)
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then SIGKILL after `timeout_s` (give it the daemon's flush budget and

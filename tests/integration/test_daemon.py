@@ -119,6 +119,23 @@ def test_sigkill_restart_keeps_disk_blocks(daemon_factory):
             assert same_bytes(got, kv[:, :, :n])
 
 
+def test_a_killed_daemon_leaves_no_arena_in_shared_memory(daemon_factory, tmp_path):
+    # `DaemonProcess.kill` is a crash, for tests and benchmarks; the arena a crash leaves is
+    # removed by the next daemon to start, and until then held memory (2 GiB per daemon in
+    # `benchmarks.vllm_disagg`). A live daemon's arena in the same directory stays.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    a = daemon_factory("--host-bytes", "8MiB", "--shm-dir", str(shm), name="a").start()
+    b = daemon_factory("--host-bytes", "8MiB", "--shm-dir", str(shm), name="b").start()
+    arenas = sorted(shm.glob("kvstore-*.arena"))
+    assert len(arenas) == 2
+    a.kill()
+    assert sorted(shm.glob("kvstore-*.arena")) == [p for p in arenas if str(b.proc.pid) in p.name]
+    with KVClient(b.target, small_layout()) as c:  # its arena still serves
+        tokens = list(range(32))
+        assert c.publish(tokens, random_kv(small_layout(), 32)) == 32 and c.fetch(tokens)[0] == 32
+
+
 def test_corrupt_disk_value_is_a_counted_miss(daemon_factory):
     d = daemon_factory("--host-bytes", "16KiB", "--disk-bytes", "1MiB").start()
     layout = small_layout()
