@@ -7,7 +7,9 @@ benchmark's shape (8 layers x 8 KV heads x 128, bf16: 32 KiB per token, 4 MiB bl
 tokens); a raw redis-py client polls `EXISTS` for the prompt's keys every millisecond. Beside
 it, in the same run and on the same server, "raw SET": one blocking redis-py pipeline of SETs
 of the same number of fresh values of the same size (the bytes alone, no framing, no daemon):
-the limit of the client library and the server. Median of `--repeats`, alternated.
+the limit of the client library and the server; and "raw SET, asyncio": the same pipeline
+through redis-py's asyncio client (which the daemon's writer used before it moved to the
+blocking one). Median of `--repeats`, alternated.
 
     python -m benchmarks.write_through [--lengths 1024,2048,4096] [--repeats 5]
 """
@@ -15,6 +17,7 @@ the limit of the client library and the server. Median of `--repeats`, alternate
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import statistics
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio
 import torch
 from tqdm import tqdm
 
@@ -61,6 +65,21 @@ def _raw_set_s(r: redis.Redis, blocks: int, tag: str) -> float:
     return time.perf_counter() - t0
 
 
+def _raw_set_asyncio_s(loop: asyncio.AbstractEventLoop, r: redis.asyncio.Redis, blocks: int,
+                       tag: str) -> float:
+    value = os.urandom(LAYOUT.block_bytes)
+
+    async def send() -> float:
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for i in range(blocks):
+            pipe.set(f"async:{tag}:{i}", value)
+        await pipe.execute()
+        return time.perf_counter() - t0
+
+    return loop.run_until_complete(send())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--lengths", default="1024,2048,4096", help="prompt tokens (whole blocks)")
@@ -72,9 +91,12 @@ def main() -> None:
     server = RedisServer(root / "redis").start()
     daemon = DaemonProcess(root / "kv", "--host-bytes", "2GiB", "--remote", server.url)
     rows: list[dict[str, Any]] = []
+    loop = asyncio.new_event_loop()
+    ra: redis.asyncio.Redis | None = None
     try:
         daemon.start()
         r = redis.Redis.from_url(server.url)
+        ra = redis.asyncio.Redis.from_url(server.url)
         gen = torch.Generator().manual_seed(0)
         with KVClient(daemon.target, LAYOUT, deadline_s=10.0) as client, \
                 tqdm(total=len(lengths) * args.repeats, desc="write-through") as bar:
@@ -83,18 +105,28 @@ def main() -> None:
                                   dtype=torch.bfloat16))
             for n in lengths:
                 require(n % LAYOUT.block_tokens == 0, f"--lengths: {n} is not whole blocks")
-                through, raw = [], []
+                through, raw, raw_async = [], [], []
+                blocks = n // LAYOUT.block_tokens
                 for rep in range(args.repeats):
                     tokens = torch.randint(0, 1 << 30, (n,), generator=gen).tolist()
                     kv = torch.randn(LAYOUT.num_layers, 2, n, 8, 128,
                                      generator=gen).to(torch.bfloat16)
                     through.append(_shared_s(client, r, tokens, kv))
-                    raw.append(_raw_set_s(r, n // LAYOUT.block_tokens, f"{n}-{rep}"))
+                    # The two raw clients alternate which goes first (the first one's
+                    # values land in the server's freshest memory).
+                    tag = f"{n}-{rep}"
+                    if rep % 2:
+                        raw_async.append(_raw_set_asyncio_s(loop, ra, blocks, tag))
+                        raw.append(_raw_set_s(r, blocks, tag))
+                    else:
+                        raw.append(_raw_set_s(r, blocks, tag))
+                        raw_async.append(_raw_set_asyncio_s(loop, ra, blocks, tag))
                     bar.update()
                 mib = n * LAYOUT.block_bytes // LAYOUT.block_tokens / (1 << 20)
                 row = {"tokens": n, "MiB": mib,
                        "write-through ms": 1e3 * statistics.median(through),
-                       "raw SET ms": 1e3 * statistics.median(raw)}
+                       "raw SET ms": 1e3 * statistics.median(raw),
+                       "raw SET, asyncio ms": 1e3 * statistics.median(raw_async)}
                 row["write-through MB/s"] = mib * 1.048576 / statistics.median(through)
                 row["x raw SET"] = row["write-through ms"] / row["raw SET ms"]
                 row["samples ms"] = [round(1e3 * s, 1) for s in through]
@@ -103,6 +135,9 @@ def main() -> None:
         write_results(args.name, {"command": " ".join(sys.argv), "lengths": lengths,
                                   "repeats": args.repeats, "rows": rows})
     finally:
+        if ra is not None:
+            loop.run_until_complete(ra.aclose())
+        loop.close()
         daemon.stop()
         server.kill()
         shutil.rmtree(root, ignore_errors=True)

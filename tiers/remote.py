@@ -22,11 +22,10 @@ the requester's layout is wrong, not the value.
 
 **Writes go through a blocking client on a thread of their own.** redis-py's asyncio client
 hands a large value to the event loop's transport, which joins and buffers it and sends it a
-socket buffer per loop iteration; the blocking client `sendall`s it with the GIL released. A
-pipeline of four fresh 4 MiB values took 14-15 ms that way against 19-21 ms (medians of 12,
-alternated, loopback), and the write-through of 32 MiB in a daemon about half the time
-(docs/PERFORMANCE.md, "Disaggregated prefill"). Reads stay on the asyncio client (its GETs
-were as fast or faster).
+socket buffer per loop iteration, on the loop the daemon's other work shares; the blocking
+client `sendall`s it with the GIL released. With the writer framing ahead, that halved the
+time until a daemon's blocks are readable by others (`python -m benchmarks.write_through`;
+docs/PERFORMANCE.md, "Remote tier"). Reads stay on the asyncio client.
 
 **Failures**: every call runs under `timeout_s`. A failed call (connection refused, timeout,
 CLUSTERDOWN...) opens the breaker; while it is open calls raise `RemoteSkippedError` at once,
