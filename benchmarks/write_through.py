@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.utils
 import torch
 from tqdm import tqdm
 
@@ -133,6 +134,7 @@ def main() -> None:
                 rows.append(row)
         print(table(rows, [k for k in rows[0] if k != "samples ms"]))
         write_results(args.name, {"command": " ".join(sys.argv), "lengths": lengths,
+                                  "hiredis": redis.utils.HIREDIS_AVAILABLE,
                                   "repeats": args.repeats, "rows": rows})
     finally:
         if ra is not None:

@@ -46,6 +46,7 @@ from typing import Any
 import redis
 import redis.cluster
 import redis.retry
+import redis.utils
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -220,6 +221,11 @@ class RemoteTier:
         # must cost a failed write, not the daemon).
         self._blocking: redis.Redis | redis.cluster.RedisCluster | None = None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-write")
+        if redis.utils.HIREDIS_AVAILABLE:
+            log.warning("hiredis is installed: redis-py then packs each value written with two "
+                        "more copies, and write-through takes about twice as long "
+                        "(docs/OPERATIONS.md, \"Remote tier\"); `pip uninstall hiredis` "
+                        "unless something else here needs it")
         self.breaker = CircuitBreaker(f"remote tier {self.url}", self.options.retry_s,
                                       8 * self.options.retry_s, 2 * self.options.timeout_s, log)
         self._stats = RemoteStats(self.url, True)

@@ -123,3 +123,20 @@ def test_write_queue_sheds_dedups_and_requeues_in_order() -> None:
         assert [w.key for w in await waiter] == [b"f"]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("hiredis", [True, False])
+def test_the_tier_warns_when_hiredis_would_copy_every_value(hiredis: bool, monkeypatch,
+                                                            caplog) -> None:
+    # With hiredis importable, redis-py packs each value with two more copies (write-through
+    # twice as slow: docs/OPERATIONS.md, "Remote tier"). Nothing connects here.
+    import redis.utils
+
+    from kvstore.tiers.remote import RemoteTier
+
+    monkeypatch.setattr(redis.utils, "HIREDIS_AVAILABLE", hiredis)
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers.remote"):
+        tier = RemoteTier("redis://127.0.0.1:1/0")
+        asyncio.run(tier.close())
+    warned = [r for r in caplog.records if "hiredis" in r.getMessage()]
+    assert len(warned) == (1 if hiredis else 0)
