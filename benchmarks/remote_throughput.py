@@ -11,7 +11,7 @@ For a standalone Redis and a 3-node Cluster, both on loopback, and several block
   the host arena does.
 Goal (issue 5): remote tier >= 0.9x raw GET. Batches are the store's (`REMOTE_BATCH_*`).
 
-    python -m benchmarks.remote_throughput [--total-mib 256] [--repeats 5]
+    python -m benchmarks.remote_throughput [--total-mib 256] [--repeats 5] [--name NAME]
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--total-mib", type=int, default=256, help="bytes read per measurement")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--name", default="remote_throughput", help="results file and plot name")
     args = p.parse_args()
     if not redis_servers.available():
         raise SystemExit(redis_servers.SKIP_REASON)
@@ -143,11 +144,11 @@ def main() -> None:
     print(f"\nGB/s of payload, median of {args.repeats}, {args.total_mib} MiB per measurement; "
           "goal: remote tier >= 0.9x raw GET\n")
     print(table(flat, ["redis", "block MiB", "blocks", *PATHS, "tier/raw"]))
-    path = write_results("remote_throughput", {
+    path = write_results(args.name, {
         "total_bytes": total, "repeats": args.repeats, "batch_bytes": REMOTE_BATCH_BYTES,
         "batch_blocks": REMOTE_BATCH_BLOCKS, "goal": "remote tier >= 0.9x raw GET",
         "results": results})
-    _plot(results, RESULTS / "remote_throughput.png")
+    _plot(results, RESULTS / f"{args.name}.png")
     print(f"\nresults: {path}")
 
 

@@ -56,9 +56,11 @@ def cli(port: int, *args: str, timeout: float = 10.0) -> str:
 class RedisServer:
     """One `redis-server` process; `start` again after `kill` reuses its port and directory."""
 
-    def __init__(self, directory: Path, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(self, directory: Path, port: int | None = None, cluster: bool = False,
+                 password: str | None = None) -> None:
         self.dir = Path(directory).resolve()  # redis-server chdirs into it before opening files
         self.cluster = cluster
+        self.password = password  # `requirepass`: clients must AUTH
         self.port = port or free_port(cluster)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -72,6 +74,8 @@ class RedisServer:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "no",
                 "--logfile", str(self.dir / "redis.log"), "--protected-mode", "yes"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         if self.cluster:
             # A short node timeout so a killed node is noticed (and a restarted one trusted
             # again) within the test's time; partial coverage keeps the live nodes serving.
@@ -83,7 +87,8 @@ class RedisServer:
             if self.proc.poll() is not None:
                 break
             with contextlib.suppress(subprocess.SubprocessError, OSError):
-                if cli(self.port, "PING", timeout=2).strip() == "PONG":
+                auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+                if cli(self.port, *auth, "PING", timeout=2).strip() == "PONG":
                     return self
             time.sleep(0.02)
         log = (self.dir / "redis.log").read_text()[-2000:] if (self.dir / "redis.log").exists() \

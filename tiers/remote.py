@@ -70,6 +70,7 @@ from kvstore.integrity import FORMAT_VERSION, HEADER_BYTES, checksum, decode_hea
 from kvstore.integrity import verify as verify_payload
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
 from kvstore.tiers.breaker import CircuitBreaker
+from kvstore.tiers.bulk_get import BulkGetter
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()
@@ -79,6 +80,7 @@ _VERIFY_IN_THREAD_BYTES = 1 << 20
 TRANSFER_FLOOR_BYTES_PER_S = 50 << 20
 """The slowest transfer rate a call's deadline allows for its values, on top of `timeout_s`:
 far below loopback or any LAN, so only a stalled server or network misses it."""
+_READ_THREADS = 4  # concurrent GET pipelines of a standalone server (fetches of several clients)
 _SOCKET_IDLE_S = 5.0  # redis-py's per-read/write watchdog; calls are bounded by `deadline_s`
 
 
@@ -221,6 +223,17 @@ class RemoteTier:
         # must cost a failed write, not the daemon).
         self._blocking: redis.Redis | redis.cluster.RedisCluster | None = None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-write")
+        # A standalone server's GETs read each value straight into its own buffer, in worker
+        # threads (`tiers.bulk_get`); a Cluster's go through redis-py, which routes them.
+        self._getter: BulkGetter | None = None
+        if not self.target.cluster:
+            host, port = self.target.nodes[0]
+            self._getter = BulkGetter(
+                host, port, db=self.target.db, username=self.target.username,
+                password=self.target.password, tls=self.target.tls,
+                timeout_s=max(self.options.timeout_s, _SOCKET_IDLE_S),
+                connect_timeout_s=self.options.timeout_s)
+        self._reads = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvstore-remote-read")
         if redis.utils.HIREDIS_AVAILABLE:
             log.warning("hiredis is installed: redis-py then packs each value written with two "
                         "more copies, and write-through takes about twice as long "
@@ -291,6 +304,9 @@ class RemoteTier:
                 if blocking:
                     results = await asyncio.get_running_loop().run_in_executor(
                         self._writes, self._blocking_pipeline, commands)
+                elif self._getter is not None and all(c[0] == "GET" for c in commands):
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        self._reads, self._getter.get, [c[1] for c in commands])
                 else:
                     pipe = self._client.pipeline(transaction=False)
                     for cmd in commands:
@@ -355,7 +371,7 @@ class RemoteTier:
     async def _verified(self, names: Sequence[bytes], keys: Sequence[bytes], raws: list[Any],
                         layout_digest: bytes) -> list[memoryview | None]:
         """Verify GET results; corrupt values are counted and deleted, and are misses."""
-        size = sum(len(r) for r in raws if isinstance(r, bytes))
+        size = sum(len(r) for r in raws if isinstance(r, bytes | bytearray))
         if size >= _VERIFY_IN_THREAD_BYTES:
             checked = await asyncio.to_thread(_verify_batch, raws, keys, layout_digest)
         else:
@@ -477,6 +493,9 @@ class RemoteTier:
         # A write past its deadline may still run in the thread: it ends at its socket
         # timeout; closing its client meanwhile makes it end sooner, with an error.
         self._writes.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown(wait=False, cancel_futures=True)
+        if self._getter is not None:
+            self._getter.close()
         try:
             if self._blocking is not None:
                 self._blocking.close()

@@ -1,0 +1,182 @@
+"""`tiers.bulk_get.BulkGetter`, the remote tier's reader of a standalone server: against a real
+`redis-server` (values, nil, errors, AUTH, SELECT), and against a socket that misbehaves in
+ways a healthy Redis does not (replies cut anywhere, a connection closed mid-value), which a
+real server cannot be made to do on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from kvstore.tiers.bulk_get import BulkGetter
+from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError, RemoteWrite, frame_value
+from tests import redis_servers
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def locked_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if not redis_servers.available():
+        pytest.skip(redis_servers.SKIP_REASON)
+    server = RedisServer(tmp_path / "redis", password="s3cret-pw").start()
+    yield server
+    server.stop()
+
+
+def test_values_nil_and_errors_come_back_in_order(redis_server: RedisServer) -> None:
+    r = redis.Redis(port=redis_server.port)
+    big, small = os.urandom((4 << 20) + 3), b"x"
+    r.set(b"big", big)
+    r.set(b"small", small)
+    r.set(b"empty", b"")
+    r.rpush(b"list", b"a")  # GET of a list: WRONGTYPE, an error in its place
+    getter = BulkGetter("127.0.0.1", redis_server.port)
+    try:
+        for _ in range(3):  # the connection is reused, replies never out of step
+            got = getter.get([b"big", b"missing", b"list", b"small", b"empty", b"big"])
+            assert got[0] == big and got[1] is None and got[3] == small and got[4] == b""
+            assert isinstance(got[2], ResponseError) and "WRONGTYPE" in str(got[2])
+            assert got[5] == big
+    finally:
+        getter.close()
+    with pytest.raises(RedisConnectionError, match="closed"):
+        getter.get([b"small"])
+
+
+def test_auth_and_select(locked_server: RedisServer) -> None:
+    r = redis.Redis(port=locked_server.port, password="s3cret-pw", db=3)
+    r.set(b"k", b"in db 3")
+    good = BulkGetter("127.0.0.1", locked_server.port, password="s3cret-pw", db=3)
+    assert good.get([b"k"]) == [b"in db 3"]
+    assert BulkGetter("127.0.0.1", locked_server.port, password="s3cret-pw").get([b"k"]) == [None]
+    with pytest.raises(AuthenticationError, match="AUTH refused"):
+        BulkGetter("127.0.0.1", locked_server.port, password="wrong").get([b"k"])
+    unauthenticated = BulkGetter("127.0.0.1", locked_server.port).get([b"k"])
+    # NOAUTH: an error, never a value; of redis-py's class for it (a connection error, which
+    # opens the remote tier's breaker, as with redis-py's own client)
+    assert isinstance(unauthenticated[0], AuthenticationError)
+    good.close()
+
+
+def test_the_remote_tier_reads_a_password_protected_server(locked_server: RedisServer) -> None:
+    key, layout = b"k" * 32, b"L" * 32
+    payload = os.urandom(1 << 20)
+
+    async def main(url: str) -> list[memoryview | None]:
+        tier = RemoteTier(url)
+        try:
+            assert (await tier.put([RemoteWrite(b"n" * 32, key, frame_value(key, layout,
+                                                                             payload))])).written
+            return await tier.get(b"n" * 32, [key], layout)
+        finally:
+            await tier.close()
+
+    got = asyncio.run(main(f"redis://:s3cret-pw@127.0.0.1:{locked_server.port}/2"))
+    assert got[0] is not None and bytes(got[0]) == payload
+
+    async def refused(url: str) -> None:
+        tier = RemoteTier(url)
+        try:
+            with pytest.raises(RemoteUnavailableError, match="AUTH refused"):
+                await tier.get(b"n" * 32, [key], layout)
+        finally:
+            await tier.close()
+
+    asyncio.run(refused(f"redis://:wrong@127.0.0.1:{locked_server.port}/2"))
+
+
+class _Scripted:
+    """A loopback server that answers each connection with `script(conn)`."""
+
+    def __init__(self, script: Callable[[socket.socket, int], None]) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.script = script
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.recv(65536)  # the pipeline (small here)
+                self.script(conn, self.connections)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_reply_cut_into_single_bytes_is_read_whole() -> None:
+    value = os.urandom(70_000)  # longer than the line buffer
+    reply = b"$-1\r\n" + b"$%d\r\n" % len(value) + value + b"\r\n" + b"-ERR nope\r\n"
+
+    def trickle(conn: socket.socket, _: int) -> None:
+        for i in range(0, 200):  # the first bytes one at a time: lines split anywhere
+            conn.sendall(reply[i : i + 1])
+        conn.sendall(reply[200:])
+        conn.recv(1)  # until the client closes
+
+    server = _Scripted(trickle)
+    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        got = getter.get([b"a", b"b", b"c"])
+        assert got[0] is None and got[1] == value
+        assert isinstance(got[2], ResponseError) and str(got[2]) == "nope"  # as redis-py says it
+    finally:
+        getter.close()
+        server.close()
+
+
+def test_a_connection_closed_mid_value_fails_the_call_and_the_next_reconnects() -> None:
+    value = os.urandom(10_000)
+
+    def script(conn: socket.socket, n: int) -> None:
+        if n == 1:  # half a value, then gone
+            conn.sendall(b"$%d\r\n" % len(value) + value[:5000])
+            return
+        conn.sendall(b"$%d\r\n" % len(value) + value + b"\r\n")
+        conn.recv(1)
+
+    server = _Scripted(script)
+    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        with pytest.raises(RedisConnectionError, match="closed the connection"):
+            getter.get([b"a"])
+        assert getter.get([b"a"]) == [value]  # a new connection, not the broken one's tail
+        assert server.connections == 2
+    finally:
+        getter.close()
+        server.close()
+
+
+def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        conn.sendall(b"+OK\r\n" if n == 1 else b"$3\r\nabcXY")  # wrong type; no CRLF after
+        conn.recv(1)
+
+    server = _Scripted(script)
+    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        with pytest.raises(RedisConnectionError, match="unexpected reply"):
+            getter.get([b"a"])
+        with pytest.raises(RedisConnectionError, match="CRLF"):
+            getter.get([b"a"])
+    finally:
+        getter.close()
+        server.close()

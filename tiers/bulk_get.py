@@ -1,0 +1,203 @@
+"""Pipelined GETs of large values on blocking sockets, each value read straight into a buffer of
+its own.
+
+redis-py's parsers (asyncio and blocking, without hiredis) take a bulk reply through 64 KiB
+socket reads gathered in a buffer and then sliced out: on loopback, GETs of 4-64 MiB values
+ran at 0.3-0.5 GB/s here, against 1-2.6 GB/s for one `recv_into` per value
+(`python -m benchmarks.remote_throughput`, docs/PERFORMANCE.md "Remote tier"). The remote
+tier's reads of a standalone server come through here; a Cluster's keep redis-py's client,
+which routes keys to nodes and follows MOVED / ASK.
+
+It speaks only what GET needs of RESP2: a command array out; a bulk string, nil or an error
+back. Each worker thread has its own connection (made at its first call: AUTH and SELECT as
+the URL says). A connection that failed in any way, or was left mid-pipeline, is closed, and
+the next call makes a new one: a pipeline's replies are never read out of step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+from collections.abc import Sequence
+
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+_CHUNK = 64 << 10  # the line buffer's size; values go straight to their own buffers
+
+
+def command(*args: bytes) -> bytes:
+    """One RESP2 command array."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out += [b"$%d\r\n" % len(a), a, b"\r\n"]
+    return b"".join(out)
+
+
+class _Connection:
+    """One socket and what was received past the last reply read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(_CHUNK)
+        self.start = self.end = 0
+
+    def _fill(self) -> None:
+        """Receive more after what is buffered (moved down to make room if need be)."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            if self.start == 0:
+                raise RedisConnectionError("remote tier: reply line longer than 64 KiB")
+            kept = self.end - self.start
+            self.buf[:kept] = self.buf[self.start : self.end]
+            self.start, self.end = 0, kept
+        n = self.sock.recv_into(memoryview(self.buf)[self.end :])
+        if n == 0:
+            raise RedisConnectionError("remote tier: server closed the connection")
+        self.end += n
+
+    def line(self) -> bytes:
+        """The next line, without its CRLF."""
+        while (i := self.buf.find(b"\r\n", self.start, self.end)) < 0:
+            self._fill()
+        line = bytes(self.buf[self.start : i])
+        self.start = i + 2
+        return line
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill `dst` exactly: first with what was received already, then from the socket."""
+        have = min(self.end - self.start, len(dst))
+        dst[:have] = self.buf[self.start : self.start + have]
+        self.start += have
+        got = have
+        while got < len(dst):
+            n = self.sock.recv_into(dst[got:])
+            if n == 0:
+                raise RedisConnectionError("remote tier: server closed the connection")
+            got += n
+
+    def reply(self) -> bytearray | RedisError | None:
+        """One GET reply: the value, None for nil, or the server's error (in place, as
+        redis-py's `raise_on_error=False` gives it, and of the class it gives: NOAUTH or
+        LOADING are connection errors, which open the breaker)."""
+        line = self.line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            value = bytearray(n)
+            self.read_into(memoryview(value))
+            crlf = bytearray(2)
+            self.read_into(memoryview(crlf))
+            if crlf != b"\r\n":
+                raise RedisConnectionError("remote tier: bulk reply not followed by CRLF")
+            return value
+        if kind == b"-":
+            return _error(rest.decode(errors="replace"))
+        raise RedisConnectionError(f"remote tier: unexpected reply {line[:40]!r}")
+
+
+class BulkGetter:
+    """Pipelined GETs on one connection per calling thread (call from worker threads)."""
+
+    def __init__(self, host: str, port: int, *, db: int = 0, username: str | None = None,
+                 password: str | None = None, tls: bool = False, timeout_s: float = 5.0,
+                 connect_timeout_s: float = 0.5) -> None:
+        self.host, self.port, self.db = host, port, db
+        self.username, self.password, self.tls = username, password, tls
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._local = threading.local()
+        self._open: set[_Connection] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, names: Sequence[bytes]) -> list[bytearray | RedisError | None]:
+        """The values of `names`, in order (None: no such key). Raises what the connection
+        raised (`OSError`, `redis.exceptions.ConnectionError`), the connection closed."""
+        conn = self._connection()
+        try:
+            conn.sock.sendall(b"".join(command(b"GET", n) for n in names))
+            return [conn.reply() for _ in names]
+        except BaseException:
+            self._drop(conn)  # mid-pipeline: its next replies would be read out of step
+            raise
+
+    def close(self) -> None:
+        """Close every connection (calls in flight on them fail)."""
+        with self._lock:
+            self._closed = True
+            conns, self._open = self._open, set()
+        for c in conns:
+            _close(c.sock)
+
+    def _connection(self) -> _Connection:
+        if self._closed:
+            raise RedisConnectionError("remote tier: closed")
+        conn: _Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        sock = socket.create_connection((self.host, self.port), self.connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls:
+                sock = ssl.create_default_context().wrap_socket(sock,
+                                                                 server_hostname=self.host)
+            sock.settimeout(self.timeout_s)
+            conn = _Connection(sock)
+            self._hello(conn)
+        except BaseException:
+            _close(sock)
+            raise
+        with self._lock:
+            if self._closed:
+                _close(sock)
+                raise RedisConnectionError("remote tier: closed")
+            self._open.add(conn)
+        self._local.conn = conn
+        return conn
+
+    def _hello(self, conn: _Connection) -> None:
+        """AUTH and SELECT, as the URL asks."""
+        setup: list[tuple[bytes, ...]] = []
+        if self.password is not None:
+            setup.append((b"AUTH", *([self.username.encode()] if self.username else []),
+                          self.password.encode()))
+        if self.db:
+            setup.append((b"SELECT", str(self.db).encode()))
+        if not setup:
+            return
+        conn.sock.sendall(b"".join(command(*c) for c in setup))
+        for c in setup:
+            line = conn.line()
+            if line != b"+OK":
+                what = line[1:].decode(errors="replace")
+                if c[0] == b"AUTH":
+                    raise AuthenticationError(f"remote tier: AUTH refused: {what}")
+                raise RedisConnectionError(f"remote tier: {c[0].decode()} refused: {what}")
+
+    def _drop(self, conn: _Connection) -> None:
+        with self._lock:
+            self._open.discard(conn)
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        _close(conn.sock)
+
+
+def _error(message: str) -> RedisError:
+    """The exception redis-py makes of an error reply (its class by the reply's prefix)."""
+    try:
+        from redis._parsers.base import BaseParser  # redis-py's own mapping; private
+
+        error = BaseParser.parse_error(message)  # type: ignore[no-untyped-call]
+    except ImportError:
+        return ResponseError(message)
+    return error if isinstance(error, RedisError) else ResponseError(message)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.close()
