@@ -118,13 +118,22 @@ class BulkGetter:
     def get(self, names: Sequence[bytes]) -> list[bytearray | RedisError | None]:
         """The values of `names`, in order (None: no such key). Raises what the connection
         raised (`OSError`, `redis.exceptions.ConnectionError`), the connection closed."""
-        conn = self._connection()
-        try:
-            conn.sock.sendall(b"".join(command(b"GET", n) for n in names))
-            return [conn.reply() for _ in names]
-        except BaseException:
-            self._drop(conn)  # mid-pipeline: its next replies would be read out of step
-            raise
+        request = b"".join(command(b"GET", n) for n in names)
+        while True:
+            conn, fresh = self._connection()
+            try:
+                conn.sock.sendall(request)
+                return [conn.reply() for _ in names]
+            except (OSError, RedisConnectionError) as e:
+                self._drop(conn)  # mid-pipeline: its next replies would be read out of step
+                # A kept connection the server dropped meanwhile (a restart, an idle
+                # timeout) fails its first use: GETs are safe to send again, once, on a new
+                # one. Not after a timeout: that would double the wait.
+                if fresh or isinstance(e, TimeoutError):
+                    raise
+            except BaseException:
+                self._drop(conn)
+                raise
 
     def close(self) -> None:
         """Close every connection (calls in flight on them fail)."""
@@ -134,12 +143,13 @@ class BulkGetter:
         for c in conns:
             _close(c.sock)
 
-    def _connection(self) -> _Connection:
+    def _connection(self) -> tuple[_Connection, bool]:
+        """This thread's connection, and whether it was made just now."""
         if self._closed:
             raise RedisConnectionError("remote tier: closed")
         conn: _Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
-            return conn
+            return conn, False
         sock = socket.create_connection((self.host, self.port), self.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -158,7 +168,7 @@ class BulkGetter:
                 raise RedisConnectionError("remote tier: closed")
             self._open.add(conn)
         self._local.conn = conn
-        return conn
+        return conn, True
 
     def _hello(self, conn: _Connection) -> None:
         """AUTH and SELECT, as the URL asks."""

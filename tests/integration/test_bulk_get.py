@@ -55,6 +55,22 @@ def test_values_nil_and_errors_come_back_in_order(redis_server: RedisServer) -> 
         getter.get([b"small"])
 
 
+def test_a_restarted_server_costs_no_failed_read(redis_server: RedisServer) -> None:
+    # The thread's kept connection died with the server: its first use fails, and the getter
+    # sends the GETs again on a new connection rather than fail the call (which would open
+    # the remote tier's breaker: a second of misses after every Redis restart).
+    redis.Redis(port=redis_server.port).set(b"k", b"v")
+    getter = BulkGetter("127.0.0.1", redis_server.port)
+    try:
+        assert getter.get([b"k"]) == [b"v"]
+        redis_server.kill()
+        redis_server.start()  # same port; empty (no persistence)
+        redis.Redis(port=redis_server.port).set(b"k", b"after")
+        assert getter.get([b"k"]) == [b"after"]
+    finally:
+        getter.close()
+
+
 def test_auth_and_select(locked_server: RedisServer) -> None:
     r = redis.Redis(port=locked_server.port, password="s3cret-pw", db=3)
     r.set(b"k", b"in db 3")

@@ -355,3 +355,28 @@ def test_a_cluster_with_no_node_up_is_a_miss_not_an_error(daemon_factory) -> Non
         r = c.stats().remote
     assert r.written_blocks == 0 and r.errors >= 1
     assert d.stop() == 0
+
+
+def test_a_redis_restart_costs_no_failed_call(redis_server: RedisServer) -> None:
+    # Both clients keep connections (the blocking one of writes, one per read thread of the
+    # standalone reader); after a restart each is dead, and its first use must be retried on
+    # a new one, not fail the call and open the breaker.
+    writes = [RemoteWrite(NS, _key(i), frame_value(_key(i), LAYOUT, _payload(i)))
+              for i in range(2)]
+
+    async def main() -> RemoteTier:
+        tier = RemoteTier(redis_server.url, RemoteOptions(timeout_s=2.0))
+        try:
+            assert (await tier.put(writes[:1])).written == 1
+            assert await tier.get(NS, [_key(0)], LAYOUT) != [None]
+            redis_server.kill()
+            redis_server.start()  # same port, empty
+            assert (await tier.put(writes[1:])).written == 1
+            got = await tier.get(NS, [_key(0), _key(1)], LAYOUT)
+            assert got[0] is None and got[1] is not None and bytes(got[1]) == _payload(1)
+        finally:
+            await tier.close()
+        return tier
+
+    s = asyncio.run(main()).stats()
+    assert (s.breaker_opens, s.errors, s.failed_writes) == (0, 0, 0)
