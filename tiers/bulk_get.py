@@ -11,7 +11,9 @@ Cluster's keep redis-py's client, which routes keys to nodes and follows MOVED /
 It speaks only what GET needs of RESP2: a command array out; a bulk string, nil or an error
 back. Each worker thread has its own connection (made at its first call: AUTH and SELECT as
 the URL says). A connection that failed in any way, or was left mid-pipeline, is closed, and
-the next call makes a new one: a pipeline's replies are never read out of step.
+the next call makes a new one: a pipeline's replies are never read out of step. A kept
+connection that fails (the server restarted, or closed it idle) gets the call sent again, once,
+on a new one, as redis-py's one immediate retry does.
 """
 
 from __future__ import annotations
