@@ -88,7 +88,10 @@ class _Connection:
         line = self.line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
-            n = int(rest)
+            try:
+                n = int(rest)
+            except ValueError:
+                raise RedisConnectionError(f"remote tier: bad bulk length {line[:40]!r}") from None
             if n < 0:
                 return None
             value = bytearray(n)

@@ -182,8 +182,10 @@ def test_a_connection_closed_mid_value_fails_the_call_and_the_next_reconnects() 
 
 
 def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
+    replies = [b"+OK\r\n", b"$3\r\nabcXY", b"$x9\r\n"]  # wrong type; no CRLF after; no length
+
     def script(conn: socket.socket, n: int) -> None:
-        conn.sendall(b"+OK\r\n" if n == 1 else b"$3\r\nabcXY")  # wrong type; no CRLF after
+        conn.sendall(replies[n - 1])
         conn.recv(1)
 
     server = _Scripted(script)
@@ -193,6 +195,9 @@ def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
             getter.get([b"a"])
         with pytest.raises(RedisConnectionError, match="CRLF"):
             getter.get([b"a"])
+        with pytest.raises(RedisConnectionError, match="bad bulk length"):
+            getter.get([b"a"])
+        assert server.connections == 3  # each failure closed its connection
     finally:
         getter.close()
         server.close()

@@ -62,11 +62,12 @@ def test_cli_reports_an_unreachable_daemon(tmp_path):
     assert "UNAVAILABLE" in r.stderr
 
 
-def test_metrics_are_exported_after_publish_and_fetch(daemon_factory):
+def test_metrics_are_exported_after_publish_and_fetch(daemon_factory, redis_server):
     port = _free_port()
     layout = small_layout()
     d = daemon_factory("--metrics-port", str(port), "--host-bytes",
-                       str(2 * layout.block_bytes)).start()  # host holds one 2-block prompt
+                       str(2 * layout.block_bytes),  # host holds one 2-block prompt
+                       "--remote", redis_server.url).start()  # its metrics are documented too
     with KVClient(d.target, layout) as c:
         c.publish(list(range(32)), random_kv(layout, 32))
         assert c.fetch(list(range(32)))[0] == 32  # from host
