@@ -2,11 +2,14 @@
 its own.
 
 redis-py's parsers (asyncio and blocking, without hiredis) take a bulk reply through 64 KiB
-socket reads gathered in a buffer and then sliced out. On loopback the remote tier read 4 MiB
-values at 0.37 GB/s through redis-py and 1.61 GB/s through this, 32 MiB values at 0.30 and
-0.54 GB/s, verification included (`python -m benchmarks.remote_throughput`, docs/PERFORMANCE.md
-"Remote tier"). The remote tier's reads of a standalone server come through here; a
-Cluster's keep redis-py's client, which routes keys to nodes and follows MOVED / ASK.
+socket reads gathered in a buffer and then sliced out. On loopback the remote tier reads 1-32
+MiB values at 1.1-3x the rate of redis-py's own GETs through this, verification included
+(`python -m benchmarks.remote_throughput`, docs/PERFORMANCE.md "Remote tier"). The remote
+tier's reads come through here: a standalone server's through `BulkGetter`, a Cluster's
+through `ClusterBulkGetter`, one `BulkGetter` per primary, each key sent to its slot's node
+as `CLUSTER SLOTS` last said. A MOVED or ASK reply (resharding, a
+failover) is a miss for that key, not a redirect followed: the map is read again before the
+next call, as after a node that failed.
 
 It speaks only what GET needs of RESP2: a command array out; a bulk string, nil or an error
 back. Each worker thread has its own connection (made at its first call: AUTH and SELECT as
@@ -24,7 +27,16 @@ import ssl
 import threading
 from collections.abc import Sequence
 
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+import redis
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    ClusterDownError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 _CHUNK = 64 << 10  # the line buffer's size; values go straight to their own buffers
@@ -200,6 +212,97 @@ class BulkGetter:
         if getattr(self._local, "conn", None) is conn:
             self._local.conn = None
         _close(conn.sock)
+
+
+class ClusterBulkGetter:
+    """`BulkGetter`'s pipelined GETs over a Cluster: keys grouped by their slot's primary, one
+    pipeline per node, the replies put back in order (call from worker threads)."""
+
+    def __init__(self, nodes: Sequence[tuple[str, int]], *, username: str | None = None,
+                 password: str | None = None, tls: bool = False, timeout_s: float = 5.0,
+                 connect_timeout_s: float = 0.5) -> None:
+        self._seeds = list(nodes)
+        self.username, self.password, self.tls = username, password, tls
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._getters: dict[tuple[str, int], BulkGetter] = {}
+        self._slots: list[tuple[str, int] | None] | None = None  # slot -> primary
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, names: Sequence[bytes]) -> list[bytearray | RedisError | None]:
+        """The values of `names`, in order. A node that cannot be reached gives a connection
+        error in place of each of its keys (the remote tier's breaker then opens)."""
+        slots = self._slots if self._slots is not None else self._refresh()
+        groups: dict[tuple[str, int] | None, list[int]] = {}
+        for i, name in enumerate(names):
+            groups.setdefault(slots[key_slot(name)], []).append(i)
+        out: list[bytearray | RedisError | None] = [None] * len(names)
+        stale = False
+        for node, indexes in groups.items():
+            values: list[bytearray | RedisError | None]
+            if node is None:
+                stale = True
+                values = [ClusterDownError("remote tier: slot not served")] * len(indexes)
+            else:
+                try:
+                    values = self._getter(node).get([names[i] for i in indexes])
+                except (OSError, RedisConnectionError) as e:
+                    stale = True  # the node failed: its slots may have moved
+                    values = [RedisConnectionError(f"remote tier: node {node}: {e}")] * len(
+                        indexes)
+            for i, v in zip(indexes, values, strict=True):
+                out[i] = v
+                stale = stale or isinstance(v, AskError | ClusterDownError | TryAgainError)
+        if stale:
+            self._slots = None  # MovedError is an AskError: read the map again next call
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            getters, self._getters = list(self._getters.values()), {}
+        for g in getters:
+            g.close()
+
+    def _getter(self, node: tuple[str, int]) -> BulkGetter:
+        with self._lock:
+            if self._closed:
+                raise RedisConnectionError("remote tier: closed")
+            g = self._getters.get(node)
+            if g is None:
+                g = self._getters[node] = BulkGetter(
+                    node[0], node[1], username=self.username, password=self.password,
+                    tls=self.tls, timeout_s=self.timeout_s,
+                    connect_timeout_s=self.connect_timeout_s)
+            return g
+
+    def _refresh(self) -> list[tuple[str, int] | None]:
+        """Read the slot map (`CLUSTER SLOTS`) from the first node that answers: the known
+        primaries, then the URL's nodes."""
+        with self._lock:
+            known = list(self._getters)
+        failures = []
+        for host, port in dict.fromkeys([*known, *self._seeds]):
+            client = redis.Redis(host=host, port=port, username=self.username,
+                                 password=self.password, ssl=self.tls,
+                                 socket_timeout=self.timeout_s,
+                                 socket_connect_timeout=self.connect_timeout_s)
+            try:
+                rows = client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+            except (RedisError, OSError) as e:
+                failures.append(f"{host}:{port}: {e}")
+                continue
+            finally:
+                client.close()
+            table: list[tuple[str, int] | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+            for start, end, primary, *_ in rows:
+                node_host = primary[0].decode() if primary[0] else host  # "": the one asked
+                table[int(start) : int(end) + 1] = [(node_host, int(primary[1]))] * (
+                    int(end) - int(start) + 1)
+            self._slots = table
+            return table
+        raise RedisConnectionError("remote tier: no Cluster node answered CLUSTER SLOTS: "
+                                   + "; ".join(failures))
 
 
 def _error(message: str) -> RedisError:

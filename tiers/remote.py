@@ -25,7 +25,9 @@ hands a large value to the event loop's transport, which joins and buffers it an
 socket buffer per loop iteration, on the loop the daemon's other work shares; the blocking
 client `sendall`s it with the GIL released. With the writer framing ahead, that halved the
 time until a daemon's blocks are readable by others (`python -m benchmarks.write_through`;
-docs/PERFORMANCE.md, "Remote tier"). Reads stay on the asyncio client.
+docs/PERFORMANCE.md, "Remote tier"). GETs bypass redis-py's parser altogether, on blocking
+sockets in worker threads (`tiers.bulk_get`); EXISTS, UNLINK and SCAN stay on the asyncio
+client.
 
 **Failures**: every call runs under `timeout_s`. A failed call (connection refused, timeout,
 CLUSTERDOWN...) opens the breaker; while it is open calls raise `RemoteSkippedError` at once,
@@ -70,7 +72,7 @@ from kvstore.integrity import FORMAT_VERSION, HEADER_BYTES, checksum, decode_hea
 from kvstore.integrity import verify as verify_payload
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
 from kvstore.tiers.breaker import CircuitBreaker
-from kvstore.tiers.bulk_get import BulkGetter
+from kvstore.tiers.bulk_get import BulkGetter, ClusterBulkGetter
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()
@@ -80,7 +82,7 @@ _VERIFY_IN_THREAD_BYTES = 1 << 20
 TRANSFER_FLOOR_BYTES_PER_S = 50 << 20
 """The slowest transfer rate a call's deadline allows for its values, on top of `timeout_s`:
 far below loopback or any LAN, so only a stalled server or network misses it."""
-_READ_THREADS = 4  # concurrent GET pipelines of a standalone server (fetches of several clients)
+_READ_THREADS = 4  # concurrent GET pipelines (fetches of several clients)
 _SOCKET_IDLE_S = 5.0  # redis-py's per-read/write watchdog; calls are bounded by `deadline_s`
 
 
@@ -223,16 +225,16 @@ class RemoteTier:
         # must cost a failed write, not the daemon).
         self._blocking: redis.Redis | redis.cluster.RedisCluster | None = None
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-write")
-        # A standalone server's GETs read each value straight into its own buffer, in worker
-        # threads (`tiers.bulk_get`); a Cluster's go through redis-py, which routes them.
-        self._getter: BulkGetter | None = None
-        if not self.target.cluster:
-            host, port = self.target.nodes[0]
-            self._getter = BulkGetter(
-                host, port, db=self.target.db, username=self.target.username,
-                password=self.target.password, tls=self.target.tls,
-                timeout_s=max(self.options.timeout_s, _SOCKET_IDLE_S),
-                connect_timeout_s=self.options.timeout_s)
+        # GETs read each value straight into its own buffer, in worker threads, rather than
+        # through redis-py's parser (`tiers.bulk_get`).
+        t, o = self.target, self.options
+        self._getter: BulkGetter | ClusterBulkGetter = (
+            ClusterBulkGetter(t.nodes, username=t.username, password=t.password, tls=t.tls,
+                              timeout_s=max(o.timeout_s, _SOCKET_IDLE_S),
+                              connect_timeout_s=o.timeout_s) if t.cluster else
+            BulkGetter(t.nodes[0][0], t.nodes[0][1], db=t.db, username=t.username,
+                       password=t.password, tls=t.tls,
+                       timeout_s=max(o.timeout_s, _SOCKET_IDLE_S), connect_timeout_s=o.timeout_s))
         self._reads = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvstore-remote-read")
         if redis.utils.HIREDIS_AVAILABLE:
             log.warning("hiredis is installed: redis-py then packs each value written with two "
@@ -304,7 +306,7 @@ class RemoteTier:
                 if blocking:
                     results = await asyncio.get_running_loop().run_in_executor(
                         self._writes, self._blocking_pipeline, commands)
-                elif self._getter is not None and all(c[0] == "GET" for c in commands):
+                elif all(c[0] == "GET" for c in commands):
                     results = await asyncio.get_running_loop().run_in_executor(
                         self._reads, self._getter.get, [c[1] for c in commands])
                 else:
@@ -494,8 +496,7 @@ class RemoteTier:
         # timeout; closing its client meanwhile makes it end sooner, with an error.
         self._writes.shutdown(wait=False, cancel_futures=True)
         self._reads.shutdown(wait=False, cancel_futures=True)
-        if self._getter is not None:
-            self._getter.close()
+        self._getter.close()
         try:
             if self._blocking is not None:
                 self._blocking.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.cluster
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -201,3 +202,43 @@ def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
     finally:
         getter.close()
         server.close()
+
+
+def test_a_cluster_read_routes_each_key_and_recovers_from_a_stale_map(
+        redis_cluster: redis_servers.RedisClusterNodes) -> None:
+    from redis.exceptions import MovedError
+
+    from kvstore.tiers.bulk_get import ClusterBulkGetter
+
+    nodes = [("127.0.0.1", s.port) for s in redis_cluster.nodes]
+    writer = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0][1])
+    names = [b"key-%d" % i for i in range(30)]  # over every node's slots
+    values = {n: os.urandom(1000 + i) for i, n in enumerate(names)}
+    for n, v in values.items():
+        writer.set(n, v)
+    writer.close()
+    getter = ClusterBulkGetter(nodes[1:])  # any node leads to the map
+    try:
+        got = getter.get([*names, b"missing"])
+        assert got[:-1] == [values[n] for n in names] and got[-1] is None
+        # A map gone stale (a resharding, a failover): every key sent to one node. The others'
+        # keys come back MOVED, as misses, never as another key's value; the next call reads
+        # the map again and finds them all.
+        getter._slots = [nodes[0]] * len(getter._slots)
+        stale = getter.get(names)
+        moved = [v for v in stale if isinstance(v, MovedError)]
+        assert 0 < len(moved) < len(names)
+        assert all(v == values[n] for n, v in zip(names, stale, strict=True)
+                   if not isinstance(v, MovedError))
+        assert getter._slots is None
+        assert getter.get(names) == [values[n] for n in names]
+        # A node down: its keys fail in place (the tier's breaker opens on those), the other
+        # nodes' keys still come back.
+        redis_cluster.kill(1)
+        down = getter.get(names)
+        failed = [v for v in down if isinstance(v, RedisConnectionError)]
+        assert 0 < len(failed) < len(names)
+        assert all(v == values[n] for n, v in zip(names, down, strict=True)
+                   if not isinstance(v, RedisConnectionError))
+    finally:
+        getter.close()
