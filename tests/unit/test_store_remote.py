@@ -446,7 +446,7 @@ def test_the_writer_frames_the_next_batch_while_one_is_sent(tmp_path: Path, remo
     # A consumer waiting for a producer's blocks gets the last one after the framing of one
     # batch and the sending of all, not after both of every batch.
     monkeypatch.setattr(remote_writer, "WRITE_BATCH_BLOCKS", 2)
-    remote.put_delay_s = 0.5
+    remote.put_delay_s = 3.0  # the first write call: long enough for a loaded machine
     store = make(tmp_path, "a", remote)
     keys = [key(i) for i in range(6)]
 
@@ -457,12 +457,13 @@ def test_the_writer_frames_the_next_batch_while_one_is_sent(tmp_path: Path, remo
         writer = asyncio.create_task(store.remote_writer())
         try:
             await asyncio.wait_for(remote.putting.wait(), 5)  # the first batch is being sent
-            for _ in range(100):  # meanwhile the second is taken and framed
+            for _ in range(1000):  # meanwhile the second is taken and framed
                 if len(queue) == 2:
                     break
                 await asyncio.sleep(0.002)
             depth = len(queue)
             assert remote.puts == []  # still within the first write call
+            remote.put_delay_s = 0.0  # the later calls
             for _ in range(1000):
                 if queue.idle():
                     break
@@ -486,7 +487,7 @@ def test_a_cancelled_writer_leaves_its_batches_queued(tmp_path: Path, remote: Fa
     # (nothing counted busy for ever, which would hold up every later drain), and a writer
     # started later writes all of them.
     monkeypatch.setattr(remote_writer, "WRITE_BATCH_BLOCKS", 2)
-    remote.put_delay_s = 0.5
+    remote.put_delay_s = 3.0
     store = make(tmp_path, "a", remote)
     keys = [key(i) for i in range(6)]
 
@@ -496,10 +497,11 @@ def test_a_cancelled_writer_leaves_its_batches_queued(tmp_path: Path, remote: Fa
         assert queue is not None
         writer = asyncio.create_task(store.remote_writer())
         await asyncio.wait_for(remote.putting.wait(), 5)
-        for _ in range(100):
+        for _ in range(1000):
             if len(queue) == 2:
                 break
             await asyncio.sleep(0.002)
+        assert len(queue) == 2 and remote.puts == []  # one batch sending, one framed
         writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await writer
