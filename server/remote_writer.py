@@ -78,6 +78,10 @@ class RemoteWriter:
                     await self._settle(batch, e)
                     if not isinstance(e, Exception):
                         raise
+                    continue
+                # Until the sender takes it: then the next batch is framed while this one is
+                # sent. (Taking the next at once would hold a third batch out of the queue.)
+                await framed.join()
         finally:
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -90,6 +94,7 @@ class RemoteWriter:
                                                             list[RemoteWrite]]]) -> None:
         while True:
             batch, writes = await framed.get()
+            framed.task_done()  # taken: the framer frames the next batch meanwhile
             try:
                 retry = await self._send(batch, writes)
             except BaseException as e:

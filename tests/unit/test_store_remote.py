@@ -461,6 +461,7 @@ def test_the_writer_frames_the_next_batch_while_one_is_sent(tmp_path: Path, remo
                 if len(queue) == 2:
                     break
                 await asyncio.sleep(0.002)
+            await asyncio.sleep(0.3)  # and no third: one batch framed ahead at most
             depth = len(queue)
             assert remote.puts == []  # still within the first write call
             remote.put_delay_s = 0.0  # the later calls
