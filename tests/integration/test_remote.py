@@ -29,6 +29,7 @@ from kvstore.tiers.remote import (
 )
 from tests import redis_servers
 from tests.conftest import random_kv, same_bytes, small_layout
+from tests.metrics_docs import undocumented_exports
 from tests.redis_servers import RedisClusterNodes, RedisServer, cli
 
 pytestmark = pytest.mark.integration
@@ -236,6 +237,8 @@ def test_write_through_sheds_instead_of_blocking(redis_server: RedisServer,
         r = c.stats().remote
     assert (r.queued_writes, r.shed_writes, r.written_blocks) == (2, 6, 2)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    missing = undocumented_exports(text, remote=True)
+    assert not missing, f"documented in OPERATIONS.md but not exported: {sorted(missing)}"
     for line in ("kvstore_remote_shed_writes_total 6.0", "kvstore_remote_written_blocks_total 2.0",
                  "kvstore_remote_available 1.0", 'kvstore_tier_bytes_total{direction="write",'
                  f'tier="remote"}} {2 * layout.block_bytes}.0'):
