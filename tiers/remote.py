@@ -227,14 +227,12 @@ class RemoteTier:
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-write")
         # GETs read each value straight into its own buffer, in worker threads, rather than
         # through redis-py's parser (`tiers.bulk_get`).
-        t, o = self.target, self.options
+        t, c = self.target, self._common(self.target)
+        reader = dict(username=t.username, password=t.password, tls=t.tls,
+                      timeout_s=c["socket_timeout"], connect_timeout_s=c["socket_connect_timeout"])
         self._getter: BulkGetter | ClusterBulkGetter = (
-            ClusterBulkGetter(t.nodes, username=t.username, password=t.password, tls=t.tls,
-                              timeout_s=max(o.timeout_s, _SOCKET_IDLE_S),
-                              connect_timeout_s=o.timeout_s) if t.cluster else
-            BulkGetter(t.nodes[0][0], t.nodes[0][1], db=t.db, username=t.username,
-                       password=t.password, tls=t.tls,
-                       timeout_s=max(o.timeout_s, _SOCKET_IDLE_S), connect_timeout_s=o.timeout_s))
+            ClusterBulkGetter(t.nodes, **reader) if t.cluster else
+            BulkGetter(t.nodes[0][0], t.nodes[0][1], db=t.db, **reader))
         self._reads = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvstore-remote-read")
         if redis.utils.HIREDIS_AVAILABLE:
             log.warning("hiredis is installed: redis-py then packs each value written with two "
@@ -245,12 +243,15 @@ class RemoteTier:
                                       8 * self.options.retry_s, 2 * self.options.timeout_s, log)
         self._stats = RemoteStats(self.url, True)
 
+    def _common(self, t: RemoteTarget) -> dict[str, Any]:
+        """The connection settings every client of the tier shares (redis-py's names)."""
+        return dict(username=t.username, password=t.password, ssl=t.tls,
+                    socket_timeout=max(self.options.timeout_s, _SOCKET_IDLE_S),
+                    socket_connect_timeout=self.options.timeout_s,
+                    max_connections=self.options.max_connections)
+
     def _connect(self, t: RemoteTarget) -> Redis | RedisCluster:
-        common: dict[str, Any] = dict(
-            username=t.username, password=t.password, ssl=t.tls,
-            socket_timeout=max(self.options.timeout_s, _SOCKET_IDLE_S),
-            socket_connect_timeout=self.options.timeout_s,
-            max_connections=self.options.max_connections)
+        common = self._common(t)
         if t.cluster:
             # No client-side retries: the breaker is the retry policy, and redis-py's Cluster
             # retry closes every connection and sleeps before each attempt.
@@ -264,11 +265,7 @@ class RemoteTier:
 
     def _connect_blocking(self, t: RemoteTarget) -> redis.Redis | redis.cluster.RedisCluster:
         """The same connection settings as `_connect`, for the blocking client of writes."""
-        common: dict[str, Any] = dict(
-            username=t.username, password=t.password, ssl=t.tls,
-            socket_timeout=max(self.options.timeout_s, _SOCKET_IDLE_S),
-            socket_connect_timeout=self.options.timeout_s,
-            max_connections=self.options.max_connections)
+        common = self._common(t)
         if t.cluster:
             return redis.cluster.RedisCluster(
                 startup_nodes=[redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]

@@ -7,6 +7,7 @@ real server cannot be made to do on cue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -139,6 +140,19 @@ class _Scripted:
         self.sock.close()
 
 
+@contextlib.contextmanager
+def _scripted(script: Callable[[socket.socket, int], None]) -> Iterator[tuple[_Scripted,
+                                                                               BulkGetter]]:
+    """A `_Scripted` server and a getter connected to it, both closed after."""
+    server = _Scripted(script)
+    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
+    try:
+        yield server, getter
+    finally:
+        getter.close()
+        server.close()
+
+
 def test_a_reply_cut_into_single_bytes_is_read_whole() -> None:
     value = os.urandom(70_000)  # longer than the line buffer
     reply = b"$-1\r\n" + b"$%d\r\n" % len(value) + value + b"\r\n" + b"-ERR nope\r\n"
@@ -149,15 +163,10 @@ def test_a_reply_cut_into_single_bytes_is_read_whole() -> None:
         conn.sendall(reply[200:])
         conn.recv(1)  # until the client closes
 
-    server = _Scripted(trickle)
-    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
-    try:
+    with _scripted(trickle) as (_, getter):
         got = getter.get([b"a", b"b", b"c"])
         assert got[0] is None and got[1] == value
         assert isinstance(got[2], ResponseError) and str(got[2]) == "nope"  # as redis-py says it
-    finally:
-        getter.close()
-        server.close()
 
 
 def test_a_connection_closed_mid_value_fails_the_call_and_the_next_reconnects() -> None:
@@ -170,16 +179,11 @@ def test_a_connection_closed_mid_value_fails_the_call_and_the_next_reconnects() 
         conn.sendall(b"$%d\r\n" % len(value) + value + b"\r\n")
         conn.recv(1)
 
-    server = _Scripted(script)
-    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
-    try:
+    with _scripted(script) as (server, getter):
         with pytest.raises(RedisConnectionError, match="closed the connection"):
             getter.get([b"a"])
         assert getter.get([b"a"]) == [value]  # a new connection, not the broken one's tail
         assert server.connections == 2
-    finally:
-        getter.close()
-        server.close()
 
 
 def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
@@ -189,9 +193,7 @@ def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
         conn.sendall(replies[n - 1])
         conn.recv(1)
 
-    server = _Scripted(script)
-    getter = BulkGetter("127.0.0.1", server.port, timeout_s=5.0)
-    try:
+    with _scripted(script) as (server, getter):
         with pytest.raises(RedisConnectionError, match="unexpected reply"):
             getter.get([b"a"])
         with pytest.raises(RedisConnectionError, match="CRLF"):
@@ -199,9 +201,6 @@ def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
         with pytest.raises(RedisConnectionError, match="bad bulk length"):
             getter.get([b"a"])
         assert server.connections == 3  # each failure closed its connection
-    finally:
-        getter.close()
-        server.close()
 
 
 def test_a_cluster_read_routes_each_key_and_recovers_from_a_stale_map(
