@@ -8,7 +8,10 @@ For a standalone Redis and a 3-node Cluster, both on loopback, and several block
   batches, plus header decoding and the xxh3-128 verification of every payload against its
   key and layout;
 - + copy to host: the tier's payloads copied into a preallocated buffer, as read-through into
-  the host arena does.
+  the host arena did before it read straight into it;
+- into host: what read-through does now, `RemoteTier.held` (each batch's headers) then
+  `RemoteTier.get_into` (each payload received straight into its place in a preallocated
+  buffer, standing for the host arena, and verified there).
 Goal (issue 5): remote tier >= 0.9x raw GET. Batches are the store's (`REMOTE_BATCH_*`).
 
     python -m benchmarks.remote_throughput [--total-mib 256] [--repeats 5] [--name NAME]
@@ -36,7 +39,7 @@ from tests.redis_servers import RedisClusterNodes, RedisServer
 NS = bytes(range(32))
 LAYOUT = b"L" * 32
 SIZES_MIB = (1, 4, 32)
-PATHS = ("raw GET", "remote tier", "+ copy to host")
+PATHS = ("raw GET", "remote tier", "+ copy to host", "into host")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -75,6 +78,19 @@ async def _tier(tier: RemoteTier, batches: list[list[bytes]], dst: bytearray | N
     return got
 
 
+async def _into(tier: RemoteTier, batches: list[list[bytes]], size: int, dst: bytearray) -> int:
+    """The read-through path now: headers first, then each payload into its place in `dst`."""
+    got = 0
+    for batch in batches:
+        views = [memoryview(dst)[i * size : (i + 1) * size] for i in range(len(batch))]
+        if not all(await tier.held(NS, batch, LAYOUT, size)):
+            raise RuntimeError("a value went missing")
+        if not all(await tier.get_into(NS, batch, LAYOUT, views)):
+            raise RuntimeError("a value failed its read")
+        got += size * len(batch)
+    return got
+
+
 async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[str, Any]]:
     tier = RemoteTier(url, RemoteOptions(ttl_s=3600, timeout_s=30.0))
     rows = []
@@ -90,6 +106,7 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
             batches = _batches(keys, size)
             nbytes = size * len(keys)
             dst = bytearray(size)
+            arena = bytearray(size * len(batches[0]))  # touched, as the prefaulted arena
             samples: dict[str, list[float]] = {p: [] for p in PATHS}
             await _raw(tier, batches)  # warm the connections
             for _ in range(repeats):  # interleaved, so drift hits every path alike
@@ -97,6 +114,9 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
                     t = time.perf_counter()
                     if path == "raw GET":
                         await _raw(tier, batches)
+                    elif path == "into host":
+                        got = await _into(tier, batches, size, arena)
+                        require(got == nbytes, f"{path}: read {got} of {nbytes} bytes")
                     else:
                         got = await _tier(tier, batches,
                                           dst if path == "+ copy to host" else None)
@@ -106,7 +126,9 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
             await tier.delete(NS, keys)
             med = {p: statistics.median(v) for p, v in samples.items()}
             rows.append({"block MiB": mib, "blocks": len(keys), **med,
-                         "tier/raw": med["remote tier"] / med["raw GET"], "samples": samples})
+                         "tier/raw": med["remote tier"] / med["raw GET"],
+                         "into/copy": med["into host"] / med["+ copy to host"],
+                         "samples": samples})
         failures = tier.stats().integrity_failures
         require(failures == 0, f"{failures} values failed verification")
     finally:
@@ -143,7 +165,7 @@ def main() -> None:
             for mode, rows in results.items() for r in rows]
     print(f"\nGB/s of payload, median of {args.repeats}, {args.total_mib} MiB per measurement; "
           "goal: remote tier >= 0.9x raw GET\n")
-    print(table(flat, ["redis", "block MiB", "blocks", *PATHS, "tier/raw"]))
+    print(table(flat, ["redis", "block MiB", "blocks", *PATHS, "tier/raw", "into/copy"]))
     path = write_results(args.name, {
         "total_bytes": total, "repeats": args.repeats, "batch_bytes": REMOTE_BATCH_BYTES,
         "batch_blocks": REMOTE_BATCH_BLOCKS, "goal": "remote tier >= 0.9x raw GET",
@@ -160,9 +182,10 @@ def _plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.4), sharey=True)
     for ax, (mode, rows) in zip(axes, results.items(), strict=True):
-        width = 0.27
-        for j, (p, color) in enumerate(zip(PATHS, ("#999", "#27a", "#7ac"), strict=True)):
-            xs = [i + (j - 1) * width for i in range(len(rows))]
+        width = 0.2
+        for j, (p, color) in enumerate(zip(PATHS, ("#999", "#27a", "#7ac", "#e83"),
+                                           strict=True)):
+            xs = [i + (j - 1.5) * width for i in range(len(rows))]
             ax.bar(xs, [r[p] for r in rows], width, label=p, color=color)
         for i, r in enumerate(rows):
             ax.text(i, r["remote tier"], f"{r['tier/raw']:.2f}x", ha="center", va="bottom",

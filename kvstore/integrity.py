@@ -52,7 +52,7 @@ def frame_header(key: bytes, layout_digest: bytes, payload: bytes | memoryview) 
     return encode_header(key, layout_digest, checksum([payload]), len(memoryview(payload)))
 
 
-def decode_header(raw: bytes | memoryview) -> FrameHeader:
+def decode_header(raw: bytes | bytearray | memoryview) -> FrameHeader:
     """Parse and self-check a header; raises `IntegrityError` on any damage."""
     raw = bytes(raw[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:

@@ -16,7 +16,8 @@ The remote tier (optional; one Redis/Valkey Cluster shared by every daemon) sits
   only, bounded, shedding when full) and written by one background task (`remote_writer`), so a
   publishing client never waits for the network;
 - read-through: `lookup_through` asks the remote tier (one batched EXISTS) about the keys past
-  the local prefix, and `fetch` reads remote hits (pipelined GETs, verified) into host, where
+  the local prefix, and `fetch` reads remote hits into host (their headers first, then
+  pipelined GETs straight into the room made for them, verified there: `_read_remote`), where
   they are served like any promoted block.
 A remote failure is a miss; the tier's breaker makes an outage cost one deadline, not one per
 call.
@@ -57,8 +58,8 @@ if TYPE_CHECKING:  # pyzmq and msgspec are imported only when events are on
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Remote reads go in batches this large: enough blocks to amortize a round trip, few enough
-# bytes that a batch stays well inside the remote timeout and its values (held in Python
-# memory until copied into host) stay modest.
+# bytes that a batch stays well inside the remote timeout and the host room it holds while
+# its GETs run stays modest.
 REMOTE_BATCH_BYTES = 16 << 20
 REMOTE_BATCH_BLOCKS = 64
 # Keys of the chains used most recently that the shutdown flush writes head first (~6 MB).
@@ -238,41 +239,28 @@ class StoreCounters:
 
 
 class _RemoteReads:
-    """The remote side of one fetch, read a batch at a time: one pipelined GET serves many
-    keys. (Reading the next batch ahead while one is verified was measured slower on a
-    2-core machine: the verify thread, the parser and a local Redis contend for the cores.)"""
+    """The remote side of one fetch: batches of the keys no local tier holds, each read with
+    one pipelined GET straight into the host room made for it (`TieredStore._read_remote`).
+    (Reading the next batch ahead while one is verified was measured slower on a 2-core
+    machine: the verify thread, the reader and a local Redis contend for the cores.)"""
 
     def __init__(self, remote: RemoteTier, namespace: bytes, keys: Sequence[bytes],
                  layout_digest: bytes, batch: int, block_bytes: int) -> None:
         self.remote, self.namespace, self.keys = remote, namespace, keys
         self.layout_digest, self.batch, self.block_bytes = layout_digest, batch, block_bytes
-        self.start = 0
-        self.values: list[memoryview | None] = []
+        self.read: dict[int, _Staged] = {}  # the last batch's blocks by index, until taken
         self.seconds = 0.0  # spent in GETs (network and verification), for the read rate
         self.nbytes = 0  # payload bytes those GETs brought
 
-    async def take(self, i: int) -> memoryview | None:
-        """The verified payload of `keys[i]`, or None; each value is handed out once. Keys
-        come in order; those held locally are skipped over."""
-        if not self.start <= i < self.start + len(self.values):
-            self.start = i
-            began = time.perf_counter()
-            try:
-                self.values = await self.remote.get(
-                    self.namespace, self.keys[i : i + self.batch], self.layout_digest,
-                    self.block_bytes)
-                self.seconds += time.perf_counter() - began
-                self.nbytes += sum(len(v) for v in self.values if v is not None)
-            except RemoteUnavailableError as e:
-                log.debug("remote read skipped: %s", e)
-                self.values = []
-                return None
-        value, self.values[i - self.start] = self.values[i - self.start], None  # free it early
-        return value
+    def take(self, i: int) -> _Staged | None:
+        """`keys[i]`'s block, if the last batch read it; each is handed out once."""
+        return self.read.pop(i, None)
 
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    dst[:] = src
+    def abandon(self, store: TieredStore) -> None:
+        """Give back the blocks read but not taken (the fetch ended before them)."""
+        for s in self.read.values():
+            s.abandon(store)
+        self.read = {}
 
 
 class TieredStore:
@@ -463,8 +451,8 @@ class TieredStore:
         lease = self._new_lease(FetchLease, owner)
         staged: list[_Staged] = []
         remote = None
-        if (tier := self._remote_for(namespace)) is not None:
-            batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // max(block_bytes, 1)))
+        if (tier := self._remote_for(namespace)) is not None and block_bytes > 0:
+            batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // block_bytes))
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
                      slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch)
@@ -475,9 +463,15 @@ class TieredStore:
                 if window and promoted >= window:
                     lease.more = True  # the rest in the client's next call, while it copies
                     break
-                item = await self._stage(key, layout_digest, lease, staged, room, slab_ok)
+                # A block the last remote batch read (committed: `_stage` would count it
+                # as a host hit), else a local one, else a new remote batch from here.
+                item = remote.take(i) if remote is not None else None
+                if item is None:
+                    item = await self._stage(key, layout_digest, lease, staged, room, slab_ok)
                 if item is None and remote is not None and not lease.more:
-                    item = await self._stage_remote(remote, i, key, lease, staged, room)
+                    # Up to the window's end: a block read past it would be given back.
+                    limit = -(-(window - promoted) // block_bytes) if window else len(keys)
+                    item = await self._stage_remote(remote, i, lease, staged, room, limit)
                 if item is None:
                     break
                 staged.append(item)
@@ -495,6 +489,8 @@ class TieredStore:
             self.release(lease.id)
             raise
         finally:
+            if remote is not None:
+                remote.abandon(self)  # read past where the fetch stopped
             for entry in room.held:
                 self.host.complete_load(entry)
         end = cut = len(staged)  # end: before the first read skipped as late
@@ -844,36 +840,86 @@ class TieredStore:
         self.counters.promotions += 1
         return None
 
-    async def _stage_remote(self, remote: _RemoteReads, i: int, key: bytes, lease: FetchLease,
-                            staged: list[_Staged], room: _Room) -> _Staged | None:
-        """Read `key` from the remote tier into host (a promotion, pinned like a host hit, or
-        scratch space). None ends the prefix."""
-        payload = await remote.take(i)
-        if payload is None:
-            return None
+    async def _stage_remote(self, remote: _RemoteReads, i: int, lease: FetchLease,
+                            staged: list[_Staged], room: _Room, limit: int) -> _Staged | None:
+        """`keys[i]` read from the remote tier into host (a promotion, pinned like a host hit,
+        or scratch space), in a new batch of up to `limit` blocks from `i` on. None ends the
+        prefix."""
+        await self._read_remote(remote, i, lease, staged, room, limit)
+        return remote.take(i)
+
+    def _back(self, entries: list[BlockEntry]) -> None:
+        for entry in entries:
+            self.host.back(entry)
+
+    async def _read_remote(self, remote: _RemoteReads, i: int, lease: FetchLease,
+                           staged: list[_Staged], room: _Room, limit: int) -> None:
+        """Read a batch of up to `limit` blocks from `keys[i]` on, skipping those a local tier
+        holds (the fetch stages them): which of them the remote tier holds first (their
+        headers), then host room (a reservation or scratch space) for its prefix of hits,
+        then one pipelined GET into those rooms, verified there. Room is made only for blocks
+        the remote tier holds: a read that finds nothing moves nothing. The batch keeps its
+        prefix of hits (`remote.read`); the rooms past its first miss are given back."""
+        keys, size = remote.keys, remote.block_bytes
+        todo = [i]
+        for j in range(i + 1, len(keys)):
+            if len(todo) >= max(1, min(remote.batch, limit)):
+                break
+            if self.placement.source(keys[j]) is None:
+                todo.append(j)
+        remote.read = {}
+        began = time.perf_counter()
         try:
-            dst, scratch = await self._take_room(room, key, remote.namespace,
-                                                 remote.layout_digest, len(payload))
-        except CapacityError:
-            lease.more = bool(staged)  # the client copies these, releases, asks again
-            return None
-        if dst is None:  # another call is promoting or publishing it right now: a miss here
-            return None
-        s = _Staged(remote.remote.name, dst, holds="scratch" if scratch else "reservation")
+            held = await remote.remote.held(remote.namespace, [keys[j] for j in todo],
+                                            remote.layout_digest, size)
+        except RemoteUnavailableError as e:
+            log.debug("remote read skipped: %s", e)
+            return
+        finally:
+            remote.seconds += time.perf_counter() - began
+        batch: list[_Staged] = []
         try:
-            # Verified by the remote tier already; from here it is host memory like any other.
-            await self._run_io(_copy, self.host.memview(dst), payload)
+            for j in todo[: next((n for n, h in enumerate(held) if not h), len(held))]:
+                try:
+                    dst, scratch = await self._take_room(room, keys[j], remote.namespace,
+                                                         remote.layout_digest, size)
+                except CapacityError:
+                    lease.more = lease.more or (j == i and bool(staged))  # copy these, ask again
+                    break
+                if dst is None:  # another call is promoting or publishing it right now
+                    break
+                batch.append(_Staged(remote.remote.name, dst,
+                                     holds="scratch" if scratch else "reservation"))
+            if not batch:
+                return
+            if any(self.host.unbacked(s.dst) for s in batch):
+                await self._run_io(self._back, [s.dst for s in batch])
+            began = time.perf_counter()
+            try:
+                ok = await remote.remote.get_into(
+                    remote.namespace, [keys[j] for j in todo[: len(batch)]],
+                    remote.layout_digest, [self.host.memview(s.dst) for s in batch])
+            except RemoteUnavailableError as e:
+                log.debug("remote read skipped: %s", e)
+                ok = []
+            remote.seconds += time.perf_counter() - began
         except BaseException:
-            s.abandon(self)
+            for s in batch:
+                s.abandon(self)
             raise
-        self.counters.add(self.counters.bytes_read, remote.remote.name, len(payload))
-        if scratch:
-            self.counters.scratch_reads += 1
-            return s
-        self.host.complete_store(dst)
-        self.counters.promotions += 1
-        s.dst, s.holds = self.host.prepare_load(key), "pinned"
-        return s
+        hits = next((n for n, hit in enumerate(ok) if not hit), len(ok))
+        remote.nbytes += hits * size
+        for s in batch[hits:]:
+            s.abandon(self)  # past the first miss: the prefix ends there
+        self.counters.add(self.counters.bytes_read, remote.remote.name, hits * size)
+        for s in batch[:hits]:
+            if s.holds == "scratch":
+                self.counters.scratch_reads += 1
+                continue
+            self.host.complete_store(s.dst)
+            self.counters.promotions += 1
+            s.dst, s.holds = self.host.prepare_load(s.dst.key), "pinned"
+        remote.read = dict(zip(todo, batch[:hits], strict=False))
 
     def _integrity_failure(self, tier: Tier, entry: BlockEntry, error: Exception) -> None:
         self.counters.integrity_failures += 1

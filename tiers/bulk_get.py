@@ -17,6 +17,11 @@ the URL says). A connection that failed in any way, or was left mid-pipeline, is
 the next call makes a new one: a pipeline's replies are never read out of step. A kept
 connection that fails (the server restarted, or closed it idle) gets the call sent again, once,
 on a new one, as redis-py's one immediate retry does.
+
+A caller may name where each value's bytes past its first `head` go (`tails`: the remote tier's
+payloads, read straight into the host tier's memory). Such a call is given up through its
+`ReadCall`: `abort` shuts its sockets down, so a read the caller no longer waits for stops at
+once instead of landing later in memory the caller has freed.
 """
 
 from __future__ import annotations
@@ -40,6 +45,43 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 _CHUNK = 64 << 10  # the line buffer's size; values go straight to their own buffers
+
+
+class Head(bytearray):
+    """A value's first bytes; the rest went into the tail the caller gave for it."""
+
+
+class ReadCall:
+    """One call's sockets, so that its caller can give it up (`abort`) from another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self.aborted = False
+        self.attached = False  # a socket of the call was attached: values may have been read
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self.aborted:
+                raise RedisConnectionError("remote tier: read given up")
+            self._socks.add(sock)
+            self.attached = True
+
+    def detach(self, sock: socket.socket) -> None:
+        """Before the socket is closed (under the lock: `abort` never shuts down a socket
+        closed meanwhile, whose descriptor may already name another)."""
+        with self._lock:
+            self._socks.discard(sock)
+
+    def abort(self) -> bool:
+        """Stop the call: its blocked reads fail now, and it attaches no socket again. Returns
+        whether it had begun reading (its thread may still be unwinding)."""
+        with self._lock:
+            self.aborted = True
+            for sock in self._socks:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            return self.attached
 
 
 def command(*args: bytes) -> bytes:
@@ -93,10 +135,13 @@ class _Connection:
                 raise RedisConnectionError("remote tier: server closed the connection")
             got += n
 
-    def reply(self) -> bytearray | RedisError | None:
+    def reply(self, tail: memoryview | None = None, head: int = 0,
+              ) -> bytearray | RedisError | None:
         """One GET reply: the value, None for nil, or the server's error (in place, as
         redis-py's `raise_on_error=False` gives it, and of the class it gives: NOAUTH or
-        LOADING are connection errors, which open the breaker)."""
+        LOADING are connection errors, which open the breaker). A value of exactly `head`
+        bytes plus `tail`'s length comes back as its `Head`, the rest read into `tail`; any
+        other value whole, `tail` untouched."""
         line = self.line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
@@ -106,8 +151,13 @@ class _Connection:
                 raise RedisConnectionError(f"remote tier: bad bulk length {line[:40]!r}") from None
             if n < 0:
                 return None
-            value = bytearray(n)
-            self.read_into(memoryview(value))
+            if tail is not None and n == head + len(tail):
+                value: bytearray = Head(head)
+                self.read_into(memoryview(value))
+                self.read_into(tail)
+            else:
+                value = bytearray(n)
+                self.read_into(memoryview(value))
             crlf = bytearray(2)
             self.read_into(memoryview(crlf))
             if crlf != b"\r\n":
@@ -132,21 +182,35 @@ class BulkGetter:
         self._lock = threading.Lock()
         self._closed = False
 
-    def get(self, names: Sequence[bytes]) -> list[bytearray | RedisError | None]:
-        """The values of `names`, in order (None: no such key). Raises what the connection
-        raised (`OSError`, `redis.exceptions.ConnectionError`), the connection closed."""
-        request = b"".join(command(b"GET", n) for n in names)
+    def get(self, names: Sequence[bytes], tails: Sequence[memoryview] | None = None,
+            head: int = 0, call: ReadCall | None = None, prefix: int = 0,
+            ) -> list[bytearray | RedisError | None]:
+        """The values of `names`, in order (None: no such key); with `tails`, a value of `head`
+        bytes plus its tail's length comes back as its `Head` (`_Connection.reply`). Raises
+        what the connection raised (`OSError`, `redis.exceptions.ConnectionError`), the
+        connection closed; `call`: the caller may give the call up meanwhile. `prefix`: only
+        each value's first `prefix` bytes (GETRANGE; empty for no such key)."""
+        end = b"%d" % (prefix - 1)
+        request = b"".join(command(b"GETRANGE", n, b"0", end) if prefix else command(b"GET", n)
+                           for n in names)
+        parts: Sequence[memoryview | None] = tails if tails is not None else [None] * len(names)
         while True:
             conn, fresh = self._connection()
+            if call is not None:
+                call.attach(conn.sock)  # raises if given up: the connection is kept as it is
             try:
-                conn.sock.sendall(request)
-                return [conn.reply() for _ in names]
+                try:
+                    conn.sock.sendall(request)
+                    return [conn.reply(tail, head) for tail in parts]
+                finally:
+                    if call is not None:
+                        call.detach(conn.sock)
             except (OSError, RedisConnectionError) as e:
                 self._drop(conn)  # mid-pipeline: its next replies would be read out of step
                 # A kept connection the server dropped meanwhile (a restart, an idle
                 # timeout) fails its first use: GETs are safe to send again, once, on a new
-                # one. Not after a timeout: that would double the wait.
-                if fresh or isinstance(e, TimeoutError):
+                # one. Not after a timeout (that would double the wait) or a call given up.
+                if fresh or isinstance(e, TimeoutError) or (call is not None and call.aborted):
                     raise
             except BaseException:
                 self._drop(conn)
@@ -229,9 +293,12 @@ class ClusterBulkGetter:
         self._lock = threading.Lock()
         self._closed = False
 
-    def get(self, names: Sequence[bytes]) -> list[bytearray | RedisError | None]:
-        """The values of `names`, in order. A node that cannot be reached gives a connection
-        error in place of each of its keys (the remote tier's breaker then opens)."""
+    def get(self, names: Sequence[bytes], tails: Sequence[memoryview] | None = None,
+            head: int = 0, call: ReadCall | None = None, prefix: int = 0,
+            ) -> list[bytearray | RedisError | None]:
+        """The values of `names`, in order (the rest: as `BulkGetter.get`). A
+        node that cannot be reached gives a connection error in place of each of its keys
+        (the remote tier's breaker then opens)."""
         slots = self._slots if self._slots is not None else self._refresh()
         groups: dict[tuple[str, int] | None, list[int]] = {}
         for i, name in enumerate(names):
@@ -245,7 +312,10 @@ class ClusterBulkGetter:
                 values = [ClusterDownError("remote tier: slot not served")] * len(indexes)
             else:
                 try:
-                    values = self._getter(node).get([names[i] for i in indexes])
+                    values = self._getter(node).get(
+                        [names[i] for i in indexes],
+                        None if tails is None else [tails[i] for i in indexes], head, call,
+                        prefix)
                 except (OSError, RedisConnectionError) as e:
                     stale = True  # the node failed: its slots may have moved
                     values = [RedisConnectionError(f"remote tier: node {node}: {e}")] * len(

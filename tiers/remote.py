@@ -72,7 +72,7 @@ from kvstore.integrity import FORMAT_VERSION, HEADER_BYTES, checksum, decode_hea
 from kvstore.integrity import verify as verify_payload
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
 from kvstore.tiers.breaker import CircuitBreaker
-from kvstore.tiers.bulk_get import BulkGetter, ClusterBulkGetter
+from kvstore.tiers.bulk_get import BulkGetter, ClusterBulkGetter, Head, ReadCall
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()
@@ -142,25 +142,43 @@ def read_frame(raw: bytes, key: bytes, layout_digest: bytes) -> memoryview:
     Raises `IntegrityError` for a damaged or misplaced value, `LayoutMismatchError` when the
     intact value was written under another layout.
     """
-    header = decode_header(raw)
+    payload = memoryview(raw)[HEADER_BYTES:]
+    verify_frame(raw, payload, key, layout_digest)
+    return payload
+
+
+def verify_frame(head: bytes | bytearray | memoryview, payload: bytes | memoryview, key: bytes,
+                 layout_digest: bytes) -> None:
+    """Verify a value read in two parts: its header (`head`) and its payload, wherever that
+    landed (`read_frame`'s errors)."""
+    header = decode_header(head)
     if header.key != key:
         raise IntegrityError("value belongs to another key")
     if header.layout_digest != layout_digest:
         raise LayoutMismatchError("value was written under another layout")
-    payload = memoryview(raw)[HEADER_BYTES:]
     verify_payload(header, payload, key, layout_digest)
-    return payload
 
 
 def _verify_batch(raws: Sequence[Any], keys: Sequence[bytes], layout_digest: bytes,
+                  tails: Sequence[memoryview] | None = None,
                   ) -> list[memoryview | Exception | None]:
+    """Each value's verified payload (a view of its value, or its tail where the value was
+    read into one), else what was wrong with it."""
     out: list[memoryview | Exception | None] = []
-    for raw, key in zip(raws, keys, strict=True):
+    for i, (raw, key) in enumerate(zip(raws, keys, strict=True)):
         if raw is None or isinstance(raw, Exception):
             out.append(raw)
             continue
         try:
-            out.append(read_frame(raw, key, layout_digest))
+            if isinstance(raw, Head) and tails is not None:
+                verify_frame(raw, tails[i], key, layout_digest)
+                out.append(tails[i])
+            else:
+                payload = read_frame(raw, key, layout_digest)
+                if tails is not None and len(payload) != len(tails[i]):
+                    raise LayoutMismatchError(f"value of {len(payload)} bytes, "
+                                              f"{len(tails[i])} expected")
+                out.append(payload)
         except (IntegrityError, LayoutMismatchError) as e:
             out.append(e)
     return out
@@ -286,13 +304,15 @@ class RemoteTier:
 
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]],
                         timeout_s: float | None = None, nbytes: int = 0,
-                        blocking: bool = False) -> list[Any]:
+                        blocking: bool = False, tails: Sequence[memoryview] | None = None,
+                        ) -> list[Any]:
         """Run commands in one pipeline, within `timeout_s` (default: `deadline_s(nbytes)`,
         `nbytes` the value bytes the call moves); per-command errors come back in place
         (those of a node or the network open the breaker); a failure of the whole call
         raises `RemoteUnavailableError`. `blocking`: on the blocking client, in the write
         thread (a call past its deadline is given up here; the thread ends it at its socket
-        timeout)."""
+        timeout). GETs go through the bulk getter (`tails`: its `tails`, payloads after a
+        header), stopped before this returns or raises (`_read`)."""
         if not commands:
             return []
         if not self.breaker.allow():
@@ -304,8 +324,9 @@ class RemoteTier:
                     results = await asyncio.get_running_loop().run_in_executor(
                         self._writes, self._blocking_pipeline, commands)
                 elif all(c[0] == "GET" for c in commands):
-                    results = await asyncio.get_running_loop().run_in_executor(
-                        self._reads, self._getter.get, [c[1] for c in commands])
+                    results = await self._read([c[1] for c in commands], tails)
+                elif all(c[0] == "GETRANGE" and c[2:] == (0, commands[0][3]) for c in commands):
+                    results = await self._read([c[1] for c in commands], None, commands[0][3] + 1)
                 else:
                     pipe = self._client.pipeline(transaction=False)
                     for cmd in commands:
@@ -327,6 +348,22 @@ class RemoteTier:
             self._stats.errors += len(errors)
             self.breaker.success()
         return results
+
+    async def _read(self, names: Sequence[bytes], tails: Sequence[memoryview] | None,
+                    prefix: int = 0) -> list[Any]:
+        """Pipelined GETs (`prefix`: GETRANGEs of the first bytes) in a read thread. Given up
+        (the deadline, a cancellation), the call is stopped, and waited for if it had begun
+        reading: its values may be landing in `tails`, memory the caller frees once this
+        raises."""
+        call = ReadCall()
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._reads, self._getter.get, names, tails, HEADER_BYTES, call, prefix)
+        try:
+            return await asyncio.shield(fut)
+        except BaseException:
+            if call.abort():  # its sockets are shut down: the thread unwinds at once
+                await asyncio.wait([fut])
+            raise
 
     def _blocking_pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Write thread: one pipeline on the blocking client."""
@@ -360,6 +397,40 @@ class RemoteTier:
             self._count(value)
         return out
 
+    async def held(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
+                   block_bytes: int) -> list[bool]:
+        """Per key, whether a value of `block_bytes` is stored under it for `layout_digest`, by
+        its header alone (one pipelined GETRANGE: the payload is neither read nor verified,
+        `get_into` does that). For a reader that makes room for the payloads first. Raises
+        `RemoteUnavailableError` when the call fails as a whole."""
+        raws = await self._pipeline([("GETRANGE", redis_key(namespace, k), 0, HEADER_BYTES - 1)
+                                     for k in keys])
+        out = []
+        for raw, key in zip(raws, keys, strict=True):
+            try:
+                header = decode_header(raw) if isinstance(raw, bytes | bytearray) else None
+            except IntegrityError:
+                header = None  # `get_into` would find it bad too, and delete it
+            out.append(header is not None and header.key == key
+                       and header.layout_digest == layout_digest and header.length == block_bytes)
+        return out
+
+    async def get_into(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
+                       payloads: Sequence[memoryview]) -> list[bool]:
+        """Read each key's payload straight into `payloads[i]` (host memory: no buffer of its
+        own, no copy) and verify it there. True where `payloads[i]` holds the key's verified
+        payload; False for a miss (absent, bad, of another size or layout, on an unreachable
+        node), `payloads[i]` then holding anything. Raises `RemoteUnavailableError` when the
+        call fails as a whole. Once it returns or raises, cancelled included, nothing writes
+        into `payloads` any more."""
+        names = [redis_key(namespace, k) for k in keys]
+        raws = await self._pipeline([("GET", n) for n in names],
+                                    nbytes=sum(len(p) for p in payloads), tails=payloads)
+        out = await self._verified(names, keys, raws, layout_digest, payloads)
+        for value in out:
+            self._count(value)
+        return [value is not None for value in out]
+
     def _count(self, value: memoryview | None) -> None:
         if value is None:
             self._stats.misses += 1
@@ -368,13 +439,17 @@ class RemoteTier:
             self._stats.bytes_read += len(value)
 
     async def _verified(self, names: Sequence[bytes], keys: Sequence[bytes], raws: list[Any],
-                        layout_digest: bytes) -> list[memoryview | None]:
-        """Verify GET results; corrupt values are counted and deleted, and are misses."""
+                        layout_digest: bytes, tails: Sequence[memoryview] | None = None,
+                        ) -> list[memoryview | None]:
+        """Verify GET results (`_verify_batch`); corrupt values are counted and deleted, and
+        are misses."""
         size = sum(len(r) for r in raws if isinstance(r, bytes | bytearray))
+        if tails is not None:
+            size += sum(len(t) for r, t in zip(raws, tails, strict=True) if isinstance(r, Head))
         if size >= _VERIFY_IN_THREAD_BYTES:
-            checked = await asyncio.to_thread(_verify_batch, raws, keys, layout_digest)
+            checked = await asyncio.to_thread(_verify_batch, raws, keys, layout_digest, tails)
         else:
-            checked = _verify_batch(raws, keys, layout_digest)
+            checked = _verify_batch(raws, keys, layout_digest, tails)
         out: list[memoryview | None] = []
         corrupt: list[bytes] = []
         for name, key, item in zip(names, keys, checked, strict=True):

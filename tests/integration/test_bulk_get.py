@@ -20,8 +20,16 @@ import redis.cluster
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvstore.integrity import HEADER_BYTES
 from kvstore.tiers.bulk_get import BulkGetter
-from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError, RemoteWrite, frame_value
+from kvstore.tiers.remote import (
+    RemoteOptions,
+    RemoteTier,
+    RemoteUnavailableError,
+    RemoteWrite,
+    frame_value,
+    redis_key,
+)
 from tests import redis_servers
 from tests.redis_servers import RedisServer
 
@@ -241,3 +249,96 @@ def test_a_cluster_read_routes_each_key_and_recovers_from_a_stale_map(
                    if not isinstance(v, RedisConnectionError))
     finally:
         getter.close()
+
+
+# ---- values read straight into the caller's memory (`RemoteTier.get_into`, `held`)
+KEY, LAYOUT, NS = b"k" * 32, b"L" * 32, b"n" * 32
+
+
+@pytest.mark.parametrize("give_up", ["deadline", "cancel"])
+def test_a_read_given_up_writes_nothing_into_the_callers_memory_afterwards(give_up: str) -> None:
+    # The store reads payloads straight into host reservations and frees them when the read
+    # fails. A read past its deadline (or cancelled) whose thread went on receiving would
+    # then write into memory another block may hold by now. The server sends half a value,
+    # stalls, then sends the rest: nothing may land after `get_into` ended, and it must end
+    # without waiting for the server.
+    payload = os.urandom(1 << 20)
+    frame = bytes(frame_value(KEY, LAYOUT, payload))
+    reply = b"$%d\r\n" % len(frame) + frame + b"\r\n"
+    half = len(reply) // 2
+    resumed = threading.Event()
+
+    def stall(conn: socket.socket, _: int) -> None:
+        conn.sendall(reply[:half])
+        threading.Event().wait(1.5)
+        with contextlib.suppress(OSError):
+            conn.sendall(reply[half:])
+        resumed.set()
+        with contextlib.suppress(OSError):
+            conn.recv(1)
+
+    server = _Scripted(stall)
+    dst = bytearray(b"\xaa" * len(payload))
+
+    async def main() -> None:
+        tier = RemoteTier(f"redis://127.0.0.1:{server.port}",
+                          RemoteOptions(timeout_s=0.3 if give_up == "deadline" else 30.0))
+        try:
+            began = asyncio.get_running_loop().time()
+            call = asyncio.ensure_future(tier.get_into(NS, [KEY], LAYOUT, [memoryview(dst)]))
+            if give_up == "deadline":
+                with pytest.raises(RemoteUnavailableError, match="timed out"):
+                    await call
+            else:
+                await asyncio.sleep(0.3)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            assert asyncio.get_running_loop().time() - began < 1.0  # not held until 1.5 s
+            at_end = bytes(dst)
+            assert at_end != b"\xaa" * len(payload)  # the first half had landed: the test reads
+            # The tier stays open (closing it would close the socket): the server resumes.
+            assert await asyncio.to_thread(resumed.wait, 5)
+            await asyncio.sleep(0.2)
+            assert bytes(dst) == at_end  # and nothing landed after the call ended
+        finally:
+            await tier.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()
+
+
+def test_values_read_in_place_are_verified_there(redis_server: RedisServer) -> None:
+    r = redis.Redis(port=redis_server.port)
+    size = 256 << 10
+    keys = [bytes([i]) * 32 for i in range(6)]
+    payloads = [os.urandom(size) for _ in keys]
+
+    async def main() -> None:
+        tier = RemoteTier(redis_server.url, RemoteOptions(timeout_s=2.0))
+        try:
+            writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, p))
+                      for k, p in zip(keys[:5], payloads, strict=False)]
+            writes[3] = RemoteWrite(NS, keys[3], frame_value(keys[3], LAYOUT, payloads[3][:-8]))
+            writes[4] = RemoteWrite(NS, keys[4], frame_value(keys[4], b"M" * 32, payloads[4]))
+            assert (await tier.put(writes)).written == 5
+            r.setrange(redis_key(NS, keys[2]), HEADER_BYTES + 100, b"\x00\xff")  # damaged
+            # keys: good, good, damaged, another size, another layout, absent
+            assert await tier.held(NS, keys, LAYOUT, size) == [True, True, True, False, False,
+                                                               False]
+            dsts = [bytearray(b"\x55" * size) for _ in keys]
+            got = await tier.get_into(NS, keys, LAYOUT, [memoryview(d) for d in dsts])
+            assert got == [True, True, False, False, False, False]
+            assert dsts[:2] == payloads[:2]
+            # a value of another size never lands (one of another layout may: `held` said no)
+            assert dsts[3] == dsts[5] == b"\x55" * size
+            stats = tier.stats()
+            assert stats.integrity_failures == 1 and stats.deleted == 1
+            assert r.exists(redis_key(NS, keys[2])) == 0  # the damaged value is gone
+            assert r.exists(redis_key(NS, keys[4])) == 1  # another layout's is kept
+        finally:
+            await tier.close()
+
+    asyncio.run(main())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.integrity import HEADER_BYTES, decode_header
 from kvstore.server import remote_writer
 from kvstore.server.remote_writer import REMOTE_WRITE_ATTEMPTS
 from kvstore.server.store import TieredStore
@@ -28,6 +29,7 @@ from kvstore.tiers.remote import (
     RemoteWrite,
     frame_value,
     read_frame,
+    verify_frame,
 )
 from tests.unit.test_store import LAYOUT, LENGTH, NS_A, fetched_bytes, key, payload, publish
 
@@ -60,15 +62,33 @@ class FakeRemote:
         self._check()
         return [(namespace, k) in self.values for k in keys]
 
-    async def get(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
-                  block_bytes: int = 0) -> list[memoryview | None]:
+    async def held(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
+                   block_bytes: int) -> list[bool]:
+        self._check()
+        out = []
+        for k in keys:
+            raw = self.values.get((namespace, k))
+            header = decode_header(raw) if raw is not None else None
+            out.append(header is not None and header.key == k
+                       and header.layout_digest == layout_digest and header.length == block_bytes)
+        return out
+
+    async def get_into(self, namespace: bytes, keys: Sequence[bytes], layout_digest: bytes,
+                       payloads: Sequence[memoryview]) -> list[bool]:
         self._check()
         self.batches.append(len(keys))
         if self.get_delay_s:
             await asyncio.sleep(self.get_delay_s)
-        raws = [self.values.get((namespace, k)) for k in keys]
-        return [read_frame(r, k, layout_digest) if r is not None else None
-                for r, k in zip(raws, keys, strict=True)]
+        out = []
+        for k, dst in zip(keys, payloads, strict=True):
+            raw = self.values.get((namespace, k))
+            if raw is None or len(raw) != HEADER_BYTES + len(dst):
+                out.append(False)
+                continue
+            dst[:] = memoryview(raw)[HEADER_BYTES:]
+            verify_frame(raw, dst, k, layout_digest)
+            out.append(True)
+        return out
 
     async def put(self, writes: Sequence[RemoteWrite]) -> PutResult:
         self._check()
@@ -150,7 +170,8 @@ def test_publish_writes_through_and_another_store_reads_through(pair, remote) ->
         assert await b.lookup_through([*keys, key(9)], NS_A) == ["remote"] * 4
         lease = await b.fetch([*keys, key(9)], LAYOUT, NS_A, LENGTH)
         assert lease.tiers == ["remote"] * 4
-        assert remote.batches == [5]  # one batched read for the whole rest of the prompt
+        # one batched read for the whole rest of the prompt, of what the headers said is held
+        assert remote.batches == [4]
         assert fetched_bytes(b, lease) == [payload(k) for k in keys]
         b.release(lease.id)
         assert b.lookup(keys) == ["host"] * 4  # promoted: now local
@@ -176,8 +197,9 @@ def test_local_blocks_fill_holes_in_the_remote_prefix(pair, remote) -> None:
         lease = await b.fetch(keys, LAYOUT, NS_A, LENGTH)
         assert lease.tiers == ["remote", "host", "remote", "remote"]
         assert fetched_bytes(b, lease) == [payload(k) for k in keys[:4]]
-        # one batched read from block 0 on served blocks 0, 2 and 3 around B's own block
-        assert remote.batches == [5]
+        # one batched read from block 0 on served blocks 0, 2 and 3 around B's own block (not
+        # read again), block 4 left out of it as its header said it is not there
+        assert remote.batches == [3]
 
     asyncio.run(main())
 
@@ -220,6 +242,28 @@ def test_failed_writes_retry_then_give_up(tmp_path, remote) -> None:
     assert s.counters.remote_dropped_writes == 1
     assert not remote.holds(key(2))
     assert REMOTE_WRITE_ATTEMPTS == 3
+    s.close()
+
+
+def test_a_remote_read_of_what_remote_lacks_moves_nothing(tmp_path, remote) -> None:
+    # Room for a remote read is made only for blocks whose headers came back: a fetch of keys
+    # nobody holds (a client may fetch without a lookup) must not demote a full host tier's
+    # blocks for nothing, and a value of another size is not read at all.
+    s = make(tmp_path, "s", remote, host_blocks=4)
+    mine = [key(i) for i in range(4)]
+
+    async def main() -> None:
+        await publish(s, mine)  # host full
+        other = key(50)
+        remote.values[(NS_A, other)] = bytes(frame_value(other, LAYOUT, b"x" * (LENGTH + 1)))
+        for keys in ([key(40), key(41)], [other]):
+            lease = await s.fetch(keys, LAYOUT, NS_A, LENGTH)
+            assert lease.entries == []
+            s.release(lease.id)
+        assert remote.batches == []  # no GET: the headers said there was nothing to read
+
+    asyncio.run(main())
+    assert s.counters.demotions == 0 and all(s.host.contains(k) for k in mine)
     s.close()
 
 
