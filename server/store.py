@@ -62,6 +62,9 @@ T = TypeVar("T")
 # its GETs run stays modest.
 REMOTE_BATCH_BYTES = 16 << 20
 REMOTE_BATCH_BLOCKS = 64
+# How long a fetch without a deadline waits, at most, for other calls' promotions of its
+# blocks (`TieredStore._await_promotion`): a disk read or a remote batch, normally far less.
+PROMOTION_WAIT_S = 5.0
 # Keys of the chains used most recently that the shutdown flush writes head first (~6 MB).
 RECENT_CHAIN_KEYS = 1 << 16
 
@@ -180,6 +183,7 @@ class _Room:
     promote_only: bool = False  # a prefetch: no scratch space (freed at release, read for nothing)
     share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
+    wait_until: float = 0.0  # monotonic: the call waits for others' promotions until then
     gpu_bytes: int = 0  # copied out of the gpu tier into scratch space, for its read rate
     gpu_s: float = 0.0
 
@@ -305,6 +309,9 @@ class TieredStore:
         self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
         self._lifting: _Lift | None = None  # the promotion into gpu running now (`_lift`)
         self._prefetching: _Prefetch | None = None  # the prefetch running now (`prefetch`)
+        # Host reservations fetches are reading into (disk and remote hits), each done when it
+        # lands: another fetch of the block waits for it instead of missing it.
+        self._promoting: dict[bytes, asyncio.Future[None]] = {}
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -455,7 +462,9 @@ class TieredStore:
             batch = max(1, min(REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES // block_bytes))
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
-                     slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch)
+                     slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch,
+                     wait_until=time.monotonic() + (PROMOTION_WAIT_S if answer_within is None
+                                                    else answer_within))
         window = 0 if whole else self.fetch_window_bytes
         promoted = 0
         try:
@@ -670,7 +679,11 @@ class TieredStore:
                      ) -> _Staged | None:
         """Pin a host hit, pin a gpu hit in the slab (`slab_ok`) or copy it into scratch space,
         or take host room for a disk hit, from the level the placement engine names; None ends
-        the prefix."""
+        the prefix. A block another fetch is promoting into host right now is waited for (up
+        to `room.wait_until`) and served from there: two requests sharing a prefix on disk
+        both get it, read once."""
+        if key in self._promoting:
+            await self._await_promotion(key, room.wait_until)
         level = self.placement.source(key, fastest=slab_ok)  # a slab client: gpu first
         if level is None:
             return None
@@ -693,13 +706,25 @@ class TieredStore:
         except BaseException as e:
             self.disk.complete_load(src)
             if isinstance(e, CapacityError):
+                if key in self._promoting:  # another fetch took it meanwhile
+                    return await self._stage_landed(key, room)
                 lease.more = bool(staged)  # the client copies these, releases, asks again
                 return None
             raise
-        if dst is None:  # another call is promoting or publishing it right now: a miss here
+        if dst is None:  # another call is promoting or publishing it right now
             self.disk.complete_load(src)
-            return None
+            return await self._stage_landed(key, room)
         return _Staged(self.disk.name, dst, src, "scratch" if scratch else "reservation")
+
+    async def _stage_landed(self, key: bytes, room: _Room) -> _Staged | None:
+        """Pin `key` in host once another fetch's promotion of it landed (waited for up to
+        `room.wait_until`); None when it did not (a publish in flight is not waited for: its
+        client may take its lease's whole time)."""
+        if key not in self._promoting:
+            return None
+        await self._await_promotion(key, room.wait_until)
+        return _Staged(self.host.name, self.host.prepare_load(key)) if self.host.contains(
+            key) else None
 
     async def _stage_gpu(self, gpu: GpuTier, src: BlockEntry, lease: FetchLease,
                          staged: list[_Staged], room: _Room) -> _Staged | None:
@@ -770,7 +795,9 @@ class TieredStore:
             raise CapacityError("a prefetch promotes within the prompt's share of host only")
         if not scratch and share.promotes(size):
             dst = await self._reserve(self.host_level, key, namespace, layout_digest, length)
-            share.used += size if dst is not None else 0
+            if dst is not None:
+                share.used += size
+                self._promoting_into(key)
             return dst, False
         level = self.host_level
         while (space := self.host.prepare_scratch(length)) is None:
@@ -782,6 +809,26 @@ class TieredStore:
                 plan = RoomPlan(level, size, [self.placement.move(level, victim)])
             await self._carry_out(plan)
         return space, True
+
+    def _promoting_into(self, key: bytes) -> None:
+        """Note a host reservation a fetch reads `key` into, until it lands (`_stage`)."""
+        done = asyncio.get_running_loop().create_future()
+        self._promoting[key] = done
+
+        def landed() -> None:
+            if self._promoting.get(key) is done:
+                del self._promoting[key]
+            if not done.done():
+                done.set_result(None)
+
+        self.host.when_landed(key, landed)
+
+    async def _await_promotion(self, key: bytes, until: float) -> None:
+        """Wait until another call's promotion of `key` lands (committed or given up), or
+        `until` (monotonic) passes."""
+        done = self._promoting.get(key)
+        if done is not None and (left := until - time.monotonic()) > 0:
+            await asyncio.wait([done], timeout=left)
 
     def _give_way(self, room: _Room, share: PromptShare) -> bytes | None:
         """The prompt's host block the placement engine picks to give way (`PromptShare.

@@ -68,6 +68,8 @@ class Tier(ABC):
         # Told (tier, entry, stored) when a block becomes visible (True) or leaves (False):
         # the daemon's KV events (`server.kv_events`); None costs one test per change.
         self.listener: Callable[[Tier, BlockEntry, bool], None] | None = None
+        # Called once when a write in flight ends (`when_landed`).
+        self._landing: dict[bytes, list[Callable[[], None]]] = {}
 
     # ---- sizes
     def units_for(self, length: int) -> int:
@@ -119,6 +121,20 @@ class Tier(ABC):
             if self.listener is not None:
                 self.listener(self, entry, True)
         self.policy.unpin(entry.key)
+        self._landed(entry.key)
+
+    def when_landed(self, key: bytes, fn: Callable[[], None]) -> None:
+        """Call `fn` once the write of `key` in flight here ends: committed, aborted or
+        detached (at once if none is in flight)."""
+        e = self.entries.get(key)
+        if e is None or e.committed:
+            fn()
+        else:
+            self._landing.setdefault(key, []).append(fn)
+
+    def _landed(self, key: bytes) -> None:
+        for fn in self._landing.pop(key, ()):
+            fn()
 
     def _count(self, entry: BlockEntry, sign: int) -> None:
         """Account a committed block in (`sign` 1) or out (-1) of the counts."""
@@ -132,6 +148,8 @@ class Tier(ABC):
     def _forget_all(self) -> None:
         """Drop every entry and its counts (a tier being closed)."""
         self.entries.clear()
+        for key in list(self._landing):
+            self._landed(key)
         self.committed_blocks = 0
         self.by_namespace.clear()
 
@@ -148,6 +166,7 @@ class Tier(ABC):
         del self.entries[entry.key]
         self.policy.remove(entry.key)
         self.policy.used_bytes += entry.units * PAGE
+        self._landed(entry.key)
         return BlockEntry(b"", b"", b"", entry.length, entry.unit, entry.units)
 
     def _allocate(self, length: int, what: str) -> tuple[int, int] | None:
@@ -224,6 +243,8 @@ class Tier(ABC):
         self._on_drop(entry)
         if entry.committed and self.listener is not None:
             self.listener(self, entry, False)
+        if not entry.committed:
+            self._landed(entry.key)
 
     def _on_drop(self, entry: BlockEntry) -> None:  # noqa: B027 - optional hook
         """Hook for tiers with persistent state (the disk index)."""

@@ -105,6 +105,40 @@ def test_promoted_block_stays_pinned_while_its_fetch_reads_the_rest(tmp_path: Pa
         store.close()
 
 
+def test_two_requests_sharing_a_prefix_on_disk_both_get_it(daemon_factory):
+    # Two engines (or two requests of one) fetch the same prefix from disk at once. The second
+    # comes while the first's reads are in flight: it waits for them and is served from host,
+    # instead of missing every block in flight (it did, and recomputed the whole prefix).
+    d = daemon_factory("--host-bytes", "64KiB", "--disk-bytes", "1MiB",
+                       "--fault-disk-read-delay-s", "0.3").start()
+    layout = small_layout()
+    tokens = list(range(64))  # 4 blocks
+    other = list(range(1000, 1128))  # 8 blocks: fills host, demoting the prompt to disk
+    kv = random_kv(layout, len(tokens), seed=1)
+    results: dict[str, tuple[int, torch.Tensor | None]] = {}
+    with KVClient(d.target, layout, deadline_s=10) as c:
+        assert c.publish(tokens, kv) == len(tokens)
+        assert c.publish(other, random_kv(layout, len(other), seed=2)) == len(other)
+        before = stats(d.target)
+        assert tier(before, "disk").blocks >= 4 and tier(before, "host").blocks == 8
+
+        def fetch(name: str, delay: float) -> None:
+            time.sleep(delay)
+            with KVClient(d.target, layout, deadline_s=10) as mine:
+                results[name] = mine.fetch(tokens)
+
+        threads = [threading.Thread(target=fetch, args=(n, t)) for n, t in (("a", 0), ("b", 0.2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for name in ("a", "b"):
+        n, got = results[name]
+        assert n == len(tokens), f"fetch {name} got {n} of {len(tokens)} tokens"
+        assert got is not None and same_bytes(got, kv)
+    assert stats(d.target).promotions - before.promotions == 4  # read from disk once
+
+
 # ---- item 9, against a daemon
 async def _churn(target, layout, prompts, values, seconds, counts) -> None:
     readers = [AsyncKVClient(target, layout, transfer=t, deadline_s=2)

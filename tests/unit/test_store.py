@@ -274,22 +274,52 @@ def test_corrupt_disk_record_is_a_counted_miss_and_deleted(tiny: TieredStore, wh
     assert tiny.counters.miss_blocks == 2
 
 
-def test_concurrent_fetches_of_a_disk_block(tiny: TieredStore) -> None:
-    """Two clients asking at once for a block being promoted: no error, identical bytes."""
+def test_concurrent_fetches_of_a_disk_block(tmp_path: Path) -> None:
+    """Two clients asking at once for a prefix being promoted: the second waits for the
+    first's reads and is served from host, whole. (It used to miss what was in flight: two
+    requests sharing a prefix on disk, and one recomputed it.)"""
+    store = make_store(tmp_path, host_blocks=6)
     chain = [key(i) for i in range(2)]
 
     async def main() -> None:
-        await publish(tiny, chain)
-        await publish(tiny, [key(i) for i in range(2, 5)])  # demote the chain
-        a, b = await asyncio.gather(tiny.fetch(chain, LAYOUT), tiny.fetch(chain, LAYOUT))
+        await publish(store, chain)
+        await publish(store, [key(i) for i in range(2, 8)])  # demote the chain
+        a, b = await asyncio.gather(store.fetch(chain, LAYOUT), store.fetch(chain, LAYOUT))
         for lease in (a, b):
-            assert fetched_bytes(tiny, lease) == [payload(k) for k in chain][: len(lease.entries)]
-            tiny.release(lease.id)
-        assert len(a.entries) + len(b.entries) >= 2
-        assert tiny.counters.promotions == 2
-        assert not any(tiny.host.policy.is_pinned(k) for k in chain)
+            assert fetched_bytes(store, lease) == [payload(k) for k in chain]
+            store.release(lease.id)
+        # one reads both (whichever made room first), the other waits for its reads
+        assert sorted([a.tiers, b.tiers]) == [["disk", "disk"], ["host", "host"]]
+        assert store.counters.promotions == 2  # read once
+        assert not any(store.host.policy.is_pinned(k) for k in chain)
+        assert store._promoting == {}
 
     asyncio.run(main())
+    store.close()
+
+
+def test_a_fetch_waits_for_a_promotion_only_until_its_answer_is_due(tmp_path: Path) -> None:
+    """A stalled disk read of another fetch holds a second fetch only until the share of its
+    deadline (`answer_within`): then the block is a miss, not a wait for the whole read."""
+    store = make_store(tmp_path, host_blocks=3, disk_read_delay_s=1.5)
+    chain = [key(i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(store, chain)
+        await publish(store, [key(i) for i in range(2, 5)])  # demote the chain
+        slow = asyncio.ensure_future(store.fetch(chain, LAYOUT))
+        await asyncio.sleep(0.1)  # the first fetch's reservations are made, its reads stall
+        began = time.monotonic()
+        quick = await store.fetch(chain, LAYOUT, answer_within=0.3)
+        assert 0.25 < time.monotonic() - began < 1.0
+        assert quick.entries == []
+        store.release(quick.id)
+        lease = await slow
+        assert fetched_bytes(store, lease) == [payload(k) for k in chain]
+        store.release(lease.id)
+
+    asyncio.run(main())
+    store.close()
 
 
 def test_concurrent_publishes_of_the_same_chain(tiny: TieredStore) -> None:
