@@ -539,7 +539,8 @@ class TieredStore:
             self.counters.prefetched_blocks += sum(t != self.host.name for t in lease.tiers)
             return self.hand_over(lease, hold)
         self.counters.hit_blocks += served
-        self.counters.miss_blocks += len(keys) - served
+        if not lease.more:  # else the client asks for the rest: not a miss (yet)
+            self.counters.miss_blocks += len(keys) - served
         for name in lease.tiers:
             self.counters.add(self.counters.tier_hits, name, 1)
         if self.gpu is not None and served:
