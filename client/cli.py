@@ -2,7 +2,7 @@
 
     kvstore stats  [--target T] [--json]     tiers, capacity, hit rate, traffic
     kvstore ping   [--target T]              exit 0 when the daemon answers
-    kvstore clear  (--namespace HEX | --all) remove blocks
+    kvstore clear  (--namespace HEX | --all) remove blocks (HEX: a digest or its start)
     kvstore inspect [--target T] [--json]    namespaces: layout, tenant, blocks per tier
     kvstore top    [--interval S] [--count N] live view: stats and rates, refreshed
     kvstore config check FILE                validate a TOML configuration file
@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     clear = command(sub, "clear", "remove blocks of a namespace, or all")
     group = clear.add_mutually_exclusive_group(required=True)
-    group.add_argument("--namespace", help="namespace digest, 64 hex characters")
+    group.add_argument("--namespace", help="namespace digest: 64 hex characters, or the "
+                       "start of one `kvstore inspect` lists (its 16, say)")
     group.add_argument("--all", action="store_true", help="every block in every namespace")
     return p
 
@@ -195,12 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                   else f"ok: kvstore {info.version} at {args.target}")
         else:
             if args.namespace:
-                try:
-                    ns = bytes.fromhex(args.namespace)
-                except ValueError:
-                    ns = b""
-                if len(ns) != 32:
-                    print("kvstore clear: --namespace takes 64 hex characters", file=sys.stderr)
+                ns, error = _namespace(args)
+                if ns is None:
+                    print(f"kvstore clear: {error}", file=sys.stderr)
                     return 2
                 req = pb.ClearRequest(namespace=ns)
             else:
@@ -214,6 +212,26 @@ def main(argv: list[str] | None = None) -> int:
               else f"kvstore {args.command}: {msg}", file=sys.stderr)
         return 1
     return 0
+
+
+def _namespace(args: argparse.Namespace) -> tuple[bytes | None, str]:
+    """`--namespace`: a whole digest, or the start of exactly one that `Inspect` lists (as
+    `kvstore inspect` prints the first 16 characters); else None and why."""
+    text = args.namespace.strip().lower()
+    if len(text) > 64 or any(c not in "0123456789abcdef" for c in text):
+        return None, f"--namespace {args.namespace!r}: expected hex characters (64, or a prefix)"
+    if len(text) == 64:
+        return bytes.fromhex(text), ""
+    if len(text) < 8:
+        return None, f"--namespace {args.namespace!r}: give at least 8 hex characters"
+    held = [n.namespace.hex() for n in _call(args, "Inspect", pb.InspectRequest()).namespaces]
+    matches = [h for h in held if h.startswith(text)]
+    if len(matches) == 1:
+        return bytes.fromhex(matches[0]), ""
+    if not matches:
+        return None, (f"no namespace the daemon holds starts with {text} (`kvstore inspect` "
+                      "lists them; a namespace only the remote tier holds takes all 64)")
+    return None, f"{text} starts {len(matches)} namespaces: {', '.join(matches)}"
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -174,3 +174,25 @@ def test_cli_inspect_lists_namespaces_and_blocks_per_tier(daemon_factory):
     assert r.returncode == 0 and "layout not seen since start" in r.stdout, r.stdout
     r = kvstore_cli("--target", f"unix://{d.data_dir}/none.sock", "--timeout", "1", "inspect")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+def test_cli_clear_takes_the_namespace_inspect_prints(daemon_factory):
+    # `kvstore inspect` prints a namespace's first 16 hex characters; `kvstore clear
+    # --namespace` took only all 64, so an operator could not clear what inspect showed.
+    d = daemon_factory().start()
+    small, other = small_layout(), small_layout(model="other-model")
+    with KVClient(d.target, small) as a, KVClient(d.target, other) as b:
+        a.publish(list(range(64)), random_kv(small, 64))
+        b.publish(list(range(32)), random_kv(other, 32))
+        ns_a = a.namespace.digest().hex()
+        shown = kvstore_cli("--target", d.target, "inspect").stdout
+        assert ns_a[:16] in shown
+        for bad, why in (("abc", "at least 8"), ("zz" * 8, "hex"), ("0" * 16, "no namespace")):
+            if ns_a.startswith(bad):
+                continue
+            r = kvstore_cli("--target", d.target, "clear", "--namespace", bad)
+            assert r.returncode == 2 and why in r.stderr, r.stderr
+        assert a.lookup(list(range(64))) == 64  # nothing cleared by the refusals
+        r = kvstore_cli("--target", d.target, "clear", "--namespace", ns_a[:16])
+        assert r.returncode == 0 and "removed 4 blocks" in r.stdout, r.stdout + r.stderr
+        assert a.lookup(list(range(64))) == 0 and b.lookup(list(range(32))) == 32
