@@ -55,6 +55,7 @@ from kvstore.planner import (
 from kvstore.planner import plan as plan_prefix
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.worker_wait import wait_out
 from kvstore.writer_lock import writer_lock
 
 log = logging.getLogger("kvstore.client")
@@ -857,7 +858,7 @@ class AsyncKVClient:
             done = await asyncio.shield(fut)
         except asyncio.CancelledError:
             stop.set()
-            await asyncio.wait([fut])
+            await wait_out(fut)
             raise
         finally:
             if timer is not None:

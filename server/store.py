@@ -51,6 +51,7 @@ from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.hierarchy import Hierarchy, PromptShare, RoomPlan
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteTier, RemoteUnavailableError
+from kvstore.worker_wait import wait_out
 
 if TYPE_CHECKING:  # pyzmq and msgspec are imported only when events are on
     from kvstore.server.kv_events import EventTracker
@@ -320,7 +321,7 @@ class TieredStore:
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            await asyncio.wait([fut])
+            await wait_out(fut)
             raise
 
     # ---- lookup

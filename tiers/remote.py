@@ -73,6 +73,7 @@ from kvstore.integrity import verify as verify_payload
 from kvstore.remote_url import RemoteTarget, parse_remote_url, redact_url
 from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.bulk_get import BulkGetter, ClusterBulkGetter, Head, ReadCall
+from kvstore.worker_wait import wait_out
 
 log = logging.getLogger(__name__)
 PREFIX = f"kvs{FORMAT_VERSION}:".encode()
@@ -362,7 +363,7 @@ class RemoteTier:
             return await asyncio.shield(fut)
         except BaseException:
             if call.abort():  # its sockets are shut down: the thread unwinds at once
-                await asyncio.wait([fut])
+                await wait_out(fut)
             raise
 
     def _blocking_pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
