@@ -405,8 +405,9 @@ class TieredStore:
             log.exception("prefetch of %d blocks failed", len(keys))
 
     async def _prefetch_done(self, keys: Sequence[bytes], within: float | None) -> None:
-        """Wait (up to `within` seconds) for a running prefetch of any of `keys`: the blocks
-        it is promoting are in flight, and a fetch reaching one would miss it there."""
+        """Wait (up to `within` seconds) for a running prefetch of any of `keys`: a fetch
+        reaching a block it is promoting would wait for that block anyway (`_stage`), and one
+        reaching a block it has not reserved yet would read it a second time meanwhile."""
         run = self._prefetching
         if run is not None and not run.task.done() and not run.keys.isdisjoint(keys):
             await asyncio.wait([run.task], timeout=within)
