@@ -407,7 +407,8 @@ class TieredStore:
     async def _prefetch_done(self, keys: Sequence[bytes], within: float | None) -> None:
         """Wait (up to `within` seconds) for a running prefetch of any of `keys`: a fetch
         reaching a block it is promoting would wait for that block anyway (`_stage`), and one
-        reaching a block it has not reserved yet would read it a second time meanwhile."""
+        reaching a block it has not reserved yet would read it itself, beside the prefetch's
+        reads (the prefetch then waits for it): the same bytes, read in two calls at once."""
         run = self._prefetching
         if run is not None and not run.task.done() and not run.keys.isdisjoint(keys):
             await asyncio.wait([run.task], timeout=within)
