@@ -110,6 +110,29 @@ def test_abort_store_returns_space(slab: SlabTier) -> None:
     assert key(5) in slab.entries
 
 
+def test_when_landed_tells_each_end_of_a_write_in_flight(slab: SlabTier) -> None:
+    # What a fetch waiting for another's promotion relies on: told once, whichever way the
+    # write ends (committed, aborted, detached into scratch), and at once if none is in flight.
+    told: list[str] = []
+    slab.when_landed(key(9), lambda: told.append("none"))  # nothing in flight
+    for how in ("commit", "abort", "detach"):
+        entry = slab.prepare_store(key(1), NS, LAYOUT, LENGTH)
+        assert entry is not None
+        slab.when_landed(key(1), lambda h=how: told.append(h))
+        assert told[-1] != how  # not before it lands
+        if how == "commit":
+            slab.complete_store(entry)
+            slab.when_landed(key(1), lambda: told.append("committed already"))
+            assert slab.remove(key(1))
+        elif how == "abort":
+            slab.abort_store(entry)
+        else:
+            space = slab.detach(entry)
+            assert space is not None
+            slab.free_scratch(space)
+    assert told == ["none", "commit", "committed already", "abort", "detach"]
+
+
 def test_prepare_load_pins_against_eviction(slab: SlabTier) -> None:
     for i in range(3):
         store(slab, i)
