@@ -301,7 +301,7 @@ def test_concurrent_fetches_of_a_disk_block(tmp_path: Path) -> None:
 def test_a_fetch_waits_for_a_promotion_only_until_its_answer_is_due(tmp_path: Path) -> None:
     """A stalled disk read of another fetch holds a second fetch only until the share of its
     deadline (`answer_within`): then the block is a miss, not a wait for the whole read."""
-    store = make_store(tmp_path, host_blocks=3, disk_read_delay_s=1.5)
+    store = make_store(tmp_path, host_blocks=3, disk_read_delay_s=3.0)
     chain = [key(i) for i in range(2)]
 
     async def main() -> None:
@@ -311,7 +311,8 @@ def test_a_fetch_waits_for_a_promotion_only_until_its_answer_is_due(tmp_path: Pa
         await asyncio.sleep(0.1)  # the first fetch's reservations are made, its reads stall
         began = time.monotonic()
         quick = await store.fetch(chain, LAYOUT, answer_within=0.3)
-        assert 0.25 < time.monotonic() - began < 1.0
+        # waited (not a miss at once), but not for the 3 s read: margin for a loaded machine
+        assert 0.25 < time.monotonic() - began < 2.0
         assert quick.entries == []
         store.release(quick.id)
         lease = await slow
