@@ -55,6 +55,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
+    NoPermissionError,
     RedisClusterException,
     RedisError,
     TryAgainError,
@@ -261,6 +262,7 @@ class RemoteTier:
         self.breaker = CircuitBreaker(f"remote tier {self.url}", self.options.retry_s,
                                       8 * self.options.retry_s, 2 * self.options.timeout_s, log)
         self._stats = RemoteStats(self.url, True)
+        self._refused: set[str] = set()  # commands Redis refused to our user (NOPERM), logged
 
     def _common(self, t: RemoteTarget) -> dict[str, Any]:
         """The connection settings every client of the tier shares (redis-py's names)."""
@@ -341,6 +343,13 @@ class RemoteTier:
             self._failed(f"{type(e).__name__}: {e}")
             raise RemoteUnavailableError(f"remote tier {self.url}: {e}") from None
         errors = [r for r in results if isinstance(r, Exception)]
+        for cmd, r in zip(commands, results, strict=True):
+            if isinstance(r, NoPermissionError) and cmd[0] not in self._refused:
+                self._refused.add(cmd[0])  # once per command: every call would repeat it
+                log.error("remote tier %s: Redis refuses %s to this daemon's user (%s): those "
+                          "calls are misses or dropped writes until the user may run it "
+                          "(docs/OPERATIONS.md, \"Remote tier\", lists the commands)",
+                          self.url, cmd[0], r)
         transient = [r for r in errors if isinstance(r, _TRANSIENT)]
         if transient:  # a node or the network is down: skip the tier for a while
             self._stats.errors += len(errors) - 1

@@ -342,3 +342,41 @@ def test_values_read_in_place_are_verified_there(redis_server: RedisServer) -> N
             await tier.close()
 
     asyncio.run(main())
+
+
+def test_a_redis_acl_user_with_the_documented_commands(redis_server: RedisServer, caplog) -> None:
+    # The ACL line docs/OPERATIONS.md gives operators is enough for every call of the tier;
+    # a user made for an older daemon (no GETRANGE) gets misses and one log line naming it.
+    from kvstore.server.process import ROOT
+
+    doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    line = next(t for t in doc.splitlines() if t.startswith("ACL SETUSER kvstore"))
+    rules = line.split()[3:]
+    rules[1] = ">kvs-acl-password"  # the doc's PASSWORD placeholder
+    admin = redis.Redis(port=redis_server.port)
+    admin.execute_command("ACL", "SETUSER", "kvstore", *rules)
+    admin.execute_command("ACL", "SETUSER", "old", "on", ">kvs-acl-password", "~kvs1:*",
+                          *[r for r in rules[2:] if r != "+getrange"])
+    keys = [bytes([i]) * 32 for i in range(3)]
+    payload = os.urandom(256 << 10)
+
+    async def run(user: str) -> tuple[list[bool], list[bool], int]:
+        tier = RemoteTier(f"redis://{user}:kvs-acl-password@127.0.0.1:{redis_server.port}/0",
+                          RemoteOptions(timeout_s=2.0))
+        try:
+            writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in keys]
+            assert (await tier.put(writes)).written == len(keys)
+            assert await tier.exists(NS, keys) == [True] * len(keys)
+            held = await tier.held(NS, keys, LAYOUT, len(payload))
+            dsts = [bytearray(len(payload)) for _ in keys]
+            got = await tier.get_into(NS, keys, LAYOUT, [memoryview(d) for d in dsts])
+            assert all(d == payload for d, ok in zip(dsts, got, strict=True) if ok)
+            return held, got, await tier.clear(NS)
+        finally:
+            await tier.close()
+
+    assert asyncio.run(run("kvstore")) == ([True] * 3, [True] * 3, 3)
+    held, _, _ = asyncio.run(run("old"))
+    assert held == [False] * 3  # every remote read would be a miss: logged, once
+    refused = [r for r in caplog.records if "refuses GETRANGE" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelname == "ERROR"
