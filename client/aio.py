@@ -115,6 +115,8 @@ def _shared_arena(path: str, size: int) -> Arena:
     it is mapped and touched once."""
     with _arenas_lock:
         arena = _arenas.get((path, size))
+        if arena is not None and not arena.is_file(path):  # a new file under the old name
+            arena = None
         if arena is None:
             arena = Arena.attach(path, size)
             _arenas[(path, size)] = arena
@@ -307,6 +309,10 @@ class AsyncKVClient:
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
         self._arena_id = ""
+        # The arena of a daemon that went away, kept mapped until its successor says which
+        # arena it serves: the same file where it took it over (`host_handover_s`), whose
+        # mapping, its pages faulted in already, is then used as it is.
+        self._left_arena: Arena | None = None
         # The daemon's gpu slab, mapped with its arena where it can be (`kvstore.client.slab`):
         # fetches then ask for the blocks only its gpu level holds where they lie.
         self._slab: MappedSlab | None = None
@@ -612,7 +618,7 @@ class AsyncKVClient:
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
-        self._arena = self._slab = None
+        self._arena = self._slab = self._left_arena = None
         # Each finished call (a Fetch's stream above all) stays in a reference cycle holding
         # the channel's core object (19 after a test engine's run), and gRPC's asyncio poller
         # thread stops only when the last goes. Collected now, at close, rather than in the
@@ -717,9 +723,12 @@ class AsyncKVClient:
         tries it again (each try costs a deadline)."""
         self._arena_id = ""  # the daemon may come back with another arena
         if gone:
-            # Let go of the dead daemon's arena (unmapped once no client or copy uses it):
-            # its pages stay allocated while mapped, and a restarted daemon must reserve its
-            # new arena in the same shared memory.
+            # Let go of the dead daemon's arena, but keep it mapped until the daemon is back
+            # (`_arena_for`): a successor that took it over serves the same file. Keeping it
+            # holds no memory otherwise: a daemon that does not leave its arena frees its
+            # pages at shutdown, and the pages of one that died are freed by the next
+            # daemon's start (`Arena.remove_stale`), mapped or not.
+            self._left_arena = self._arena or self._left_arena
             self._arena = self._slab = None
         self._breaker.failure(what)
         if gone and (self._probe is None or self._probe.done()):
@@ -831,6 +840,7 @@ class AsyncKVClient:
             self.transfer = "stream"
             return None
         self._arena_id = arena_id
+        self._left_arena = None  # the same mapping as `_arena` where it was taken over
         self._writer = writer_lock(os.path.dirname(info.arena_path))
         self._slab = map_slab(info.slab) if info.HasField("slab") else None
         self._slab_id = info.slab.id if self._slab is not None else ""

@@ -8,6 +8,12 @@ that runs out would kill whoever touches an unbacked page with SIGBUS, a same-no
 included. It also holds an exclusive `flock` on the file for its lifetime, which is how other
 daemons tell a live arena from a stale one (a pid is reused, or belongs to another pid
 namespace sharing the same /dev/shm; a lock is released by the kernel when its holder dies).
+
+At a clean shutdown with no client writing into it, a daemon may hand the arena's memory (not
+its blocks) to the next daemon in the same directory (`retire`, `adopt`): a restart then neither
+zeroes nor faults 4 GiB of pages again, and clients keep their mapping. A marker file beside
+the arena (`<arena>.handover`) says it was left on purpose; `kvstore/arena_keeper.py` frees it
+if no daemon takes it within `host_handover_s`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ _libc.madvise.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.fallocate.restype = ctypes.c_int
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+HANDOVER = ".handover"  # suffix of the marker of an arena left for the next daemon
 _populate_unsupported = False  # the kernel refused MADV_POPULATE_WRITE once: read-touch instead
 
 # Mappings of arenas nobody references any more, unmapped by `_reaper`.
@@ -123,20 +130,30 @@ def _unpin(address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
-def remove_if_unlocked(path: Path) -> bool | None:
+def _punch(fd: int, size: int) -> bool:
+    """Free every page of the file behind `fd` now, even where processes still map it."""
+    return size == 0 or _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0,
+                                        size) == 0
+
+
+def remove_if_unlocked(path: Path, *, free: bool = False) -> bool | None:
     """Remove a file whose creator held an exclusive `flock` on it for its life (an arena, a
     client's writer lock) if that lock is free: its creator is dead. True: removed now; False:
     locked (its creator lives); None: nothing to judge (gone, a link, another user's, or
-    replaced under the same name meanwhile)."""
+    replaced under the same name meanwhile). `free`: punch its pages first, so that a client
+    still mapping it does not keep them (an arena)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, (os.O_RDWR if free else os.O_RDONLY) | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Still the file we locked (not replaced by a new one under the same name).
-        if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+        st = os.fstat(fd)
+        if not os.path.samestat(st, os.lstat(path)):
             return None
+        if free:
+            _punch(fd, st.st_size)
         path.unlink()
         return True
     except BlockingIOError:
@@ -150,15 +167,16 @@ def remove_if_unlocked(path: Path) -> bool | None:
 class Arena:
     """A file-backed shared mapping exposed as a flat `uint8` tensor."""
 
-    def __init__(self, path: Path, size: int, *, create: bool) -> None:
+    def __init__(self, path: Path, size: int, *, create: bool, locked_fd: int = -1) -> None:
+        """`locked_fd`: the file at `path`, opened and locked by `adopt` (the caller's now)."""
         self.path = path
         self.size = size
-        self._lock_fd = -1  # the creator's locked descriptor, held until `unlink`
+        self._lock_fd = -1  # the creator's locked descriptor, held until `unlink` or `retire`
         # The creator makes the file under a hidden name, locks it, then renames it: another
         # daemon's `remove_stale` never sees an arena that is not locked yet.
         made = path.with_name(f".{path.name}.new") if create else path
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(made, flags, 0o600)
+        fd = locked_fd if locked_fd >= 0 else os.open(made, flags, 0o600)
         try:
             if create:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -168,6 +186,8 @@ class Arena:
                 os.rename(made, path)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"arena {path} is smaller than the {size} bytes announced")
+            st = os.fstat(fd)
+            self.ident = (st.st_dev, st.st_ino)  # which file: a name may be reused
             # mmap refuses an empty mapping; a zero-byte arena is a valid (useless) tier.
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE) if size else None
@@ -177,7 +197,7 @@ class Arena:
                 made.unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
             raise
-        if create:
+        if create or locked_fd >= 0:
             self._lock_fd = fd
         else:
             os.close(fd)
@@ -188,6 +208,14 @@ class Arena:
         self._pin_lock = threading.Lock()
         if self._mmap is not None:
             _start_reaper()
+
+    def is_file(self, path: str | Path) -> bool:
+        """Whether `path` names the file this arena maps now (not one made since under it)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident
 
     def __del__(self) -> None:
         """Have `_reap` drop the last references to the mapping. Unmapping the last mapping of
@@ -286,10 +314,16 @@ class Arena:
         """Delete arena files left by daemons that died without cleaning up (SIGKILL, OOM).
 
         An arena is stale iff its lock can be taken: a live daemon holds it, whatever its pid
-        or pid namespace. (The pid in the name is informative only.)"""
+        or pid namespace. (The pid in the name is informative only.) That includes one left
+        for the next daemon (`retire`) that the caller did not `adopt`. Its pages are freed
+        first: a client still mapping it would keep them."""
         d = Path(directory)
-        return sum(remove_if_unlocked(path) is True for path in
-                   [*d.glob("kvstore-*-*.arena"), *d.glob(".kvstore-*-*.arena.new")])
+        removed = sum(remove_if_unlocked(path, free=True) is True for path in
+                      [*d.glob("kvstore-*-*.arena"), *d.glob(".kvstore-*-*.arena.new")])
+        for marker in d.glob(f"kvstore-*-*.arena{HANDOVER}"):  # of arenas gone
+            if not marker.with_name(marker.name.removesuffix(HANDOVER)).exists():
+                marker.unlink(missing_ok=True)
+        return removed
 
     def free_pages(self) -> bool:
         """The creator's: free every page of the arena now (punch the whole file), even where
@@ -301,9 +335,7 @@ class Arena:
         (`python -m benchmarks.arena_zeroing`). False where it could not."""
         if self._lock_fd < 0 or self.size == 0:
             return False
-        rc = _libc.fallocate(self._lock_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0,
-                             self.size)
-        if rc != 0:
+        if not _punch(self._lock_fd, self.size):
             log.warning("freeing the pages of arena %s failed: %s", self.path,
                         os.strerror(ctypes.get_errno()))
             return False
@@ -315,3 +347,51 @@ class Arena:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def retire(self) -> bool:
+        """The creator's, at a clean shutdown once nothing writes into the arena any more:
+        leave the file and its pages for the next daemon in its directory (`adopt`), marked
+        as left on purpose. The lock goes with the last descriptor of the file: the mapping
+        holds one (Python's mmap keeps a duplicate), so it is released when the mapping is,
+        at the daemon's exit at the latest; no thread of this process can still write into
+        the arena once another takes it. False where the marker could not be written (the
+        caller then frees the arena as usual)."""
+        if self._lock_fd < 0:
+            return False
+        marker = self.path.with_name(self.path.name + HANDOVER)
+        try:
+            # Written before the lock goes: an unlocked arena without its marker is a dead
+            # daemon's, and any daemon may remove it.
+            marker.write_text(f"{self.ident[0]} {self.ident[1]} {self.size}\n")
+        except OSError as e:
+            log.warning("cannot leave arena %s for the next daemon: %s", self.path, e)
+            marker.unlink(missing_ok=True)
+            return False
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+        return True
+
+    @classmethod
+    def adopt(cls, directory: str | Path, size: int) -> Arena | None:
+        """An arena of `size` bytes a daemon left in `directory` at its clean shutdown
+        (`retire`), now this caller's: locked, its marker removed, every page it had backed
+        still backed. None when there is none. A daemon's blocks do not survive it: the
+        bytes inside are garbage to the new one."""
+        for marker in sorted(Path(directory).glob(f"kvstore-*-*.arena{HANDOVER}")):
+            path = marker.with_name(marker.name.removesuffix(HANDOVER))
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                said = marker.read_text().split()
+                if (os.path.samestat(st, os.lstat(path)) and st.st_size == size
+                        and said == [str(st.st_dev), str(st.st_ino), str(size)]):
+                    marker.unlink()
+                    return cls(path, size, create=False, locked_fd=fd)
+            except (OSError, ValueError):  # locked (taken, or its keeper freeing it), gone
+                pass
+            os.close(fd)
+        return None

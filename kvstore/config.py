@@ -95,6 +95,14 @@ class ServerConfig:
                               "inside the first disk reads and saves into it (Stats "
                               "`host_prefaulted_bytes`). `off`: pages are backed as they are "
                               "first written.", choices=("background", "off"))
+    host_handover_s: float = _opt(60.0, "At a clean shutdown with no client writing into it, "
+                                  "the host arena's memory (not its blocks) is left in "
+                                  "`shm_dir` for the next daemon there, for this long: a "
+                                  "restart then neither zeroes nor faults its pages again, and "
+                                  "same-node clients keep their mapping (docs/OPERATIONS.md). "
+                                  "A detached keeper process frees it if no daemon of the same "
+                                  "`host_bytes` takes it by then. 0: freed at shutdown.",
+                                  unit="seconds", lo=0, hi=86400)
     eviction_policy: str = _opt(DEFAULT_POLICY, "Which blocks the host and disk tiers give up "
                                 "first: `prefix` (leaves first, valued by a reuse-gap model "
                                 "learned online per class of block), `lru`, `arc` or `s3fifo`. "

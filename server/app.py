@@ -3,7 +3,8 @@
 One process: a `grpc.aio` server on a Unix socket (mode 0600), optionally a second one on TCP
 guarded by a token, the gRPC health service on both, Prometheus metrics on loopback. SIGTERM or
 SIGINT turns health to NOT_SERVING, lets in-flight calls finish within the grace period, releases
-leases, closes the tiers (flushing the disk index) and removes the arena file and socket.
+leases, closes the tiers (flushing the disk index) and removes the socket and the arena file,
+or leaves the arena for the next daemon (`host_handover_s`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore import arena_keeper
 from kvstore.config import ServerConfig, admin_token
 from kvstore.errors import ConfigError
 from kvstore.server.auth import TokenInterceptor
@@ -39,6 +43,7 @@ from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import RemoteOptions, RemoteTier
 
 log = logging.getLogger("kvstore.server")
+KEEPER = Path(arena_keeper.__file__)  # run by path: it needs no package on its path
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
@@ -149,7 +154,8 @@ class Daemon:
         disk: DiskTier | None = None
         try:  # whatever fails here, release what was opened: the arena above all
             _check_socket(config.socket_path)
-            host = HostTier(config.host_bytes, config.shm_dir)  # first: it refuses fastest
+            host = HostTier(config.host_bytes, config.shm_dir,  # first: it refuses fastest
+                            adopt=config.host_handover_s > 0)
             # torch is imported here only: a daemon without a gpu tier starts without it.
             gpu = _open_gpu(config) if config.gpu_bytes > 0 else None
             disk = _open_disk(self.data_dir / "disk", config) if config.disk_bytes > 0 else None
@@ -265,6 +271,7 @@ class Daemon:
         log.info("draining: health NOT_SERVING, %.1f s grace", self.config.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(*(s.stop(self.config.drain_grace_s) for s in self.servers))
+        writers = self.store.client_writers()  # before the leases go: who may still write
         for lease_id in list(self.store.leases):
             self.store.release(lease_id)
         try:
@@ -281,6 +288,7 @@ class Daemon:
                     with contextlib.suppress(asyncio.CancelledError):
                         await self._writer
                 await self.store.close_remote()
+            self._leave_arena(writers)
         except Exception:  # keeping blocks is best effort; releasing the arena is not
             log.exception("shutdown flush failed; closing anyway")
         finally:
@@ -288,11 +296,37 @@ class Daemon:
             if self.store.events is not None:  # host blocks go with the arena: say so
                 self.store.events.close(host_gone=True)
                 self.store.events.publisher.close()
-            self.store.close()  # removes the arena file
+            self.store.close()  # removes the arena file, or leaves it (`_leave_arena`)
+            if self.store.host.hand_over:
+                self._start_keeper()
             with contextlib.suppress(OSError):  # a read-only directory keeps a dead socket
                 self.config.socket_path.unlink(missing_ok=True)
             os.close(self._lock_fd)
         log.info("stopped")
+
+    def _leave_arena(self, writers: int) -> None:
+        """Whether `store.close` leaves the host arena to the next daemon (`host_handover_s`):
+        only where no client can write into it any more. A zero-copy publish still holding
+        its reservation, or one fenced after its lease expired, might: its late bytes would
+        land in the next daemon's blocks."""
+        if self.config.host_handover_s <= 0 or self.store.host.arena.size == 0:
+            return
+        if writers:
+            log.info("host arena freed, not left for the next daemon: %d same-node "
+                     "publishes may still write into it", writers)
+            return
+        self.store.host.hand_over = True
+
+    def _start_keeper(self) -> None:
+        """Detached: frees the arena left behind if no daemon takes it in time."""
+        path = self.store.host.arena.path
+        try:
+            subprocess.Popen([sys.executable, str(KEEPER), str(path),
+                              str(self.config.host_handover_s)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:  # the next daemon, or any daemon in shm_dir, still removes it
+            log.warning("cannot start the keeper of arena %s: %s", path, e)
 
 
 def load_rates(path: Path) -> dict[str, float]:

@@ -47,6 +47,9 @@ class Fences:
     def __contains__(self, lease_id: int) -> bool:
         return lease_id in self._fenced
 
+    def __len__(self) -> int:
+        return len(self._fenced)
+
     @property
     def nbytes(self) -> int:
         """Bytes held out of use now."""

@@ -244,7 +244,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
         arena = self.store.host.arena
         return pb.InfoReply(version=__version__, arena_path=str(arena.path),
-                            arena_bytes=arena.size, arena_id=arena.path.name,
+                            arena_bytes=arena.size, arena_id=self.store.host.arena_id,
                             max_message_bytes=self.max_message_bytes,
                             max_blocks_per_call=self.max_blocks,
                             kv_events=self.store.events.publisher.endpoint
@@ -324,7 +324,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 gpu = self.store.gpu
                 await self._send(context, pb.FetchChunk(
                     hits=len(refs), lease_id=lease.id if lease.entries else 0, blocks=refs,
-                    arena_id=self.store.host.arena.path.name, more=lease.more,
+                    arena_id=self.store.host.arena_id, more=lease.more,
                     slab_id=gpu.slab_id if slab_ok and gpu is not None else ""))
                 # Sent: the client's to release now (or the reaper's after lease_timeout_s).
                 # A send that failed releases it below; had the client got it anyway, its
@@ -460,7 +460,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         refs = [pb.BlockRef(offset=e.offset, length=e.length, tier="host") for e in lease.entries]
         return pb.ReserveReply(lease_id=lease.id if lease.entries else 0, needed=lease.needed,
                                blocks=refs,
-                               arena_id=self.store.host.arena.path.name, more=lease.more)
+                               arena_id=self.store.host.arena_id, more=lease.more)
 
     @rpc
     async def Commit(self, request: pb.CommitRequest, context: Any) -> pb.CommitReply:

@@ -1233,6 +1233,12 @@ class TieredStore:
         lease.expires = self.clock() + self.lease_timeout_s
         return lease
 
+    def client_writers(self) -> int:
+        """Publishes whose clients may be writing into the host arena now: zero-copy
+        reservations handed out and not ended, and fenced ones (`server/fences.py`)."""
+        return len(self.fences) + sum(isinstance(lease, PublishLease) and not lease.held
+                                      for lease in self.leases.values())
+
     def _new_lease(self, cls: type[L], owner: str = "") -> L:
         # Unguessable ids: a lease is a capability (whoever names it may commit or release
         # it), so another client must not end one, or commit a half-written block, by

@@ -94,6 +94,14 @@ def stats(target: str, timeout: float = 5.0) -> pb.StatsReply:
         return s.Stats(pb.StatsRequest(), timeout=timeout)
 
 
+def arena_path(target: str, timeout: float = 5.0) -> str:
+    """The daemon's host arena file (Info). Not found by the daemon's pid: a daemon may have
+    taken over its predecessor's, named after that one's pid (`host_handover_s`)."""
+    channel, s = stub(target)
+    with channel:
+        return s.Info(pb.InfoRequest(), timeout=timeout).arena_path
+
+
 def tier(reply: pb.StatsReply, name: str) -> pb.TierStats:
     return next(t for t in reply.tiers if t.name == name)
 

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -48,8 +49,16 @@ def _space_error(shm_dir: Path, size: int, err: OSError) -> ConfigError:
 class HostTier(SlabTier):
     name = "host"
 
-    def __init__(self, capacity_bytes: int, shm_dir: str | Path = "/dev/shm") -> None:
+    def __init__(self, capacity_bytes: int, shm_dir: str | Path = "/dev/shm", *,
+                 adopt: bool = False) -> None:
+        """`adopt`: take the arena a daemon left in `shm_dir` at its clean shutdown
+        (`Arena.retire`), where one of this size is there, rather than make a new one."""
         shm_dir = Path(shm_dir)
+        size = max(capacity_bytes, 0)
+        adopted = None
+        if adopt and size:
+            with contextlib.suppress(OSError):
+                adopted = Arena.adopt(shm_dir, size)
         try:
             stale = Arena.remove_stale(shm_dir)
             writer_lock.remove_stale(shm_dir)  # lock files of same-node writers that died
@@ -57,7 +66,27 @@ class HostTier(SlabTier):
             raise ConfigError(f"shm_dir: cannot read {shm_dir}: {e.strerror or e}") from None
         if stale:
             log.info("removed %d arena files of dead daemons from %s", stale, shm_dir)
-        size = max(capacity_bytes, 0)
+        if adopted is not None:
+            self.arena = adopted
+            log.info("host arena %s: %s taken over from the previous daemon (its pages "
+                     "already backed; no block of it kept)", self.arena.path, _mib(size))
+        else:
+            self.arena = self._create(shm_dir, size)
+        self.adopted = adopted is not None
+        # Changes at every start, though a taken-over arena keeps its name: a client's offsets
+        # from the last daemon must not be read as this one's (kvstore.proto `arena_id`).
+        self.arena_id = f"{self.arena.path.name}.{secrets.token_hex(6)}"
+        # Set at shutdown when nothing writes into the arena any more: `close` leaves it for
+        # the next daemon (`Arena.retire`) instead of freeing it.
+        self.hand_over = False
+        super().__init__(capacity_bytes, self.arena.array)
+        self.pinned = self.arena.pin()  # where CUDA exists: device copies run by DMA
+        self.prefaulted_bytes = self.arena.size if self.pinned else 0  # pinning backs every page
+        self._prefault_stop = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+
+    @staticmethod
+    def _create(shm_dir: Path, size: int) -> Arena:
         try:  # cheap refusal first; the reservation below is the real test (others race us)
             st = os.statvfs(shm_dir)
             short = st.f_bavail * st.f_frsize < size
@@ -67,16 +96,12 @@ class HostTier(SlabTier):
         try:
             if short:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            self.arena = Arena.create(shm_dir, size)
+            arena = Arena.create(shm_dir, size)
         except OSError as e:
             raise _space_error(shm_dir, size, e) from None
-        log.info("host arena %s: %s reserved in %.2f s", self.arena.path, _mib(size),
+        log.info("host arena %s: %s reserved in %.2f s", arena.path, _mib(size),
                  time.perf_counter() - began)
-        super().__init__(capacity_bytes, self.arena.array)
-        self.pinned = self.arena.pin()  # where CUDA exists: device copies run by DMA
-        self.prefaulted_bytes = self.arena.size if self.pinned else 0  # pinning backs every page
-        self._prefault_stop = threading.Event()
-        self._prefault_thread: threading.Thread | None = None
+        return arena
 
     def start_prefault(self) -> None:
         """Back the arena's pages in a background thread at the lowest CPU priority
@@ -124,8 +149,14 @@ class HostTier(SlabTier):
         self._prefault_stop.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # before the mapping goes: it populates through it
-        # The server has stopped: free the pages now, not when the last client lets go of its
-        # mapping (that free slowed a restarted daemon's prefault: docs/PERFORMANCE.md).
-        self.arena.free_pages()
-        self.arena.unlink()
+        if self.hand_over and self.arena.retire():
+            log.info("host arena %s left for the next daemon in %s", self.arena.path,
+                     self.arena.path.parent)
+        else:
+            # The server has stopped: free the pages now, not when the last client lets go
+            # of its mapping (that free slowed a restarted daemon's prefault:
+            # docs/PERFORMANCE.md).
+            self.hand_over = False
+            self.arena.free_pages()
+            self.arena.unlink()
         super().close()

@@ -16,7 +16,7 @@ from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.reliability import wait_until
+from tests.reliability import arena_path, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -253,11 +253,13 @@ def test_socket_mode_and_clean_sigterm(daemon):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
     assert mode & 0o077 == 0, oct(mode)
-    prefix = f"kvstore-{daemon.proc.pid}-"
-    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(prefix)}
-    assert arenas_before
+    arena = os.path.basename(arena_path(daemon.target))  # (maybe named by a predecessor)
+    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(arena)}
+    assert arenas_before == {arena}
     assert daemon.stop() == 0
-    assert not any(p.startswith(f"kvstore-{daemon.proc.pid}-") for p in os.listdir("/dev/shm"))
+    # Its arena is left for the next daemon (`host_handover_s`), marked so; nothing else.
+    left = {p for p in os.listdir("/dev/shm") if p.startswith(arena)}
+    assert left == arenas_before | {f"{a}.handover" for a in arenas_before}
     assert not os.path.exists(daemon.socket)
 
 
@@ -333,7 +335,9 @@ def test_the_daemon_prefaults_its_arena_unless_told_not_to(daemon_factory):
 
 
 def test_a_stopped_daemon_frees_its_arena_while_a_client_still_maps_it(daemon_factory):
-    """At shutdown the daemon frees its arena's pages itself (`Arena.free_pages`), after its
+    """At shutdown a daemon that does not leave its arena to the next (`--host-handover-s 0`,
+    or a client still writing: tests/integration/test_arena_handover.py) frees its pages
+    itself (`Arena.free_pages`), after its
     server stopped: not when the last client lets go of its mapping, which may be during the
     next daemon's prefault (half the rate beside such a free, docs/PERFORMANCE.md). The
     client's copies of the blocks it fetched before are intact, and the next daemon serves
@@ -343,7 +347,8 @@ def test_a_stopped_daemon_frees_its_arena_while_a_client_still_maps_it(daemon_fa
     layout = small_layout()
     tokens = list(range(64))
     kv = random_kv(layout, len(tokens))
-    d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "64MiB", name="frees").start()
+    d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "64MiB",
+                       "--host-handover-s", "0", name="frees").start()
     with KVClient(d.target, layout) as c:
         assert c.publish(tokens, kv) == 64
         n, back = c.fetch(tokens)

@@ -1,0 +1,69 @@
+"""Free a host arena a daemon left for its successor (`Arena.retire`) if none takes it in time.
+
+A daemon that stops cleanly leaves its arena's memory in `shm_dir` for the next daemon there
+(`host_handover_s`), and starts this, detached, as its last act: once `linger_s` has passed
+with the arena's marker still there (no daemon adopted it), it frees the pages and removes
+the file. A daemon adopting it holds its lock and has removed the marker, so the two never
+both act. Run by path with the standard library only: the daemon's interpreter may not find
+the `kvstore` package on its own path, and a keeper must start in milliseconds.
+
+    python kvstore/arena_keeper.py ARENA_PATH LINGER_S
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import sys
+import time
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+POLL_S = 0.5
+GIVE_UP_S = 60.0  # past the deadline: a daemon that has not exited by then is not exiting
+
+
+def free_if_left(path: str) -> bool:
+    """Free and remove the arena at `path` if it is still left for a successor: unlocked
+    and marked. True when freed."""
+    marker = path + ".handover"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        if not (os.path.samestat(st, os.lstat(path)) and os.path.exists(marker)):
+            return False  # taken over, or replaced under the same name
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        if st.st_size:  # a client still mapping it must not keep the pages
+            libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, st.st_size)
+        os.unlink(path)
+        os.unlink(marker)
+        return True
+    except OSError:  # locked: a daemon is adopting it
+        return False
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    path, linger_s = argv[0], float(argv[1])
+    deadline = time.monotonic() + linger_s
+    while os.path.exists(path + ".handover"):  # gone: adopted, or removed as stale
+        now = time.monotonic()
+        # Past the deadline, while still locked (its daemon has not exited yet, or one is
+        # taking it over this instant), try again a while.
+        if now >= deadline and (free_if_left(path) or now >= deadline + GIVE_UP_S):
+            return 0
+        time.sleep(min(POLL_S, max(deadline - now, 0.01)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,162 @@
+"""A host arena left by a daemon at its clean shutdown for the next one (`Arena.retire`,
+`Arena.adopt`, `kvstore/arena_keeper.py`): taken only where it was left on purpose, at the
+same size, by one daemon; freed by its keeper when nobody takes it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvstore import arena_keeper
+from kvstore.arena import HANDOVER, Arena
+from kvstore.tiers.host import HostTier
+from tests.unit.test_arena_prefault import resident_bytes
+
+MIB = 1 << 20
+
+
+def _unlocked(path: Path) -> None:
+    """Wait until nothing holds `path`'s lock: a retired arena's goes with its mapping (at a
+    daemon's exit), here when `kvstore.arena`'s reaper has unmapped it."""
+    deadline = time.monotonic() + 10
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{path} still locked"
+                time.sleep(0.01)
+    finally:
+        os.close(fd)  # (and the lock taken to test it)
+
+
+def _left(tmp_path: Path, size: int = 4 * MIB, fill: int = 0x5A) -> tuple[Path, tuple]:
+    """An arena as a daemon leaves it: written, then retired, then unmapped as at its
+    exit; returns its path and ident."""
+    a = Arena.create(tmp_path, size)
+    a.array[:] = fill
+    path, ident = a.path, a.ident
+    assert a.retire()
+    assert Path(str(path) + HANDOVER).exists()
+    assert Arena.adopt(tmp_path, size) is None  # not while its creator maps it
+    del a
+    _unlocked(path)
+    return path, ident
+
+
+def test_a_retired_arena_is_taken_whole_by_the_next(tmp_path):
+    path, ident = _left(tmp_path)
+    b = Arena.adopt(tmp_path, 4 * MIB)
+    assert b is not None and b.path == path and b.ident == ident
+    assert int(b.array[:: 4096].min()) == 0x5A  # the same pages, still backed
+    assert not Path(str(path) + HANDOVER).exists()
+    assert Arena.adopt(tmp_path, 4 * MIB) is None  # one daemon takes it: it is locked now
+    assert Arena.remove_stale(tmp_path) == 0  # and not stale
+    b.free_pages()
+    b.unlink()
+
+
+def test_only_an_arena_left_on_purpose_at_the_same_size_is_taken(tmp_path):
+    left, live_dir, dead_dir = (tmp_path / n for n in ("left", "live", "dead"))
+    for d in (left, live_dir, dead_dir):
+        d.mkdir()
+    _left(left)
+    assert Arena.adopt(left, 8 * MIB) is None  # another host_bytes
+    assert Arena.remove_stale(left) == 1  # so a daemon of that size removes it
+    assert list(left.iterdir()) == []  # its marker with it
+    live = Arena.create(live_dir, 4 * MIB)  # a live daemon's: locked, no marker
+    assert Arena.adopt(live_dir, 4 * MIB) is None
+    Path(str(live.path) + HANDOVER).write_text(  # marked, but still locked: its keeper's
+        f"{live.ident[0]} {live.ident[1]} {4 * MIB}\n")
+    assert Arena.adopt(live_dir, 4 * MIB) is None and Arena.remove_stale(live_dir) == 0
+    # A daemon that died (lock free, no marker): not taken; stale.
+    dead = Arena.create(dead_dir, 4 * MIB)
+    dead_path = dead.path
+    os.close(dead._lock_fd)
+    dead._lock_fd = -1
+    del dead
+    _unlocked(dead_path)
+    assert Arena.adopt(dead_dir, 4 * MIB) is None
+    assert Arena.remove_stale(dead_dir) == 1 and not dead_path.exists()
+    live.unlink()
+
+
+def test_a_marker_of_another_file_under_the_name_is_refused(tmp_path):
+    path, _ = _left(tmp_path)
+    marker = Path(str(path) + HANDOVER)
+    said = marker.read_text().split()
+    marker.write_text(f"{said[0]} {int(said[1]) + 1} {said[2]}\n")  # names another inode
+    assert Arena.adopt(tmp_path, 4 * MIB) is None
+    marker.write_text("garbage")
+    assert Arena.adopt(tmp_path, 4 * MIB) is None
+
+
+def test_stale_arenas_are_freed_even_where_a_client_maps_them(tmp_path):
+    """`remove_stale` punches a dead daemon's arena before removing it: a client that kept
+    its mapping (it waits to learn whether the next daemon took it over) holds no pages."""
+    a = Arena.create(tmp_path, 4 * MIB)
+    path = a.path
+    client = Arena.attach(path, 4 * MIB)
+    client.array[:] = 1
+    assert resident_bytes(path) >= 4 * MIB
+    os.close(a._lock_fd)  # the daemon dies: its descriptor and mapping go
+    a._lock_fd = -1
+    del a
+    _unlocked(path)
+    assert Arena.remove_stale(tmp_path) == 1
+    assert resident_bytes(path) == 0 and int(client.array.max()) == 0
+
+
+def test_the_keeper_frees_an_arena_nobody_took(tmp_path):
+    path, _ = _left(tmp_path)
+    mapped = Arena.attach(path, 4 * MIB)  # a client that kept its mapping
+    assert int(mapped.array[:: 4096].min()) == 0x5A  # (faulted in: the pages it shares)
+    assert resident_bytes(path) >= 4 * MIB
+    began = time.monotonic()
+    subprocess.run([sys.executable, arena_keeper.__file__, str(path), "0.3"], check=True,
+                   timeout=30, env={})  # by path, with nothing of kvstore on its path
+    assert time.monotonic() - began >= 0.3
+    assert not path.exists() and not Path(str(path) + HANDOVER).exists()
+    assert resident_bytes(path) == 0  # punched, though mapped
+    del mapped
+
+
+def test_the_keeper_leaves_an_arena_a_daemon_took(tmp_path):
+    path, _ = _left(tmp_path)
+    keeper = subprocess.Popen([sys.executable, arena_keeper.__file__, str(path), "30"])
+    try:
+        time.sleep(0.2)
+        b = Arena.adopt(tmp_path, 4 * MIB)
+        assert b is not None
+        assert keeper.wait(5) == 0  # it saw the marker go: done, long before its 30 s
+        assert path.exists() and int(b.array[:: 4096].min()) == 0x5A
+    finally:
+        keeper.kill()
+    # At its deadline a keeper frees nothing a daemon holds (locked), marker or not.
+    Path(str(path) + HANDOVER).write_text("left again")
+    assert not arena_keeper.free_if_left(str(path))
+    assert path.exists()
+    b.free_pages()
+    b.unlink()
+
+
+def test_the_host_tier_takes_the_arena_only_when_asked(tmp_path):
+    path, ident = _left(tmp_path)
+    fresh = HostTier(4 * MIB, tmp_path)  # adopt=False: a new arena, the left one removed
+    assert not fresh.adopted and fresh.arena.path != path and not path.exists()
+    fresh.hand_over = True
+    fresh.close()  # left for the next
+    left = fresh.arena.path
+    del fresh
+    _unlocked(left)
+    taken = HostTier(4 * MIB, tmp_path, adopt=True)
+    assert taken.adopted and taken.arena.path == left
+    taken.close()  # hand_over unset: freed and removed as before
+    assert list(tmp_path.iterdir()) == []
+    assert ident  # (the first arena's identity was read before it went)
