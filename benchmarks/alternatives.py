@@ -431,7 +431,7 @@ def run(layout: Any, blocks: int, repeats: int, data: Path, lmcache: bool, disk:
         if lmc is not None:
             lmc.close()
         redis_server.stop()
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         src_file.unlink(missing_ok=True)
         for bulky in ("kvstore", "lmcache-disk"):  # GBs of blocks; the logs stay
             shutil.rmtree(data / bulky, ignore_errors=True)

@@ -78,7 +78,7 @@ def main() -> None:
         steps.update()
     finally:
         if daemon:
-            daemon.stop()
+            daemon.stop(keep_arena=False)
         steps.close()
     if stats is None:
         raise SystemExit(f"the daemon at {target} did not answer")

@@ -73,7 +73,7 @@ def main() -> None:
             with KVClient(daemon.target, LAYOUT, deadline_s=60) as c:
                 rows += [timed(c, tokens, kv, out, f"disk {i}") for i in (1, 2)]
         finally:
-            daemon.stop()
+            daemon.stop(keep_arena=False)
             shutil.rmtree(data, ignore_errors=True)
     print(f"\nKV {LAYOUT.bytes_per_token >> 10} KiB/token, {LAYOUT.block_bytes >> 20} MiB blocks; "
           "host tier 32 blocks (2 GiB)\n")

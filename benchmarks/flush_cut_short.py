@@ -57,7 +57,7 @@ def main() -> None:
             on_disk = [i for i, key in enumerate(c.keys(tokens))
                        if c._run(c._aio._lookup([key]), None).hits]
     finally:
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         shutil.rmtree(data, ignore_errors=True)
     print(f"before the stop: host {before['host']} blocks, disk {before['disk']}")
     print(f"after the restart: {len(on_disk)} blocks on disk: {on_disk}")

@@ -189,7 +189,7 @@ def main() -> None:
                     rows[-1].update(gpu_level(gpu_engine, n, args, gen))
                 print(table([rows[-1]], list(rows[-1])), flush=True)
     finally:
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         if gpu_daemon is not None:
             gpu_daemon.stop()
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_one_launch_s",

@@ -143,7 +143,7 @@ def main() -> None:
         lookup = lookup_latency(daemon.target, args.lookups, bar)
         rows = scaling(daemon.target, clients, args.seconds, bar)
     finally:
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         bar.close()
     print("\nlookup of a 131,072-token prompt (512 blocks), goal p50 <= 2 ms:\n"
           f"  looked up again:       p50 {lookup['p50_ms']:.2f} ms, p99 {lookup['p99_ms']:.2f} ms\n"

@@ -82,7 +82,7 @@ def main() -> None:
         with KVClient(daemon.target, layout, deadline_s=60) as c:
             kv = run(CachedPrefill(model, c), model, prompts, bar)
     finally:
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         bar.close()
     rows = []
     for name, (t, cached, total) in (("recompute", base), ("kvstore", kv)):

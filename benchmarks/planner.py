@@ -157,7 +157,7 @@ class Bench:
 
     def close(self) -> None:
         self.client.close()
-        self.daemon.stop()
+        self.daemon.stop(keep_arena=False)
         self.throttle.close()
 
     # ---- daemon state

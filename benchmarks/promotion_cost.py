@@ -170,7 +170,7 @@ def main() -> None:
             c.close()
     finally:
         for d in daemons.values():
-            d.stop()
+            d.stop(keep_arena=False)
         bar.close()
     shutil.rmtree(data, ignore_errors=True)
 

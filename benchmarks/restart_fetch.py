@@ -101,7 +101,7 @@ def main() -> None:
                     bar.set_postfix_str(f"{n}: {seconds[n][-1]:.3f} s")
                     bar.update()
     finally:
-        daemon.stop(flush_s + 30)
+        daemon.stop(flush_s + 30, keep_arena=False)
         bar.close()
         shutil.rmtree(data / "kvstore", ignore_errors=True)  # gigabytes of blocks
     prefault = os.environ.get(PREFAULT_ENV, "default (16 GiB)")

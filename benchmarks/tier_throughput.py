@@ -133,7 +133,7 @@ def main() -> None:
                     "a disk fetch was served partly from host")
         bar.update()
     finally:
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         bar.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     rows = [

@@ -129,8 +129,8 @@ def main() -> None:
                             model, c, reserve_tokens=reserve).prefill(prompt, publish=False)
                         bar.update()
             finally:
-                a.stop()
-                b.stop()
+                a.stop(keep_arena=False)
+                b.stop(keep_arena=False)
             cold = results["cold"]
             floor_s = statistics.median(f["floor s"] for f in floors)
             split = floors[0]["logits"]  # the model's own, over the first n tokens' K/V

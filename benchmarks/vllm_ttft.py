@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> None:
                 measure(engine, "kvstore disk", n, reset=True)
     finally:
         engine.close()
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         shutil.rmtree(data / "kvstore", ignore_errors=True)  # gigabytes of blocks
     saves = save_times(data / "engine-kvstore.log")
     for n in lengths:  # the cold run saved the prompt (in the background, after its TTFT)

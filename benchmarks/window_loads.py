@@ -115,7 +115,7 @@ def main() -> None:
                 bar.update()
     finally:
         bar.close()
-        daemon.stop()
+        daemon.stop(keep_arena=False)
 
     cached = cold.published_tokens
     per_block = [s.heads * (s.key_dim + s.value_dim) * layout.block_tokens * layout.dtype_bytes

@@ -140,7 +140,7 @@ def main() -> None:
         if ra is not None:
             loop.run_until_complete(ra.aclose())
         loop.close()
-        daemon.stop()
+        daemon.stop(keep_arena=False)
         server.kill()
         shutil.rmtree(root, ignore_errors=True)
 

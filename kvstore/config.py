@@ -95,7 +95,7 @@ class ServerConfig:
                               "inside the first disk reads and saves into it (Stats "
                               "`host_prefaulted_bytes`). `off`: pages are backed as they are "
                               "first written.", choices=("background", "off"))
-    host_handover_s: float = _opt(60.0, "At a clean shutdown with no client writing into it, "
+    host_handover_s: float = _opt(30.0, "At a clean shutdown with no client writing into it, "
                                   "the host arena's memory (not its blocks) is left in "
                                   "`shm_dir` for the next daemon there, for this long: a "
                                   "restart then neither zeroes nor faults its pages again, and "

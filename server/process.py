@@ -76,16 +76,22 @@ class DaemonProcess:
             return self.args[self.args.index("--shm-dir") + 1]
         return os.environ.get("KVSTORE_SHM_DIR", ServerConfig.shm_dir)
 
-    def stop(self, timeout_s: float = 20.0) -> int:
+    def stop(self, timeout_s: float = 20.0, *, keep_arena: bool = True) -> int:
         """SIGTERM, then SIGKILL after `timeout_s` (give it the daemon's flush budget and
-        more: a shutdown flush longer than that is cut short)."""
+        more: a shutdown flush longer than that is cut short). The daemon leaves its arena's
+        memory for the next one started on its `shm_dir` (`host_handover_s`);
+        `keep_arena=False`, for a last stop: free it now, not when its keeper gives up on
+        a successor (a benchmark's next phase needs that memory)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(timeout_s)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
                 return -9
-        return self.proc.returncode
+        code = self.proc.returncode
+        if not keep_arena:
+            Arena.remove_stale(self.shm_dir)  # unlocked arenas: this one's among them
+        return code
