@@ -28,6 +28,7 @@ import mmap
 import os
 import queue
 import secrets
+import stat
 import sys
 import threading
 import time
@@ -134,6 +135,13 @@ def _punch(fd: int, size: int) -> bool:
     """Free every page of the file behind `fd` now, even where processes still map it."""
     return size == 0 or _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0,
                                         size) == 0
+
+
+def _ours(st: os.stat_result) -> bool:
+    """A regular file of this user that no one else may read or write, as `Arena.create`
+    and `retire` make them: /dev/shm is writable by every user, and an arena planted there,
+    or opened up, would let its owner read and write every block."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
 def remove_if_unlocked(path: Path, *, free: bool = False) -> bool | None:
@@ -362,7 +370,9 @@ class Arena:
         try:
             # Written before the lock goes: an unlocked arena without its marker is a dead
             # daemon's, and any daemon may remove it.
-            marker.write_text(f"{self.ident[0]} {self.ident[1]} {self.size}\n")
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{self.ident[0]} {self.ident[1]} {self.size}\n")
         except OSError as e:
             log.warning("cannot leave arena %s for the next daemon: %s", self.path, e)
             marker.unlink(missing_ok=True)
@@ -388,6 +398,7 @@ class Arena:
                 st = os.fstat(fd)
                 said = marker.read_text().split()
                 if (os.path.samestat(st, os.lstat(path)) and st.st_size == size
+                        and _ours(st) and _ours(marker.lstat())
                         and said == [str(st.st_dev), str(st.st_ino), str(size)]):
                     marker.unlink()
                     return cls(path, size, create=False, locked_fd=fd)

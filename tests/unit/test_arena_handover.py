@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -160,3 +161,25 @@ def test_the_host_tier_takes_the_arena_only_when_asked(tmp_path):
     taken.close()  # hand_over unset: freed and removed as before
     assert list(tmp_path.iterdir()) == []
     assert ident  # (the first arena's identity was read before it went)
+
+
+def test_an_arena_others_may_touch_is_never_taken(tmp_path):
+    """`shm_dir` (/dev/shm) is writable by every user: an arena another user planted there,
+    or one opened to others, would let them read and write every block the daemon serves."""
+    path, _ = _left(tmp_path)
+    os.chmod(path, 0o644)  # opened up
+    assert Arena.adopt(tmp_path, 4 * MIB) is None
+    os.chmod(path, 0o600)
+    marker = Path(str(path) + HANDOVER)
+    os.chmod(marker, 0o666)  # a marker others may rewrite
+    assert Arena.adopt(tmp_path, 4 * MIB) is None
+    os.chmod(marker, 0o600)
+    if os.geteuid() == 0:  # another user's file (root can make one here)
+        os.chown(path, 4321, -1)
+        assert Arena.adopt(tmp_path, 4 * MIB) is None
+        os.chown(path, 0, -1)
+    taken = Arena.adopt(tmp_path, 4 * MIB)  # as the daemon left it: taken
+    assert taken is not None
+    assert stat.S_IMODE(os.stat(taken.path).st_mode) == 0o600
+    taken.free_pages()
+    taken.unlink()
