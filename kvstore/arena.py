@@ -356,30 +356,33 @@ class Arena:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def retire(self) -> bool:
+    def retire(self) -> str:
         """The creator's, at a clean shutdown once nothing writes into the arena any more:
         leave the file and its pages for the next daemon in its directory (`adopt`), marked
         as left on purpose. The lock goes with the last descriptor of the file: the mapping
         holds one (Python's mmap keeps a duplicate), so it is released when the mapping is,
         at the daemon's exit at the latest; no thread of this process can still write into
-        the arena once another takes it. False where the marker could not be written (the
+        the arena once another takes it. Returns this hand-over's token, which its keeper
+        (`kvstore/arena_keeper.py`) names: the arena may be taken over and left again under
+        the same name before the keeper looks. "" where the marker could not be written (the
         caller then frees the arena as usual)."""
         if self._lock_fd < 0:
-            return False
+            return ""
         marker = self.path.with_name(self.path.name + HANDOVER)
+        token = secrets.token_hex(8)
         try:
             # Written before the lock goes: an unlocked arena without its marker is a dead
             # daemon's, and any daemon may remove it.
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(f"{self.ident[0]} {self.ident[1]} {self.size}\n")
+                f.write(f"{self.ident[0]} {self.ident[1]} {self.size} {token}\n")
         except OSError as e:
             log.warning("cannot leave arena %s for the next daemon: %s", self.path, e)
             marker.unlink(missing_ok=True)
-            return False
+            return ""
         os.close(self._lock_fd)
         self._lock_fd = -1
-        return True
+        return token
 
     @classmethod
     def adopt(cls, directory: str | Path, size: int) -> Arena | None:
@@ -399,7 +402,7 @@ class Arena:
                 said = marker.read_text().split()
                 if (os.path.samestat(st, os.lstat(path)) and st.st_size == size
                         and _ours(st) and _ours(marker.lstat())
-                        and said == [str(st.st_dev), str(st.st_ino), str(size)]):
+                        and said[:3] == [str(st.st_dev), str(st.st_ino), str(size)]):
                     marker.unlink()
                     return cls(path, size, create=False, locked_fd=fd)
             except (OSError, ValueError):  # locked (taken, or its keeper freeing it), gone

@@ -2,12 +2,13 @@
 
 A daemon that stops cleanly leaves its arena's memory in `shm_dir` for the next daemon there
 (`host_handover_s`), and starts this, detached, as its last act: once `linger_s` has passed
-with the arena's marker still there (no daemon adopted it), it frees the pages and removes
-the file. A daemon adopting it holds its lock and has removed the marker, so the two never
-both act. Run by path with the standard library only: the daemon's interpreter may not find
-the `kvstore` package on its own path, and a keeper must start in milliseconds.
+with the arena's marker still the one its daemon wrote (`TOKEN`: no daemon took it, or one
+took it and left it again), it frees the pages and removes the file. A daemon adopting it
+holds its lock and has removed the marker, so the two never both act. Run by path with the
+standard library only: the daemon's interpreter may not find the `kvstore` package on its own
+path, and a keeper must start in milliseconds.
 
-    python kvstore/arena_keeper.py ARENA_PATH LINGER_S
+    python kvstore/arena_keeper.py ARENA_PATH LINGER_S TOKEN
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ POLL_S = 0.5
 GIVE_UP_S = 60.0  # past the deadline: a daemon that has not exited by then is not exiting
 
 
-def free_if_left(path: str) -> bool:
-    """Free and remove the arena at `path` if it is still left for a successor: unlocked
-    and marked. True when freed."""
+def _marked(marker: str, token: str) -> bool:
+    """Whether `marker` is still the one of the hand-over named `token`."""
+    try:
+        with open(marker) as f:
+            return f.read().split()[3:] == [token]
+    except OSError:
+        return False
+
+
+def free_if_left(path: str, token: str) -> bool:
+    """Free and remove the arena at `path` if it is still left for a successor by the
+    hand-over named `token`: unlocked and marked so. True when freed."""
     marker = path + ".handover"
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -34,8 +44,8 @@ def free_if_left(path: str) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         st = os.fstat(fd)
-        if not (os.path.samestat(st, os.lstat(path)) and os.path.exists(marker)):
-            return False  # taken over, or replaced under the same name
+        if not (os.path.samestat(st, os.lstat(path)) and _marked(marker, token)):
+            return False  # taken over (and maybe left again since), or replaced
         libc = ctypes.CDLL(None, use_errno=True)
         libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
         if st.st_size:  # a client still mapping it must not keep the pages
@@ -50,16 +60,16 @@ def free_if_left(path: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    path, linger_s = argv[0], float(argv[1])
+    path, linger_s, token = argv[0], float(argv[1]), argv[2]
     deadline = time.monotonic() + linger_s
-    while os.path.exists(path + ".handover"):  # gone: adopted, or removed as stale
+    while _marked(path + ".handover", token):  # else adopted, or removed as stale
         now = time.monotonic()
         # Past the deadline, while still locked (its daemon has not exited yet, or one is
         # taking it over this instant), try again a while.
-        if now >= deadline and (free_if_left(path) or now >= deadline + GIVE_UP_S):
+        if now >= deadline and (free_if_left(path, token) or now >= deadline + GIVE_UP_S):
             return 0
         time.sleep(min(POLL_S, max(deadline - now, 0.01)))
     return 0

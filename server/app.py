@@ -322,7 +322,7 @@ class Daemon:
         path = self.store.host.arena.path
         try:
             subprocess.Popen([sys.executable, str(KEEPER), str(path),
-                              str(self.config.host_handover_s)],
+                              str(self.config.host_handover_s), self.store.host.handover_token],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:  # the next daemon, or any daemon in shm_dir, still removes it

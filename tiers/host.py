@@ -79,6 +79,7 @@ class HostTier(SlabTier):
         # Set at shutdown when nothing writes into the arena any more: `close` leaves it for
         # the next daemon (`Arena.retire`) instead of freeing it.
         self.hand_over = False
+        self.handover_token = ""  # `Arena.retire`'s, for its keeper
         super().__init__(capacity_bytes, self.arena.array)
         self.pinned = self.arena.pin()  # where CUDA exists: device copies run by DMA
         self.prefaulted_bytes = self.arena.size if self.pinned else 0  # pinning backs every page
@@ -149,7 +150,8 @@ class HostTier(SlabTier):
         self._prefault_stop.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # before the mapping goes: it populates through it
-        if self.hand_over and self.arena.retire():
+        if self.hand_over and (token := self.arena.retire()):
+            self.handover_token = token
             log.info("host arena %s left for the next daemon in %s", self.arena.path,
                      self.arena.path.parent)
         else:

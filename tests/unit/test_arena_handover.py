@@ -37,18 +37,34 @@ def _unlocked(path: Path) -> None:
         os.close(fd)  # (and the lock taken to test it)
 
 
+LEFT: dict[Path, str] = {}  # each arena `_left` made: its hand-over's token, for a keeper
+
+
+def _retire(held: list[Arena]) -> Path:
+    """The arena in `held` (its only reference) left as a daemon leaves it at its exit:
+    retired, then unmapped."""
+    a = held.pop()
+    path = a.path
+    token = a.retire()
+    assert token and Path(str(path) + HANDOVER).exists()
+    assert Arena.adopt(path.parent, a.size) is None  # not while its creator maps it
+    LEFT[path] = token
+    del a
+    _unlocked(path)
+    return path
+
+
 def _left(tmp_path: Path, size: int = 4 * MIB, fill: int = 0x5A) -> tuple[Path, tuple]:
     """An arena as a daemon leaves it: written, then retired, then unmapped as at its
     exit; returns its path and ident."""
-    a = Arena.create(tmp_path, size)
-    a.array[:] = fill
-    path, ident = a.path, a.ident
-    assert a.retire()
-    assert Path(str(path) + HANDOVER).exists()
-    assert Arena.adopt(tmp_path, size) is None  # not while its creator maps it
-    del a
-    _unlocked(path)
-    return path, ident
+    held = [Arena.create(tmp_path, size)]
+    held[0].array[:] = fill
+    ident = held[0].ident
+    return _retire(held), ident
+
+
+def _keeper(path: Path, linger_s: float) -> list[str]:
+    return [sys.executable, arena_keeper.__file__, str(path), str(linger_s), LEFT[path]]
 
 
 def test_a_retired_arena_is_taken_whole_by_the_next(tmp_path):
@@ -120,7 +136,7 @@ def test_the_keeper_frees_an_arena_nobody_took(tmp_path):
     assert int(mapped.array[:: 4096].min()) == 0x5A  # (faulted in: the pages it shares)
     assert resident_bytes(path) >= 4 * MIB
     began = time.monotonic()
-    subprocess.run([sys.executable, arena_keeper.__file__, str(path), "0.3"], check=True,
+    subprocess.run(_keeper(path, 0.3), check=True,
                    timeout=30, env={})  # by path, with nothing of kvstore on its path
     assert time.monotonic() - began >= 0.3
     assert not path.exists() and not Path(str(path) + HANDOVER).exists()
@@ -130,7 +146,7 @@ def test_the_keeper_frees_an_arena_nobody_took(tmp_path):
 
 def test_the_keeper_leaves_an_arena_a_daemon_took(tmp_path):
     path, _ = _left(tmp_path)
-    keeper = subprocess.Popen([sys.executable, arena_keeper.__file__, str(path), "30"])
+    keeper = subprocess.Popen(_keeper(path, 30))
     try:
         time.sleep(0.2)
         b = Arena.adopt(tmp_path, 4 * MIB)
@@ -140,11 +156,28 @@ def test_the_keeper_leaves_an_arena_a_daemon_took(tmp_path):
     finally:
         keeper.kill()
     # At its deadline a keeper frees nothing a daemon holds (locked), marker or not.
-    Path(str(path) + HANDOVER).write_text("left again")
-    assert not arena_keeper.free_if_left(str(path))
+    Path(str(path) + HANDOVER).write_text(f"0 0 0 {LEFT[path]}")
+    assert not arena_keeper.free_if_left(str(path), LEFT[path])
     assert path.exists()
     b.free_pages()
     b.unlink()
+
+
+def test_a_keeper_leaves_an_arena_taken_and_left_again_before_it_looked(tmp_path):
+    """Taken over and left again under the same name within one of its polls: the arena is
+    the next hand-over's now, its own keeper's to free, not the first keeper's."""
+    path, _ = _left(tmp_path)
+    first = LEFT[path]
+    b = Arena.adopt(tmp_path, 4 * MIB)
+    assert b is not None
+    held = [b]
+    del b
+    assert _retire(held) == path and LEFT[path] != first
+    subprocess.run([sys.executable, arena_keeper.__file__, str(path), "0", first],
+                   check=True, timeout=30)
+    assert path.exists() and Path(str(path) + HANDOVER).exists()  # still left for the next
+    subprocess.run(_keeper(path, 0), check=True, timeout=30)  # the second keeper frees it
+    assert not path.exists() and not Path(str(path) + HANDOVER).exists()
 
 
 def test_the_host_tier_takes_the_arena_only_when_asked(tmp_path):
