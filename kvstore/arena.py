@@ -144,6 +144,20 @@ def _ours(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
+def _read_marker(marker: Path) -> list[str]:
+    """A hand-over marker's fields; [] unless it is a small regular file of ours (a link or
+    a FIFO planted under its name must not hang or mislead the daemon reading it)."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return []
+    try:
+        return os.read(fd, 256).decode("ascii", "replace").split() if _ours(os.fstat(fd)) \
+            else []
+    finally:
+        os.close(fd)
+
+
 def remove_if_unlocked(path: Path, *, free: bool = False) -> bool | None:
     """Remove a file whose creator held an exclusive `flock` on it for its life (an arena, a
     client's writer lock) if that lock is free: its creator is dead. True: removed now; False:
@@ -399,13 +413,14 @@ class Arena:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 st = os.fstat(fd)
-                said = marker.read_text().split()
-                if (os.path.samestat(st, os.lstat(path)) and st.st_size == size
-                        and _ours(st) and _ours(marker.lstat())
-                        and said[:3] == [str(st.st_dev), str(st.st_ino), str(size)]):
+                left = (os.path.samestat(st, os.lstat(path)) and st.st_size == size
+                        and _ours(st) and _read_marker(marker)[:3]
+                        == [str(st.st_dev), str(st.st_ino), str(size)])
+                if left:
                     marker.unlink()
-                    return cls(path, size, create=False, locked_fd=fd)
-            except (OSError, ValueError):  # locked (taken, or its keeper freeing it), gone
-                pass
+            except OSError:  # locked (taken, or its keeper freeing it), gone
+                left = False
+            if left:  # ours now: locked, unmarked (a failure below closes `fd`)
+                return cls(path, size, create=False, locked_fd=fd)
             os.close(fd)
         return None

@@ -26,11 +26,16 @@ GIVE_UP_S = 60.0  # past the deadline: a daemon that has not exited by then is n
 
 def _marked(marker: str, token: str) -> bool:
     """Whether `marker` is still the one of the hand-over named `token`."""
-    try:
-        with open(marker) as f:
-            return f.read().split()[3:] == [token]
+    try:  # not following a link, nor waiting on a FIFO, planted under its name
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        return os.read(fd, 256).decode("ascii", "replace").split()[3:] == [token]
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def free_if_left(path: str, token: str) -> bool:

@@ -216,3 +216,23 @@ def test_an_arena_others_may_touch_is_never_taken(tmp_path):
     assert stat.S_IMODE(os.stat(taken.path).st_mode) == 0o600
     taken.free_pages()
     taken.unlink()
+
+
+def test_a_marker_that_is_a_link_or_a_fifo_is_refused_without_waiting(tmp_path):
+    """A marker replaced by a FIFO (a read would wait forever) or a link to one: refused at
+    once, by the daemon and by the keeper."""
+    path, _ = _left(tmp_path)
+    marker = Path(str(path) + HANDOVER)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    for planted in ("fifo", "link"):
+        marker.unlink()
+        if planted == "fifo":
+            os.mkfifo(marker, 0o600)
+        else:
+            marker.symlink_to(fifo)
+        began = time.monotonic()
+        assert Arena.adopt(tmp_path, 4 * MIB) is None
+        assert not arena_keeper.free_if_left(str(path), LEFT[path])
+        assert time.monotonic() - began < 5
+    assert path.exists()
