@@ -1,13 +1,14 @@
 """Disk fetches right after a daemon restart: the first reads into a fresh host tier.
 
-A restart empties the host tier into a new shared-memory arena, so the first fetches read every
-block from disk into pages no process has touched yet, while the client's background prefault
-(`KVCLIENT_PREFAULT_BYTES`) starts on the same new arena. This publishes one prompt per length
-(16-layer float32 blocks of 128 tokens: the 8B KV shape, 128 KiB per token, as
-`benchmarks.vllm_ttft`), then `--restarts` times: SIGTERM (the host tier is flushed to disk),
-start, map the arena with a short primer fetch, and fetch each prompt from disk into a tensor,
-shortest first, byte-checked. The disk file's page cache is left as the flush leaves it (as
-after a real restart), unless `--drop-cache`.
+A restart empties the host tier, so the first fetches read every block from disk. Into pages no
+process has touched yet where the daemon makes a new arena (`KVSTORE_HOST_HANDOVER_S=0`), while
+the client's background prefault (`KVCLIENT_PREFAULT_BYTES`) starts on the same new arena; by
+default the restarted daemon takes its predecessor's arena over, its pages backed. This
+publishes one prompt per length (16-layer float32 blocks of 128 tokens: the 8B KV shape, 128
+KiB per token, as `benchmarks.vllm_ttft`), then `--restarts` times: SIGTERM (the host tier is
+flushed to disk), start, map the arena with a short primer fetch, and fetch each prompt from
+disk into a tensor, shortest first, byte-checked. The disk file's page cache is left as the
+flush leaves it (as after a real restart), unless `--drop-cache`.
 
     python -m benchmarks.restart_fetch [--lengths 2048,4096,8192,16384] [--restarts 3]
 
