@@ -392,7 +392,8 @@ class Arena:
                 f.write(f"{self.ident[0]} {self.ident[1]} {self.size} {token}\n")
         except OSError as e:
             log.warning("cannot leave arena %s for the next daemon: %s", self.path, e)
-            marker.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a partial marker of ours; not another file
+                marker.unlink(missing_ok=True)
             return ""
         os.close(self._lock_fd)
         self._lock_fd = -1

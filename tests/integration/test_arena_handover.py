@@ -23,14 +23,20 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _shm_dir(tmp_path: Path) -> Path:
+    """A `shm_dir` of the test's own: no other daemon's arena to take over or remove."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    return shm
+
+
 def _arenas(shm: Path) -> list[Path]:
     return sorted(shm.glob("kvstore-*-*.arena"))
 
 
 def test_a_restarted_daemon_takes_over_the_arena_and_clients_keep_their_mapping(
         daemon_factory, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = _shm_dir(tmp_path)
     layout = small_layout()
     a, b = list(range(64)), list(range(1000, 1064))
     kv_a, kv_b = random_kv(layout, 64, seed=1), random_kv(layout, 64, seed=2)
@@ -85,8 +91,7 @@ def test_a_daemon_stopped_under_a_writer_frees_its_arena_instead(daemon_factory,
     later: left to the next daemon, its bytes would land in that daemon's blocks. The arena
     is freed instead, the next daemon makes a new one, and every block an honest client
     fetches after the writer finished is its own."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = _shm_dir(tmp_path)
     layout = small_layout()
     d = daemon_factory("--host-bytes", f"{8 * layout.block_bytes}", "--disk-bytes", "0",
                        "--shm-dir", str(shm), "--drain-grace-s", "0.5").start()
@@ -118,8 +123,7 @@ def test_a_daemon_stopped_under_a_writer_frees_its_arena_instead(daemon_factory,
 
 
 def test_an_arena_nobody_takes_is_freed_by_its_keeper(daemon_factory, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = _shm_dir(tmp_path)
     layout = small_layout()
     d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "0", "--shm-dir", str(shm),
                        "--host-handover-s", "1").start()
@@ -142,8 +146,7 @@ def test_a_zero_copy_fetch_across_a_takeover_is_a_miss(daemon_factory, tmp_path)
     next takes the arena over (and writes other blocks where that prefix lay) must not use
     what it copied: its lease's Release reaches a daemon that never made it, `released` is
     false, and the fetch counts nothing."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = _shm_dir(tmp_path)
     layout = small_layout()
     a, b = list(range(64)), list(range(7000, 7064))
     kv_a, kv_b = random_kv(layout, 64, seed=1), random_kv(layout, 64, seed=2)

@@ -236,3 +236,16 @@ def test_a_marker_that_is_a_link_or_a_fifo_is_refused_without_waiting(tmp_path):
         assert not arena_keeper.free_if_left(str(path), LEFT[path])
         assert time.monotonic() - began < 5
     assert path.exists()
+
+
+def test_a_tier_that_cannot_mark_its_arena_frees_it(tmp_path):
+    """`retire` failing (the marker cannot be written) leaves nothing half-handed-over: the
+    arena is freed and removed as without a hand-over."""
+    tier = HostTier(4 * MIB, tmp_path)
+    path = tier.arena.path
+    Path(str(path) + HANDOVER).mkdir()  # the marker's name taken: it cannot be written
+    tier.hand_over = True
+    tier.close()
+    assert not tier.hand_over and tier.handover_token == ""
+    assert not path.exists()
+    assert Arena.adopt(tmp_path, 4 * MIB) is None
