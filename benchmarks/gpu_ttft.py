@@ -191,7 +191,7 @@ def main() -> None:
     finally:
         daemon.stop(keep_arena=False)
         if gpu_daemon is not None:
-            gpu_daemon.stop()
+            gpu_daemon.stop(keep_arena=False)
     columns = ["prefix_tokens", "recompute_s", "warm_host_s", "warm_one_launch_s",
                "warm_torch_copy_s",
                *(f"warm_{m}_s" for m in load_modes(args) if m.startswith("groups")), "floor_s",

@@ -247,19 +247,25 @@ def test_bad_input_names_the_problem_and_daemon_keeps_serving(daemon):
         assert c.lookup(tokens) == 32
 
 
-def test_socket_mode_and_clean_sigterm(daemon):
+def test_socket_mode_and_clean_sigterm(daemon_factory, tmp_path):
+    # Its own shm_dir: under pytest-xdist another test's daemon, started in a shared
+    # /dev/shm with the same host_bytes, may take over the arena this one leaves.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    daemon = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB",
+                            "--shm-dir", str(shm)).start()
     # The data directory (disk tier, its index, the socket) is the daemon user's alone.
     for path in (daemon.data_dir, daemon.data_dir / "disk"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
     mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
     assert mode & 0o077 == 0, oct(mode)
-    arena = os.path.basename(arena_path(daemon.target))  # (maybe named by a predecessor)
-    arenas_before = {p for p in os.listdir("/dev/shm") if p.startswith(arena)}
-    assert arenas_before == {arena}
+    arena = arena_path(daemon.target)
+    assert os.path.dirname(arena) == str(shm)
+    assert set(os.listdir(shm)) == {os.path.basename(arena)}
     assert daemon.stop() == 0
     # Its arena is left for the next daemon (`host_handover_s`), marked so; nothing else.
-    left = {p for p in os.listdir("/dev/shm") if p.startswith(arena)}
-    assert left == arenas_before | {f"{a}.handover" for a in arenas_before}
+    name = os.path.basename(arena)
+    assert set(os.listdir(shm)) == {name, f"{name}.handover"}
     assert not os.path.exists(daemon.socket)
 
 

@@ -101,8 +101,14 @@ def test_warm_prefill_on_cuda_is_the_models_own_split(daemon, reserve, copy, mon
         assert torch.equal(got.values[..., :960, :], want.values)
 
 
-def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
-    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB", name="restarted").start()
+@pytest.mark.parametrize("handover", ["taken-over", "new-arena"])
+def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory, handover):
+    """After a restart the client's loads are DMA again: an arena the new daemon took over is
+    the mapping the client already pinned (no second registration); a new arena
+    (`--host-handover-s 0`) is pinned in the background, loads meanwhile from pageable memory."""
+    extra = ("--host-handover-s", "0") if handover == "new-arena" else ()
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "32MiB", *extra,
+                       name="restarted").start()
     model = llama_on("cuda")
     layout = layout_for_model(model, block_tokens=64)
     ids = torch.randint(0, 512, (1, 1000), generator=torch.Generator().manual_seed(5)).cuda()
@@ -113,11 +119,15 @@ def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
         assert engine.prefill(ids).published_tokens == 960
         assert d.stop() == 0  # the flush writes the blocks to disk
         d.start()
-        warm = engine.prefill(ids, publish=False)  # from disk, through the new arena
+        warm = engine.prefill(ids, publish=False)  # from disk, through the (new) arena
         assert warm.cached_tokens == 960
         new = c._aio._arena
-        assert new is not None and new is not first
-        wait_until(lambda: new.pinned, 60, "the new arena pinned in the background")
+        assert new is not None
+        if handover == "taken-over":
+            assert new is first and new.pinned  # still registered: nothing to wait for
+        else:
+            assert new is not first
+            wait_until(lambda: new.pinned, 60, "the new arena pinned in the background")
         again = engine.prefill(ids, publish=False)  # out of the pinned arena, by the kernel
         assert again.cached_tokens == 960
     with torch.inference_mode():
@@ -125,7 +135,7 @@ def test_a_restarted_daemons_arena_is_pinned_again(daemon_factory):
         want = run_model(model, ids[:, 960:], cache, last_logits_only=True)[0].logits[0, -1].float()
     assert torch.equal(warm.logits, want) and torch.equal(again.logits, want)
     del first  # its mapping is unregistered, then unmapped, on the unmap thread
-    assert d.stop() == 0
+    assert d.stop(keep_arena=False) == 0
 
 
 @pytest.mark.parametrize("copy", ["kernel", "torch"])
