@@ -20,8 +20,6 @@ import os
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -318,15 +316,15 @@ class Daemon:
         self.store.host.hand_over = True
 
     def _start_keeper(self) -> None:
-        """Detached: frees the arena left behind if no daemon takes it in time."""
-        path = self.store.host.arena.path
-        try:
-            subprocess.Popen([sys.executable, str(KEEPER), str(path),
-                              str(self.config.host_handover_s), self.store.host.handover_token],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-        except OSError as e:  # the next daemon, or any daemon in shm_dir, still removes it
-            log.warning("cannot start the keeper of arena %s: %s", path, e)
+        """Detached: frees the arena left behind if no daemon takes it in time. A keeper that
+        does not start leaves nothing to free it before the next daemon in `shm_dir` (maybe
+        none, after an uninstall): the arena is freed now instead."""
+        path, token = str(self.store.host.arena.path), self.store.host.handover_token
+        if arena_keeper.start(path, self.config.host_handover_s, token, keeper=str(KEEPER)):
+            return
+        freed = arena_keeper.free_if_left(path, token, lock_held=True)
+        log.warning("the keeper of arena %s did not start; %s", path,
+                    "arena freed now" if freed else "could not free it either")
 
 
 def load_rates(path: Path) -> dict[str, float]:

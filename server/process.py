@@ -36,8 +36,13 @@ class DaemonProcess:
     def target(self) -> str:
         return f"unix://{self.socket}"
 
+    def command(self) -> list[str]:
+        """The daemon's command line."""
+        return [sys.executable, "-m", "kvstore.server", "--data-dir", str(self.data_dir),
+                *self.args]
+
     def start(self, timeout: float = 20.0) -> DaemonProcess:
-        cmd = [sys.executable, "-m", "kvstore.server", "--data-dir", str(self.data_dir), *self.args]
+        cmd = self.command()
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, cwd=CWD, stdout=subprocess.PIPE, stderr=logf,

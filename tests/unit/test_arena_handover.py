@@ -249,3 +249,63 @@ def test_a_tier_that_cannot_mark_its_arena_frees_it(tmp_path):
     assert not tier.hand_over and tier.handover_token == ""
     assert not path.exists()
     assert Arena.adopt(tmp_path, 4 * MIB) is None
+
+
+def test_a_keeper_that_does_not_start_leaves_the_arena_to_its_daemon(tmp_path):
+    """`arena_keeper.start` says whether a keeper runs; where it does not (the interpreter
+    cannot be started, its file is gone after an upgrade, it hangs before saying so), the
+    daemon frees the arena itself (`server/app.py`: `_start_keeper`), else 4 GiB would stay
+    in /dev/shm until a daemon starts in that directory again, maybe never."""
+    silent = tmp_path / "silent_keeper.py"
+    silent.write_text("import time\ntime.sleep(60)\n")
+    cases = {"no interpreter": dict(python=str(tmp_path / "no-python")),
+             "no keeper file": dict(keeper=str(tmp_path / "gone.py")),
+             "silent keeper": dict(keeper=str(silent), wait_s=0.5)}
+    for what, how in cases.items():
+        d = tmp_path / what.replace(" ", "-")
+        d.mkdir()
+        path, _ = _left(d)
+        began = time.monotonic()
+        assert not arena_keeper.start(str(path), 0.1, LEFT[path], **how), what
+        assert time.monotonic() - began < 5, what  # not the keeper's whole linger
+        assert path.exists()  # nothing has freed it: the daemon's turn
+        assert arena_keeper.free_if_left(str(path), LEFT[path], lock_held=True), what
+        assert not path.exists() and not Path(str(path) + HANDOVER).exists(), what
+    # The real keeper says it runs at once, then frees the arena after its linger.
+    path, _ = _left(tmp_path)
+    began = time.monotonic()
+    assert arena_keeper.start(str(path), 0.2, LEFT[path])
+    assert time.monotonic() - began < 5
+    assert path.exists()  # lingering, for a successor
+    deadline = time.monotonic() + 20
+    while path.exists():
+        assert time.monotonic() < deadline, "the keeper did not free the arena"
+        time.sleep(0.05)
+    assert not Path(str(path) + HANDOVER).exists()
+
+
+def test_the_daemon_frees_its_arena_itself_when_no_keeper_starts(tmp_path):
+    """Through a real daemon process whose keeper's file is gone (as after an upgrade under
+    a running daemon): at a clean stop it leaves nothing behind in `shm_dir`."""
+    from kvstore.server.process import DaemonProcess
+
+    gone = tmp_path / "gone.py"
+
+    class KeeperGone(DaemonProcess):
+        def command(self) -> list[str]:
+            run = ("import pathlib, sys; import kvstore.server.app as app; "
+                   f"app.KEEPER = pathlib.Path({str(gone)!r}); "
+                   "from kvstore.server.__main__ import main; sys.exit(main())")
+            return [sys.executable, "-c", run, *super().command()[3:]]
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = KeeperGone(tmp_path / "d", "--host-bytes", "4MiB", "--disk-bytes", "0",
+                   "--shm-dir", str(shm)).start()
+    try:
+        assert len(list(shm.glob("kvstore-*.arena"))) == 1
+        assert d.stop() == 0
+        assert list(shm.iterdir()) == []  # freed at the stop: no marker, no keeper to wait on
+        assert "did not start; arena freed now" in d.log.read_text()
+    finally:
+        d.kill()
