@@ -340,6 +340,7 @@ class RemoteTier:
             self._failed("timed out")
             raise RemoteUnavailableError(f"remote tier {self.url}: timed out") from None
         except _CALL_FAILED as e:
+            self._explain_cluster_refusal(e)
             self._failed(f"{type(e).__name__}: {e}")
             raise RemoteUnavailableError(f"remote tier {self.url}: {e}") from None
         errors = [r for r in results if isinstance(r, Exception)]
@@ -383,6 +384,19 @@ class RemoteTier:
         for cmd in commands:
             pipe.execute_command(*cmd)
         return pipe.execute(raise_on_error=False)
+
+    def _explain_cluster_refusal(self, e: BaseException) -> None:
+        """redis-py reports any error answer to its `CLUSTER SLOTS` as "Cluster mode is not
+        enabled on this node", a NOPERM included: say once what it more likely means where
+        the URL names a Cluster."""
+        if not self.target.cluster or "Cluster mode is not enabled" not in str(e) \
+                or "CLUSTER SLOTS" in self._refused:
+            return
+        self._refused.add("CLUSTER SLOTS")
+        log.error("remote tier %s: a Cluster node answered CLUSTER SLOTS with an error. With "
+                  "an ACL user, it needs +cluster|slots and +command besides the data "
+                  "commands (docs/OPERATIONS.md, \"Redis ACLs\"); a server that is not a "
+                  "Cluster takes a redis:// URL. Remote calls are misses meanwhile", self.url)
 
     def _failed(self, what: str) -> None:
         self._stats.errors += 1

@@ -380,3 +380,102 @@ def test_a_redis_acl_user_with_the_documented_commands(redis_server: RedisServer
     assert held == [False] * 3  # every remote read would be a miss: logged, once
     refused = [r for r in caplog.records if "refuses GETRANGE" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "ERROR"
+
+
+def test_a_cluster_acl_user_with_the_documented_commands(
+        redis_cluster: redis_servers.RedisClusterNodes, caplog) -> None:
+    # docs/OPERATIONS.md's Cluster line, set on every node, is enough for every call of the
+    # tier over a Cluster; the standalone line is not (CLUSTER SLOTS, COMMAND), and the
+    # daemon says so once instead of redis-py's "Cluster mode is not enabled".
+    from kvstore.server.process import ROOT
+
+    doc = [t for t in (ROOT / "docs" / "OPERATIONS.md").read_text().splitlines()
+           if t.startswith("ACL SETUSER kvstore")]
+    lines = {"cluster": next(t for t in doc if "+cluster|slots" in t),
+             "standalone": next(t for t in doc if "+cluster|slots" not in t)}
+    for user, line in lines.items():
+        rules = line.split()[3:]
+        rules[1] = ">kvs-acl-password"  # the doc's PASSWORD placeholder
+        for node in redis_cluster.nodes:
+            redis_servers.cli(node.port, "ACL", "SETUSER", user, *rules, timeout=5)
+    keys = [bytes([i]) * 32 for i in range(12)]  # over every node's slots
+    payload = os.urandom(64 << 10)
+    nodes = ",".join(f"127.0.0.1:{s.port}" for s in redis_cluster.nodes)
+
+    async def run(user: str) -> tuple[list[bool], list[bool], list[bool], int]:
+        tier = RemoteTier(f"redis+cluster://{user}:kvs-acl-password@{nodes}",
+                          RemoteOptions(timeout_s=2.0))
+        try:
+            writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in keys]
+            assert (await tier.put(writes)).written == len(keys)
+            dsts = [bytearray(len(payload)) for _ in keys]
+            got = await tier.get_into(NS, keys, LAYOUT, [memoryview(d) for d in dsts])
+            assert all(d == payload for d, ok in zip(dsts, got, strict=True) if ok)
+            return (await tier.exists(NS, keys), await tier.held(NS, keys, LAYOUT, len(payload)),
+                    got, await tier.clear(NS))
+        finally:
+            await tier.close()
+
+    assert asyncio.run(run("cluster")) == ([True] * 12, [True] * 12, [True] * 12, 12)
+    with pytest.raises(RemoteUnavailableError, match="Cluster mode is not enabled"):
+        asyncio.run(run("standalone"))
+    said = [r for r in caplog.records if "+cluster|slots and +command" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "ERROR"
+
+
+def test_a_cluster_read_given_up_on_a_stalled_node_writes_nothing_afterwards(
+        redis_cluster: redis_servers.RedisClusterNodes) -> None:
+    # A Cluster node that stops answering mid-call (SIGSTOP: a machine paused, a GC-like
+    # stall): the read across the Cluster ends at its deadline; once the node answers
+    # again, its late replies land nowhere (the payloads are host memory the store has freed
+    # by then), and the next read finds every key.
+    import signal
+
+    keys = [bytes([i]) * 32 for i in range(24)]  # over every node's slots
+    payloads = {k: os.urandom(64 << 10) for k in keys}
+    stalled = redis_cluster.nodes[1]
+    dsts = [bytearray(b"\xaa" * (64 << 10)) for _ in keys]
+
+    async def main() -> None:
+        tier = RemoteTier(redis_cluster.url, RemoteOptions(timeout_s=0.3, retry_s=0.1))
+        try:
+            writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payloads[k])) for k in keys]
+            assert (await tier.put(writes)).written == len(keys)
+            on_stalled = int(cli_dbsize(stalled.port))
+            assert 0 < on_stalled < len(keys)
+            os.kill(stalled.proc.pid, signal.SIGSTOP)
+            try:
+                began = asyncio.get_running_loop().time()
+                try:
+                    got = await tier.get_into(NS, keys, LAYOUT, [memoryview(d) for d in dsts])
+                except RemoteUnavailableError:
+                    got = [False] * len(keys)
+                assert asyncio.get_running_loop().time() - began < 2.0
+                assert sum(not ok for ok in got) >= on_stalled  # its keys at least: misses
+                at_end = [bytes(d) for d in dsts]
+            finally:
+                os.kill(stalled.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(0.5)  # the node answers what it was sent
+            assert [bytes(d) for d in dsts] == at_end  # nothing landed after the call ended
+            for ok, k, d in zip(got, keys, dsts, strict=True):
+                assert not ok or d == payloads[k]  # a key reported read is that key's value
+            deadline = asyncio.get_running_loop().time() + 10
+            while True:  # past the breaker's window, every key comes back
+                again = [bytearray(64 << 10) for _ in keys]
+                try:
+                    if all(await tier.get_into(NS, keys, LAYOUT,
+                                               [memoryview(d) for d in again])):
+                        break
+                except RemoteUnavailableError:
+                    pass
+                assert asyncio.get_running_loop().time() < deadline, "no recovery"
+                await asyncio.sleep(0.2)
+            assert again == [bytearray(payloads[k]) for k in keys]
+        finally:
+            await tier.close()
+
+    asyncio.run(main())
+
+
+def cli_dbsize(port: int) -> str:
+    return redis_servers.cli(port, "DBSIZE", timeout=2).strip()
