@@ -13,8 +13,11 @@ For a standalone Redis and a 3-node Cluster, both on loopback, and several block
   `RemoteTier.get_into` (each payload received straight into its place in a preallocated
   buffer, standing for the host arena, and verified there).
 Goal (issue 5): remote tier >= 0.9x raw GET. Batches are the store's (`REMOTE_BATCH_*`).
+`--nodes-ab`: instead, on the Cluster only, "into host" with each batch's nodes read at once
+(`tiers.bulk_get.PARALLEL_NODES`) against one after another, alternated in one process.
 
     python -m benchmarks.remote_throughput [--total-mib 256] [--repeats 5] [--name NAME]
+    python -m benchmarks.remote_throughput --nodes-ab [--repeats 7]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tqdm import tqdm
 
 from benchmarks.common import RESULTS, require, table, write_results
 from kvstore.server.store import REMOTE_BATCH_BLOCKS, REMOTE_BATCH_BYTES
+from kvstore.tiers import bulk_get
 from kvstore.tiers.remote import RemoteOptions, RemoteTier, RemoteWrite, frame_value, redis_key
 from tests import redis_servers
 from tests.redis_servers import RedisClusterNodes, RedisServer
@@ -136,15 +140,65 @@ async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[st
     return rows
 
 
+async def nodes_ab(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[str, Any]]:
+    """GB/s of "into host" on a Cluster, its nodes read at once and one after another."""
+    tier = RemoteTier(url, RemoteOptions(ttl_s=3600, timeout_s=30.0))
+    rows = []
+    try:
+        for mib in SIZES_MIB:
+            size = mib << 20
+            keys = [i.to_bytes(32, "big") for i in range(max(2, total // size))]
+            payload = os.urandom(size)
+            for batch in _batches(keys, size):
+                writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in batch]
+                require((await tier.put(writes)).written == len(batch), "a write failed")
+            batches = _batches(keys, size)
+            arena = bytearray(size * len(batches[0]))
+            await _into(tier, batches, size, arena)  # the connections made
+            samples: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(repeats):
+                for parallel in (True, False) if r % 2 == 0 else (False, True):
+                    bulk_get.PARALLEL_NODES = parallel
+                    t = time.perf_counter()
+                    got = await _into(tier, batches, size, arena)
+                    samples[parallel].append(_gbps(got, time.perf_counter() - t))
+                    bar.update()
+            await tier.delete(NS, keys)
+            at_once, in_turn = (statistics.median(samples[p]) for p in (True, False))
+            rows.append({"block MiB": mib, "batch blocks": len(batches[0]),
+                         "nodes at once": at_once, "one after another": in_turn,
+                         "at once / in turn": at_once / in_turn})
+    finally:
+        bulk_get.PARALLEL_NODES = True
+        await tier.close()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--total-mib", type=int, default=256, help="bytes read per measurement")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--name", default="remote_throughput", help="results file and plot name")
+    p.add_argument("--nodes-ab", action="store_true",
+                   help="the Cluster's nodes read at once against one after another")
     args = p.parse_args()
     if not redis_servers.available():
         raise SystemExit(redis_servers.SKIP_REASON)
     total = args.total_mib << 20
+    if args.nodes_ab:
+        bar = tqdm(total=2 * len(SIZES_MIB) * args.repeats, desc="cluster nodes", unit="pass")
+        with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:
+            cluster = RedisClusterNodes(Path(tmp) / "cluster", 3).start()
+            try:
+                rows = asyncio.run(nodes_ab(cluster.url, total, args.repeats, bar))
+            finally:
+                cluster.stop()
+        bar.close()
+        print(f"\n3-node Cluster, into host, GB/s of payload, median of {args.repeats}\n")
+        print(table(rows, list(rows[0])))
+        name = args.name if args.name != "remote_throughput" else "remote_throughput_nodes"
+        print(f"\nresults: {write_results(name, {'repeats': args.repeats, 'rows': rows})}")
+        return
     results: dict[str, list[dict[str, Any]]] = {}
     bar = tqdm(total=2 * len(SIZES_MIB) * args.repeats * len(PATHS), desc="remote throughput",
                unit="pass")

@@ -26,6 +26,7 @@ once instead of landing later in memory the caller has freed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import ssl
@@ -45,6 +46,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 _CHUNK = 64 << 10  # the line buffer's size; values go straight to their own buffers
+PARALLEL_NODES = True  # a Cluster read's nodes at once (`ClusterBulkGetter.get`)
+_NODE_THREADS = 8  # for those: the other nodes of the remote tier's concurrent reads
 
 
 class Head(bytearray):
@@ -292,34 +295,48 @@ class ClusterBulkGetter:
         self._slots: list[tuple[str, int] | None] | None = None  # slot -> primary
         self._lock = threading.Lock()
         self._closed = False
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def get(self, names: Sequence[bytes], tails: Sequence[memoryview] | None = None,
             head: int = 0, call: ReadCall | None = None, prefix: int = 0,
             ) -> list[bytearray | RedisError | None]:
-        """The values of `names`, in order (the rest: as `BulkGetter.get`). A
-        node that cannot be reached gives a connection error in place of each of its keys
-        (the remote tier's breaker then opens)."""
+        """The values of `names`, in order (the rest: as `BulkGetter.get`). Each node's keys
+        in one pipeline, the nodes' pipelines at once (`PARALLEL_NODES`): a read spread over
+        the Cluster takes its slowest node's time, not the sum. It returns only once every
+        node's read has ended (given up through `call` included): nothing lands in `tails`
+        after. A node that cannot be reached gives a connection error in place of each of
+        its keys (the remote tier's breaker then opens)."""
         slots = self._slots if self._slots is not None else self._refresh()
         groups: dict[tuple[str, int] | None, list[int]] = {}
         for i, name in enumerate(names):
             groups.setdefault(slots[key_slot(name)], []).append(i)
+
+        def read(node: tuple[str, int] | None, indexes: list[int],
+                 ) -> tuple[list[bytearray | RedisError | None], bool]:
+            """One node's values, and whether its slots may have moved."""
+            if node is None:
+                return [ClusterDownError("remote tier: slot not served")] * len(indexes), True
+            try:
+                return self._getter(node).get(
+                    [names[i] for i in indexes],
+                    None if tails is None else [tails[i] for i in indexes], head, call,
+                    prefix), False
+            except (OSError, RedisConnectionError) as e:  # the node failed: slots may move
+                return [RedisConnectionError(f"remote tier: node {node}: {e}")] * len(
+                    indexes), True
+
+        work = list(groups.items())
+        others = [self._node_pool().submit(read, *w) for w in work[1:]] \
+            if PARALLEL_NODES and len(work) > 1 else []
+        try:
+            results = [read(*work[0])] if others else [read(*w) for w in work]
+        finally:
+            concurrent.futures.wait(others)  # never return while a node's read still lands
+        results += [f.result() for f in others]
         out: list[bytearray | RedisError | None] = [None] * len(names)
         stale = False
-        for node, indexes in groups.items():
-            values: list[bytearray | RedisError | None]
-            if node is None:
-                stale = True
-                values = [ClusterDownError("remote tier: slot not served")] * len(indexes)
-            else:
-                try:
-                    values = self._getter(node).get(
-                        [names[i] for i in indexes],
-                        None if tails is None else [tails[i] for i in indexes], head, call,
-                        prefix)
-                except (OSError, RedisConnectionError) as e:
-                    stale = True  # the node failed: its slots may have moved
-                    values = [RedisConnectionError(f"remote tier: node {node}: {e}")] * len(
-                        indexes)
+        for (_, indexes), (values, moved) in zip(work, results, strict=True):
+            stale = stale or moved
             for i, v in zip(indexes, values, strict=True):
                 out[i] = v
                 stale = stale or isinstance(v, AskError | ClusterDownError | TryAgainError)
@@ -327,10 +344,20 @@ class ClusterBulkGetter:
             self._slots = None  # MovedError is an AskError: read the map again next call
         return out
 
+    def _node_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _NODE_THREADS, thread_name_prefix="kvstore-remote-node")
+            return self._pool
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             getters, self._getters = list(self._getters.values()), {}
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         for g in getters:
             g.close()
 
