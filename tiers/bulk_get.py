@@ -332,7 +332,10 @@ class ClusterBulkGetter:
             results = [read(*work[0])] if others else [read(*w) for w in work]
         finally:
             concurrent.futures.wait(others)  # never return while a node's read still lands
-        results += [f.result() for f in others]
+        closed: list[bytearray | RedisError | None] = [  # `close` cancelled it
+            RedisConnectionError("remote tier: closed")]
+        results += [((closed * len(w[1]), True) if f.cancelled() else f.result())
+                    for w, f in zip(work[1:], others, strict=True)]
         out: list[bytearray | RedisError | None] = [None] * len(names)
         stale = False
         for (_, indexes), (values, moved) in zip(work, results, strict=True):
@@ -356,10 +359,10 @@ class ClusterBulkGetter:
             self._closed = True
             getters, self._getters = list(self._getters.values()), {}
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        for g in getters:
+        for g in getters:  # reads in flight on their sockets fail now
             g.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _getter(self, node: tuple[str, int]) -> BulkGetter:
         with self._lock:

@@ -263,6 +263,7 @@ class RemoteTier:
                                       8 * self.options.retry_s, 2 * self.options.timeout_s, log)
         self._stats = RemoteStats(self.url, True)
         self._refused: set[str] = set()  # commands Redis refused to our user (NOPERM), logged
+        self._calls: set[ReadCall] = set()  # reads in flight: `close` gives them up
 
     def _common(self, t: RemoteTarget) -> dict[str, Any]:
         """The connection settings every client of the tier shares (redis-py's names)."""
@@ -367,14 +368,18 @@ class RemoteTier:
         reading: its values may be landing in `tails`, memory the caller frees once this
         raises."""
         call = ReadCall()
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._reads, self._getter.get, names, tails, HEADER_BYTES, call, prefix)
+        self._calls.add(call)
         try:
-            return await asyncio.shield(fut)
-        except BaseException:
-            if call.abort():  # its sockets are shut down: the thread unwinds at once
-                await wait_out(fut)
-            raise
+            fut = asyncio.get_running_loop().run_in_executor(
+                self._reads, self._getter.get, names, tails, HEADER_BYTES, call, prefix)
+            try:
+                return await asyncio.shield(fut)
+            except BaseException:
+                if call.abort():  # its sockets are shut down: the thread unwinds at once
+                    await wait_out(fut)
+                raise
+        finally:
+            self._calls.discard(call)
 
     def _blocking_pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Write thread: one pipeline on the blocking client."""
@@ -584,6 +589,8 @@ class RemoteTier:
         return RemoteStats(**vars(s))
 
     async def close(self) -> None:
+        for call in list(self._calls):  # a read waiting on a stalled node fails now
+            call.abort()
         try:
             await self._client.aclose()
         except (RedisError, OSError) as e:  # closing a half-dead connection pool

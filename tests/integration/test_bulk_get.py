@@ -487,3 +487,39 @@ def test_a_cluster_read_given_up_on_a_stalled_node_writes_nothing_afterwards(
 
 def cli_dbsize(port: int) -> str:
     return redis_servers.cli(port, "DBSIZE", timeout=2).strip()
+
+
+def test_closing_the_tier_ends_a_cluster_read_stuck_on_a_paused_node(
+        redis_cluster: redis_servers.RedisClusterNodes) -> None:
+    # A daemon shutting down while a read waits on a paused node (a long deadline): closing
+    # the tier ends that read at once, its keys misses, instead of holding the shutdown.
+    import signal
+
+    keys = [bytes([i]) * 32 for i in range(24)]
+    payload = os.urandom(16 << 10)
+    paused = redis_cluster.nodes[2]
+
+    async def main() -> None:
+        tier = RemoteTier(redis_cluster.url, RemoteOptions(timeout_s=30.0))
+        writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in keys]
+        assert (await tier.put(writes)).written == len(keys)
+        dsts = [bytearray(len(payload)) for _ in keys]
+        os.kill(paused.proc.pid, signal.SIGSTOP)
+        try:
+            call = asyncio.ensure_future(
+                tier.get_into(NS, keys, LAYOUT, [memoryview(d) for d in dsts]))
+            await asyncio.sleep(0.5)
+            assert not call.done()  # stuck on the paused node
+            began = asyncio.get_running_loop().time()
+            await tier.close()
+            try:
+                got = await call
+            except RemoteUnavailableError:
+                got = [False] * len(keys)
+            assert asyncio.get_running_loop().time() - began < 5.0  # not its 30 s deadline
+            assert not all(got)  # the paused node's keys at least: misses
+            assert all(d == payload for d, ok in zip(dsts, got, strict=True) if ok)
+        finally:
+            os.kill(paused.proc.pid, signal.SIGCONT)
+
+    asyncio.run(main())
