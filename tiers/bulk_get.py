@@ -326,9 +326,16 @@ class ClusterBulkGetter:
                     indexes), True
 
         work = list(groups.items())
-        others = [self._node_pool().submit(read, *w) for w in work[1:]] \
-            if PARALLEL_NODES and len(work) > 1 else []
+        others: list[concurrent.futures.Future[tuple[list[bytearray | RedisError | None],
+                                                      bool]]] = []
         try:
+            if PARALLEL_NODES and len(work) > 1:
+                pool = self._node_pool()
+                for w in work[1:]:
+                    try:
+                        others.append(pool.submit(read, *w))
+                    except RuntimeError as e:  # the pool shut down: closed meanwhile
+                        raise RedisConnectionError("remote tier: closed") from e
             results = [read(*work[0])] if others else [read(*w) for w in work]
         finally:
             concurrent.futures.wait(others)  # never return while a node's read still lands
@@ -349,6 +356,8 @@ class ClusterBulkGetter:
 
     def _node_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise RedisConnectionError("remote tier: closed")
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     _NODE_THREADS, thread_name_prefix="kvstore-remote-node")
