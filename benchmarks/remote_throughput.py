@@ -95,19 +95,25 @@ async def _into(tier: RemoteTier, batches: list[list[bytes]], size: int, dst: by
     return got
 
 
+async def _stored(tier: RemoteTier, size: int, total: int,
+                  ) -> tuple[int, list[bytes], list[list[bytes]]]:
+    """`total` bytes of framed `size`-byte values written through `tier`: (size, their keys,
+    the keys in the store's read batches)."""
+    keys = [i.to_bytes(32, "big") for i in range(max(2, total // size))]
+    payload = os.urandom(size)
+    for batch in _batches(keys, size):
+        writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in batch]
+        written = (await tier.put(writes)).written
+        require(written == len(batch), f"wrote {written} of {len(batch)} values")
+    return size, keys, _batches(keys, size)
+
+
 async def measure(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[str, Any]]:
     tier = RemoteTier(url, RemoteOptions(ttl_s=3600, timeout_s=30.0))
     rows = []
     try:
         for mib in SIZES_MIB:
-            size = mib << 20
-            keys = [i.to_bytes(32, "big") for i in range(max(2, total // size))]
-            payload = os.urandom(size)
-            for batch in _batches(keys, size):
-                writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in batch]
-                written = (await tier.put(writes)).written
-                require(written == len(batch), f"wrote {written} of {len(batch)} values")
-            batches = _batches(keys, size)
+            size, keys, batches = await _stored(tier, mib << 20, total)
             nbytes = size * len(keys)
             dst = bytearray(size)
             arena = bytearray(size * len(batches[0]))  # touched, as the prefaulted arena
@@ -146,13 +152,7 @@ async def nodes_ab(url: str, total: int, repeats: int, bar: tqdm) -> list[dict[s
     rows = []
     try:
         for mib in SIZES_MIB:
-            size = mib << 20
-            keys = [i.to_bytes(32, "big") for i in range(max(2, total // size))]
-            payload = os.urandom(size)
-            for batch in _batches(keys, size):
-                writes = [RemoteWrite(NS, k, frame_value(k, LAYOUT, payload)) for k in batch]
-                require((await tier.put(writes)).written == len(batch), "a write failed")
-            batches = _batches(keys, size)
+            size, keys, batches = await _stored(tier, mib << 20, total)
             arena = bytearray(size * len(batches[0]))
             await _into(tier, batches, size, arena)  # the connections made
             samples: dict[bool, list[float]] = {True: [], False: []}

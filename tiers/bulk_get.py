@@ -342,7 +342,7 @@ class ClusterBulkGetter:
         closed: list[bytearray | RedisError | None] = [  # `close` cancelled it
             RedisConnectionError("remote tier: closed")]
         results += [((closed * len(w[1]), True) if f.cancelled() else f.result())
-                    for w, f in zip(work[1:], others, strict=True)]
+                    for w, f in zip(work[1:len(others) + 1], others, strict=True)]
         out: list[bytearray | RedisError | None] = [None] * len(names)
         stale = False
         for (_, indexes), (values, moved) in zip(work, results, strict=True):

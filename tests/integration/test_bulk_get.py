@@ -211,11 +211,15 @@ def test_garbage_from_the_server_is_a_failed_call_not_a_value() -> None:
         assert server.connections == 3  # each failure closed its connection
 
 
+@pytest.mark.parametrize("nodes", ["at-once", "in-turn"])
 def test_a_cluster_read_routes_each_key_and_recovers_from_a_stale_map(
-        redis_cluster: redis_servers.RedisClusterNodes) -> None:
+        redis_cluster: redis_servers.RedisClusterNodes, nodes: str, monkeypatch) -> None:
     from redis.exceptions import MovedError
 
+    from kvstore.tiers import bulk_get
     from kvstore.tiers.bulk_get import ClusterBulkGetter
+
+    monkeypatch.setattr(bulk_get, "PARALLEL_NODES", nodes == "at-once")
 
     nodes = [("127.0.0.1", s.port) for s in redis_cluster.nodes]
     writer = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0][1])
