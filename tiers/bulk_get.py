@@ -339,10 +339,11 @@ class ClusterBulkGetter:
             results = [read(*work[0])] if others else [read(*w) for w in work]
         finally:
             concurrent.futures.wait(others)  # never return while a node's read still lands
-        closed: list[bytearray | RedisError | None] = [  # `close` cancelled it
-            RedisConnectionError("remote tier: closed")]
-        results += [((closed * len(w[1]), True) if f.cancelled() else f.result())
-                    for w, f in zip(work[1:len(others) + 1], others, strict=True)]
+        if others:  # one per node after the first (a failed submission raised above)
+            closed: list[bytearray | RedisError | None] = [  # `close` cancelled it
+                RedisConnectionError("remote tier: closed")]
+            results += [((closed * len(w[1]), True) if f.cancelled() else f.result())
+                        for w, f in zip(work[1:], others, strict=True)]
         out: list[bytearray | RedisError | None] = [None] * len(names)
         stale = False
         for (_, indexes), (values, moved) in zip(work, results, strict=True):
