@@ -73,7 +73,7 @@ def _run(req: CopyRequest, engine: EngineKV, stream: torch.cuda.Stream | None,
     if req.staging.device == device:
         staging_ptr = req.staging.data_ptr()
     elif req.staging.device.type == "cpu":
-        staging_ptr = cuda.mapped_device_pointer(req.staging)
+        staging_ptr = cuda.mapped_device_pointer(req.staging, device)
     else:
         raise DeviceError(f"engine cache on {device} but staging on {req.staging.device}")
     if req.num_blocks == 0:

@@ -8,7 +8,9 @@ so CPU-only installs never need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,31 @@ def _cupy() -> Any:
     return cupy
 
 
+@contextlib.contextmanager
+def _on_device(index: int) -> Iterator[None]:
+    """Make device `index`'s primary context current on this thread for the calls inside.
+
+    A thread that has made no CUDA runtime call yet has no current context (a client's
+    loading thread): there, `cudaPointerGetAttributes` does not know pinned memory and the
+    driver calls behind a module's kernels fail. `cupy.cuda.Device` skips `cudaSetDevice`
+    when the device is already the thread's (0 by default), so it is called here always:
+    since CUDA 12 it makes the primary context current."""
+    runtime = _cupy().cuda.runtime
+    previous = runtime.getDevice()
+    runtime.setDevice(index)
+    try:
+        yield
+    finally:
+        if previous != index:
+            runtime.setDevice(previous)
+
+
+def _index(device: torch.device | None) -> int:
+    if device is not None and device.index is not None:
+        return device.index
+    return torch.cuda.current_device()
+
+
 @functools.cache
 def _module(device_index: int) -> Any:
     cupy = _cupy()
@@ -50,8 +77,9 @@ def sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def mapped_device_pointer(host: torch.Tensor) -> int:
-    """Device address of pinned host memory, for zero-copy access from a kernel."""
+def mapped_device_pointer(host: torch.Tensor, device: torch.device | None = None) -> int:
+    """Device address of pinned host memory, for zero-copy access from a kernel on `device`
+    (default: the current one), from any thread."""
     if not host.is_pinned():
         raise DeviceError(
             "CPU staging for a CUDA engine cache must be pinned (tensor.pin_memory(), or "
@@ -62,7 +90,8 @@ def mapped_device_pointer(host: torch.Tensor) -> int:
     runtime = cupy.cuda.runtime
     storage = host.untyped_storage().data_ptr()
     try:
-        attrs = runtime.pointerGetAttributes(storage)
+        with _on_device(_index(device)):
+            attrs = runtime.pointerGetAttributes(storage)
     except runtime.CUDARuntimeError as e:
         raise DeviceError(f"cannot query the staging memory: {e}") from e
     base = int(attrs.devicePointer)
@@ -110,18 +139,17 @@ def launch(
 ) -> None:
     """Launch ``plan`` on ``stream``; returns without waiting for the copy."""
     cupy = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _module(index).get_function(plan.kernel)
-    host_meta = metadata(plan, page_ids, slot_ids)
-    with torch.cuda.stream(stream):
-        # One async upload for all ids (pinned, so the caller's stream is never
-        # synchronised). Allocated while ``stream`` is current, so the caching
-        # allocator cannot give the memory to other work before the kernel
-        # queued behind the upload on this stream has read it.
-        meta = host_meta.pin_memory().to(device, non_blocking=True)
-    args = kernel_arguments(plan, meta.data_ptr(), page_ids.numel())
-    # The caller's stream through the CUDA stream protocol (torch streams implement it),
-    # passed explicitly (cupy's ExternalStream is deprecated).
-    on = cupy.cuda.Stream.from_external(stream)
-    with cupy.cuda.Device(index):
-        kernel(plan.grid, plan.block, args, stream=on)
+    index = _index(device)
+    with _on_device(index):  # from any thread: a loading thread may have no context yet
+        kernel = _module(index).get_function(plan.kernel)
+        host_meta = metadata(plan, page_ids, slot_ids)
+        with torch.cuda.stream(stream):
+            # One async upload for all ids (pinned, so the caller's stream is never
+            # synchronised). Allocated while ``stream`` is current, so the caching
+            # allocator cannot give the memory to other work before the kernel
+            # queued behind the upload on this stream has read it.
+            meta = host_meta.pin_memory().to(device, non_blocking=True)
+        args = kernel_arguments(plan, meta.data_ptr(), page_ids.numel())
+        # The caller's stream through the CUDA stream protocol (torch streams implement
+        # it), passed explicitly (cupy's ExternalStream is deprecated).
+        kernel(plan.grid, plan.block, args, stream=cupy.cuda.Stream.from_external(stream))

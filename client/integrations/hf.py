@@ -909,6 +909,8 @@ class CachedPrefill:
                 out, cache = run_model(self.model, input_ids[:, cached:], cache,
                                        last_logits_only=True)
             got = loading.finish()
+            if loading.error is not None:  # not a miss: the load path itself failed
+                log.warning("kvstore: a load failed (%r); recomputing", loading.error)
             if got != cached:
                 # Less came than the lookup found (evicted since, a deadline, the daemon gone):
                 # that forward saw stale K/V. Throw it away; load what is there now if part

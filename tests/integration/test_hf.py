@@ -139,6 +139,22 @@ def test_a_load_that_brings_less_than_its_lookup_is_redone(daemon):
     assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
 
 
+def test_a_load_that_fails_is_recomputed_and_logged(daemon, monkeypatch, caplog):
+    """The copy itself raises (as the CUDA copy did on a thread with no CUDA context, on the
+    H200 of 2026-11-30): the prefill recomputes with the right logits, and the failure is a
+    warning an operator sees, not a silent miss on every request."""
+    from kvstore.client.integrations import hf
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy path broken")
+    monkeypatch.setattr(hf, "_copy_in", broken)  # a fault this machine cannot cause
+    with caplog.at_level("WARNING", logger=hf.log.name):
+        r, want = warm_through(daemon, 11)
+    assert r.cached_tokens == 0 and r.computed_tokens == 200
+    assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
+    assert "copy path broken" in caplog.text and "recomputing" in caplog.text
+
+
 def test_reserved_buffers_serve_warm_prefills_and_never_a_held_cache(daemon):
     """`reserve_tokens`: warm prefills load into memory touched up front; a cache the caller
     still holds is never overwritten by the next load (that one gets fresh memory), and a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import threading
 import zlib
 from collections.abc import Callable
 
@@ -151,6 +152,39 @@ def test_runs_on_the_callers_stream() -> None:
     # (torch.equal failed here on the H100 with every byte equal).
     assert_same_bytes(expected.view(torch.uint8), staging.cpu().view(torch.uint8),
                       "gather on the caller's stream")
+
+
+@pytest.mark.parametrize("staging_on", ["pinned", "cuda"])
+def test_a_thread_without_a_cuda_context_scatters(staging_on: str) -> None:
+    """A client loads on its own thread, which has made no CUDA call before: there the
+    pinned staging's device address and the module's kernels must still resolve (on the
+    H200, 2026-11-30, both failed and every one-launch load of test_hf_cuda was a miss)."""
+    gen = torch.Generator().manual_seed(7)
+    staging = torch.randn(15, 4, 2, 64, 2, 64, generator=gen).to(torch.bfloat16)
+    staging = staging.pin_memory() if staging_on == "pinned" else staging.cuda()
+
+    def cache(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return ([torch.zeros(1, 2, 1001, 64, dtype=torch.bfloat16, device=device)
+                 for _ in range(4)], [torch.zeros(1, 2, 1001, 64, dtype=torch.bfloat16,
+                                                  device=device) for _ in range(4)])
+    want = cache("cpu")
+    kernels.scatter(staging.cpu(), EngineKV.transformers(*want), [[b] for b in range(15)])
+    got = cache("cuda")
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            kernels.scatter(staging, EngineKV.transformers(*got), [[b] for b in range(15)])
+            torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    for w, g in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        assert_same_bytes(w.view(torch.uint8), g.cpu().view(torch.uint8), "threaded scatter")
 
 
 def test_bandwidth_against_memcpy(record_property: Callable[[str, object], None]) -> None:
