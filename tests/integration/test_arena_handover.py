@@ -126,7 +126,7 @@ def test_an_arena_nobody_takes_is_freed_by_its_keeper(daemon_factory, tmp_path):
     shm = _shm_dir(tmp_path)
     layout = small_layout()
     d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "0", "--shm-dir", str(shm),
-                       "--host-handover-s", "1").start()
+                       "--host-handover-s", "3").start()
     with KVClient(d.target, layout) as c:
         assert c.publish(list(range(64)), random_kv(layout, 64)) == 64
         arena = c._aio._arena
@@ -134,9 +134,11 @@ def test_an_arena_nobody_takes_is_freed_by_its_keeper(daemon_factory, tmp_path):
         arena.populate(0, arena.size)
         began = time.monotonic()
         assert d.stop() == 0
+        # Within the handover's 3 s. With 1 s, on the GPU machine's suite (14 workers), the
+        # arena was already punched here: stopping probably took that long under the load.
         assert resident_bytes(arena.path) >= 16 << 20
         wait_until(lambda: not _arenas(shm), 30, "the keeper freed the arena")
-        assert time.monotonic() - began >= 1.0
+        assert time.monotonic() - began >= 3.0
         assert resident_bytes(arena.path) == 0  # punched, though this client maps it
         assert not list(shm.glob("*arena*"))  # (this process's writer lock stays)
 

@@ -34,6 +34,8 @@ def test_gpu_ttft_runs_small_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     assert row["warm_gpu_tier_s"] > 0 and row["fetch_gpu_tier_s"] > 0
     assert row["warm_groups4_flat_s"] > 0 and row["warm_groups4_ctas8_s"] > 0
     for name in ("512_host", "512_gpu_level"):  # --profile: where each daemon's prefills went
-        assert "start_fetch_cache" in (tmp_path / "profile" / f"{name}.txt").read_text()
+        # The prefill itself: its cumulative time ranks it near the top of the 40 rows (a
+        # callee such as start_fetch_cache fell below them on the 16-core GPU machine).
+        assert "(_prefill)" in (tmp_path / "profile" / f"{name}.txt").read_text()
         assert "aten::" in (tmp_path / "profile" / f"{name}.torch.txt").read_text()
         assert json.loads((tmp_path / "profile" / f"{name}.trace.json").read_text())
