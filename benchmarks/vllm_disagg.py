@@ -1,5 +1,6 @@
 """Disaggregated prefill through kvstore: a vLLM prefill instance (`kv_role="kv_producer"`)
-and a decode instance (`kv_consumer`), one daemon or two daemons sharing a Redis remote tier.
+and a decode instance (`kv_consumer`), on one daemon, on two daemons sharing a Redis remote
+tier, or on two daemons where the consumer loads from the producer's (`kvstore.peers`).
 
     .venv-vllm/bin/python -m benchmarks.vllm_disagg [--lengths 1024,2048] [--repeats 3]
 
@@ -17,8 +18,11 @@ Measured per prompt length, in the engine processes (wall time of `LLM.generate`
 - consumer: the decode instance's TTFT on the producer's blocks (lookup, load, the last
   token), after `reset_prefix_cache()`; its first token is compared with the recompute's
   (counted, not required: bf16 near ties; tests/vllm/test_vllm_disagg.py checks outputs).
-Setups: `one daemon` (both engines on it) and `two daemons + redis` (each engine on its own
-daemon; the producer's daemon writes through to redis, the consumer's reads through from it).
+Setups (`--setups`): `one` (both engines on one daemon), `two` (each engine on its own
+daemon; the producer's daemon writes through to redis, the consumer's reads through from it),
+`peer` (each on its own daemon, no redis; the producer's daemon listens on TCP as well, the
+producer names it in its `kv_transfer_params` (`kvstore.peer_target`) and the consumer, which
+lists it (`kvstore.peers`), loads the prompt from it over TCP, as from another machine).
 
 Model: a random-weight Llama with Llama-3-8B's KV shape per layer (8 KV heads x 128, bf16) and
 `--layers` layers (default 8: 32 KiB of KV per token), tiny compute; it is built here. The
@@ -32,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -154,24 +159,37 @@ def make_model(path: Path, layers: int) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def daemons(root: Path, two: bool) -> Iterator[tuple[str, str, Any]]:
-    """`(producer target, consumer target, stats of the consumer's daemon)`: one daemon, or
-    two daemons writing through to and reading through from one redis."""
-    from kvstore.server.process import DaemonProcess
-    from tests.redis_servers import RedisServer
+SETUPS = {"one": "one daemon", "two": "two daemons + redis", "peer": "two daemons, peer"}
 
-    redis = RedisServer(root / "redis").start() if two else None
+
+@contextlib.contextmanager
+def daemons(root: Path, setup: str,
+            ) -> Iterator[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """`(producer target, consumer target, producer's extra config, consumer's)` of `setup`
+    (`SETUPS`): one daemon; two writing through to and reading through from one redis; or
+    two, the producer's listening on TCP for its consumer (`kvstore.peers`)."""
+    from kvstore.server.process import DaemonProcess
+    from tests.redis_servers import RedisServer, free_port
+
+    redis = RedisServer(root / "redis").start() if setup == "two" else None
     remote = ["--remote", redis.url] if redis is not None else []
+    extra_p: dict[str, Any] = {}
+    extra_c: dict[str, Any] = {}
+    listen: list[str] = []
+    if setup == "peer":
+        address, token = f"127.0.0.1:{free_port()}", secrets.token_hex(16)
+        listen = ["--listen", address, "--token", token]
+        extra_p = {"kvstore.peer_target": address}
+        extra_c = {"kvstore.peers": address, "kvstore.peer_token": token}
     started: list[DaemonProcess] = []
     try:
-        a = DaemonProcess(root / "kv-a", "--host-bytes", "2GiB", *remote).start()
+        a = DaemonProcess(root / "kv-a", "--host-bytes", "2GiB", *remote, *listen).start()
         started.append(a)
         b = a
-        if two:
+        if setup != "one":
             b = DaemonProcess(root / "kv-b", "--host-bytes", "2GiB", *remote).start()
             started.append(b)
-        yield a.target, b.target, b
+        yield a.target, b.target, extra_p, extra_c
     finally:
         for d in started:
             d.kill()
@@ -186,16 +204,19 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n)]
 
 
-def run_setup(name: str, model: Path, root: Path, two: bool, lengths: list[int], repeats: int,
+def run_setup(setup: str, model: Path, root: Path, lengths: list[int], repeats: int,
               block: int) -> list[dict[str, Any]]:
     from benchmarks.common import require
 
     rows: list[dict[str, Any]] = []
     opts = {"dtype": "bfloat16", "skip_tokenizer_init": True, "block_size": block,
             "max_model_len": max(lengths) + 64, "kv_space_gib": 1}
-    with daemons(root / name.replace(" ", "-"), two) as (target_p, target_c, _):
-        producer = Engine(model, target_p, "kv_producer", root / f"{name}-producer.log", **opts)
-        consumer = Engine(model, target_c, "kv_consumer", root / f"{name}-consumer.log", **opts)
+    name = SETUPS[setup]
+    with daemons(root / setup, setup) as (target_p, target_c, extra_p, extra_c):
+        producer = Engine(model, target_p, "kv_producer", root / f"{setup}-producer.log",
+                          extra=extra_p, **opts)
+        consumer = Engine(model, target_c, "kv_consumer", root / f"{setup}-consumer.log",
+                          extra=extra_c, **opts)
         try:
             for n in lengths:
                 ids = prompt_ids(n, seed=n)
@@ -209,7 +230,7 @@ def run_setup(name: str, model: Path, root: Path, two: bool, lengths: list[int],
                     consumer.reset()
                     prompt = {"prompt_token_ids": ids, "cache_salt": f"{name}-{r}"}
                     p = producer.prefill([prompt])
-                    require(p["kv_transfer_params"][0] == {PREFILLED: n},
+                    require(p["kv_transfer_params"][0].get(PREFILLED) == n,
                             f"producer returned {p['kv_transfer_params']}")
                     prefill.append(p["seconds"])
                     d = consumer.generate([prompt], 1, p["kv_transfer_params"])
@@ -241,7 +262,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per prompt (median)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--setups", default="one,two", help="one (one daemon), two (two + redis)")
+    p.add_argument("--setups", default="one,two,peer",
+                   help="one (one daemon), two (two + redis), peer (two, the consumer loading "
+                        "from the producer's daemon)")
     p.add_argument("--name", default="vllm_disagg", help="results file name (JSON)")
     args = p.parse_args()
     from benchmarks.common import RESULTS, table
@@ -254,9 +277,9 @@ def main() -> None:
     try:
         model = make_model(root / "model", args.layers)
         for setup in args.setups.split(","):
-            two = setup == "two"
-            rows += run_setup("two daemons + redis" if two else "one daemon", model, root, two,
-                              lengths, args.repeats, args.block_size)
+            if setup not in SETUPS:
+                raise SystemExit(f"--setups: unknown setup {setup!r}; known: {sorted(SETUPS)}")
+            rows += run_setup(setup, model, root, lengths, args.repeats, args.block_size)
     finally:  # the model and the daemons' blocks; the logs stay
         for path in root.iterdir():
             if path.is_dir():

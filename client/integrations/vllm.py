@@ -68,7 +68,10 @@ producer's daemon still writing through to the remote tier) stays waiting, unsch
 looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM computes what is
 missing: a slow or dead producer costs time, never a wrong answer. Those lookups ask the daemon
 to prefetch what has arrived into host meanwhile, and an engine step that computes nothing
-while they wait sleeps until the next lookup is due rather than spin.
+while they wait sleeps until the next lookup is due rather than spin. A producer with
+`kvstore.peer_target` (its daemon's TCP address) returns it too (`kvstore_peer`); a consumer
+that lists it in `kvstore.peers` and finds fewer tokens on its own daemon looks the prompt up
+there and, when that finds more, loads it from the producer's daemon at once.
 
 A conversation's last turn can say so: `{"kvstore_end_session": true}` in its
 `kv_transfer_params` (`extra_body` of an OpenAI request, `SamplingParams.extra_args` offline),
@@ -198,6 +201,9 @@ _DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary 
 PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 """The `kv_transfer_params` key a producer returns and a consumer reads (disaggregated
 prefill): the tokens of the prompt's full blocks the producer published."""
+PEER = "kvstore_peer"
+"""The `kv_transfer_params` key a producer with `kvstore.peer_target` returns: its daemon's
+address, which a consumer listing it in `kvstore.peers` loads the prompt from."""
 END_SESSION = "kvstore_end_session"
 """The `kv_transfer_params` key (true) of a conversation's last turn: its blocks go first."""
 SHARED_TOKENS = "kvstore_shared_tokens"
@@ -268,6 +274,18 @@ class ConnectorConfig:
     round"). A slow disk still answers in time: the daemon starts no read after half the
     call's deadline and answers with the prefix it read, the rest asked for in further rounds
     (a stalled load keeps the prefix that arrived, as in windows). False: windows."""
+    peer_target: str = ""
+    """`kv_role="kv_producer"`: where consumers reach this engine's daemon (`host:port` of its
+    `--listen`), sent with each prefilled request (`kvstore_peer` in its `kv_transfer_params`):
+    a consumer that lists it in `peers` loads the prompt from that daemon at once, rather than
+    wait for the remote tier's write-through. Empty: not sent."""
+    peers: str = ""
+    """`kv_role="kv_consumer"`: the producers' daemons (their `peer_target`s, comma-separated)
+    this engine may load a producer's blocks from directly. A `kvstore_peer` not listed here
+    is ignored: `kv_transfer_params` come with the request, and an address nobody vetted
+    could serve forged K/V that vLLM's prefix cache would then hand to other requests."""
+    peer_token: str | None = None
+    """Bearer token for the peers' TCP listeners (default: `token`)."""
     shared_model: str | None = None
     """Share blocks across tensor-parallel degrees: store each block one KV head at a time
     (an MLA latent once) under this model id instead of the degree's own layouts, so that an
@@ -297,7 +315,14 @@ class ConnectorConfig:
         if cfg.consumer_wait_s < 0:
             raise ConnectorConfigError(f"kvstore.consumer_wait_s must not be negative, got "
                                        f"{cfg.consumer_wait_s}")
+        if cfg.peers and not all(p.strip() for p in cfg.peers.split(",")):
+            raise ConnectorConfigError(f"kvstore.peers must list daemon addresses separated by "
+                                       f"commas, got {cfg.peers!r}")
         return cfg
+
+    def peer_set(self) -> frozenset[str]:
+        """The daemons `peers` lists."""
+        return frozenset(p.strip() for p in self.peers.split(",") if p.strip())
 
 
 def layout_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
@@ -612,6 +637,8 @@ class LoadSpec:
     shard: int = 0
     """The group's shard (`KVShard.index`; one spec per shard, `keys` its own): the ranks
     holding it load it."""
+    peer: str | None = None
+    """Load from this daemon, a producer's (`kvstore_peer`), not the engine's own."""
 
 
 @dataclass
@@ -655,6 +682,7 @@ class _Request:
     load: tuple[int, int] | None = None  # [start, end) to load in the next step
     save_issued: bool = False  # a SaveSpec went to the worker: it reports when it is done
     saved_to: int = 0  # hybrid: the prompt's tokens saves were issued for so far
+    peer: str | None = None  # consumer: the producer's daemon its hit is on (`kvstore_peer`)
 
     @property
     def keys(self) -> list[PrefixKeys]:
@@ -836,7 +864,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # theirs (`resolve_kv_cache_block_sizes`, set on the config before the scheduler).
         self._hash_block_size = (getattr(kv_cache_config, "hash_block_size", None)
                                  or vllm_config.cache_config.block_size)
-        self._clients: dict[tuple[str, str, int, int], KVClient] = {}
+        self._clients: dict[tuple[str, str, int, int, str], KVClient] = {}
         # one client per (salt, LoRA) namespace, KV-cache group and shard; salts are few
         self._max_clients = _MAX_CLIENTS * sum(len(g.all_shards) for g in self._groups)
         self._clients_lock = threading.Lock()  # the saver thread makes clients too
@@ -862,6 +890,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._async_save = self._cfg.async_save and not self._producer and not self._hybrid
         # consumer: req_id -> (its first lookup, its last lookup) while it waits
         self._waiting: dict[str, tuple[float, float]] = {}
+        # consumer: the producers' daemons it may load from, req_id -> the one a lookup found
+        # a request's blocks on, and the unlisted ones requests named (warned about once)
+        self._peers = self._cfg.peer_set()
+        self._from_peer: dict[str, str] = {}
+        self._unlisted_peers: set[str] = set()
         # worker side
         self._cache: PagedCache | None = None
         self._caches: list[PagedCache] = []  # per KV-cache group
@@ -916,23 +949,28 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
-                ) -> KVClient:
+                peer: str | None = None) -> KVClient:
         """The client of one namespace, KV-cache group and shard (default: the group's first
         this rank holds), created on first use in this process (workers are spawned: a client
-        made before would not survive)."""
+        made before would not survive); of the daemon `peer` (a producer's) if given, else of
+        this engine's."""
         g = self._groups[group]
         index = g.shards_of(self._rank, self._stage)[0].index if shard is None else shard
-        key = (salt, lora, group, index)
+        key = (salt, lora, group, index, peer or "")
         with self._clients_lock:
             client = self._clients.get(key)
             if client is None:
                 if len(self._clients) >= self._max_clients:  # close the oldest
                     self._clients.pop(next(iter(self._clients))).close()
-                client = KVClient(self._cfg.target, g.all_shards[index].layout,
+                token = self._cfg.token
+                if peer is not None and self._cfg.peer_token is not None:
+                    token = self._cfg.peer_token
+                client = KVClient(peer or self._cfg.target, g.all_shards[index].layout,
                                   salt=salt,
                                   lora=lora,
-                                  tenant=self._cfg.tenant, token=self._cfg.token,
-                                  deadline_s=self._cfg.deadline_s, transfer=self._cfg.transfer)
+                                  tenant=self._cfg.tenant, token=token,
+                                  deadline_s=self._cfg.deadline_s,
+                                  transfer=self._cfg.transfer if peer is None else "auto")
                 self._clients[key] = client
             return client
 
@@ -979,8 +1017,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             keys = self._prompt_keys(request, ns, tokens)
             # A consumer's request the producer prefilled: its blocks come through the remote
             # tier now or soon; the daemon reads what has arrived into host meanwhile.
-            hit = self._shortest_hit(ns, keys, prefetch=self._consumer
-                                     and _prefilled_tokens(request) is not None)
+            want = _prefilled_tokens(request) if self._consumer else None
+            hit = self._shortest_hit(ns, keys, prefetch=want is not None)
+            # Short on this engine's daemon: the producer's own daemon holds the whole prompt
+            # since its answer (its saves are synchronous); load from there at once.
+            self._from_peer.pop(request.request_id, None)
+            if want is not None and hit < want and (peer := self._peer(request)) is not None:
+                on_peer = self._shortest_hit(ns, keys, peer=peer)
+                if on_peer > hit:
+                    hit = on_peer
+                    self._from_peer[request.request_id] = peer
         except Exception:  # the client misses on daemon trouble; anything else: still a miss
             log.exception("kvstore lookup failed for request %s", request.request_id)
             self._waiting.pop(request.request_id, None)
@@ -992,20 +1038,37 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         n = max(0, min(hit, len(tokens) - 1) - num_computed_tokens)
         return n, self._async_load and n > 0
 
+    def _peer(self, request: Request) -> str | None:
+        """The producer's daemon a consumer's request names (`kvstore_peer`) if `kvstore.peers`
+        lists it; None otherwise (an unlisted one is warned about once)."""
+        params = request.kv_transfer_params
+        peer = params.get(PEER) if isinstance(params, dict) else None
+        if not isinstance(peer, str) or not peer:
+            return None
+        if peer in self._peers:
+            return peer
+        if peer not in self._unlisted_peers and len(self._unlisted_peers) < 64:
+            self._unlisted_peers.add(peer)
+            log.warning("kvstore: ignoring kvstore_peer %r of request %s: not in kvstore.peers "
+                        "(%s); waiting for the remote tier instead", peer,
+                        request.request_id, ", ".join(sorted(self._peers)) or "empty")
+        return None
+
     def _shortest_hit(self, ns: tuple[str, str], keys: list[list[PrefixKeys]],
-                      prefetch: bool = False) -> int:
+                      prefetch: bool = False, peer: str | None = None) -> int:
         """The tokens every (group, shard) holds of the prompt: each shard is looked up only
         as far as the shorter hits before it reach, and not at all after a miss (a prompt
         nothing holds costs one lookup, not one per KV head with `shared_model`). `prefetch`:
         the daemon starts reading the hit's remote (and disk) blocks into host
-        (`KVClient.lookup`)."""
+        (`KVClient.lookup`). `peer`: look up on that daemon (a producer's) instead."""
         hit: int | None = None
         for g in self._groups:
             for s in g.all_shards:
                 chain = keys[g.index][s.index]
                 if hit is not None:
                     chain = chain.prefix(hit // chain.block_tokens)
-                hit = self._client(*ns, g.index, s.index).lookup(chain, prefetch=prefetch)
+                hit = self._client(*ns, g.index, s.index, peer).lookup(chain,
+                                                                       prefetch=prefetch)
                 if hit == 0:
                     return 0
         return hit or 0
@@ -1050,7 +1113,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         state = _Request(shard_keys=keys, num_tokens=len(request.prompt_token_ids), salt=ns[0],
                          lora=ns[1], save_end=save_end, hit_end=hit,
                          block_ids=[list(ids) for ids in blocks.get_block_ids()],
-                         saved_to=min(hit, save_end))
+                         saved_to=min(hit, save_end),
+                         peer=self._from_peer.get(request.request_id))
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
@@ -1182,7 +1246,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             for shard, keys in enumerate(state.shard_keys[g.index]):  # its ranks load each
                 meta.loads.append(LoadSpec(req_id, keys.prefix(-(-end // bt)),
                                            state.salt, state.lora, list(ids), first,
-                                           max(first, end), g.index, shard))
+                                           max(first, end), g.index, shard, state.peer))
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -1196,13 +1260,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for g in self._groups:
             self._chains.pop((request.request_id, g.index), None)
         self._waiting.pop(request.request_id, None)
+        self._from_peer.pop(request.request_id, None)
         self._load_failed.discard(request.request_id)
-        params = None
+        params: dict[str, Any] | None = None
         if self._producer and state is not None:
             # The proxy hands these to the consumer's request (vLLM's P/D flow), which then
             # waits for these tokens' blocks. Not "do_remote_prefill": vLLM would then report
             # the producer's cache hits as the consumer's.
             params = {PREFILLED_TOKENS: state.save_end}
+            if self._cfg.peer_target:
+                params[PEER] = self._cfg.peer_target
         saving = bool(self._async_save and state is not None and state.save_issued)
         if ending is not None:
             if saving:  # its blocks are not all in the store yet: hint once they are
@@ -1669,7 +1736,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             # `whole_loads`: a layer is ready for the forward only once a call brought every
             # block (`signal`), so in windows the forward waits for a whole disk load.
-            n = self._client(spec.salt, spec.lora, spec.group, spec.shard).fetch_with(
+            n = self._client(spec.salt, spec.lora, spec.group, spec.shard,
+                             spec.peer).fetch_with(
                 spec.keys, consume, skip_blocks=spec.start // bt,
                 budget_s=self._recompute_s(spec.start, spec.end),
                 whole=layerwise is not None and self._cfg.whole_loads)

@@ -375,6 +375,7 @@ def test_chunked_prefill_saves_and_loads(model_dir: Path, tmp_path: Path) -> Non
     ({"kvstore.consumer_wait_s": -0.5}, "consumer_wait_s must not be negative"),
     ({"kvstore.transfer": "carrier pigeon"}, "transfer must be auto, shm or stream"),
     ({"kvstore.layerwise_min_tokens": "many"}, "layerwise_min_tokens"),
+    ({"kvstore.peers": "10.0.0.5:7070,,10.0.0.6:7070"}, "peers must list daemon addresses"),
 ])
 def test_settings_out_of_range_are_refused_at_engine_start(extra: dict[str, Any],
                                                            error: str) -> None:
@@ -384,6 +385,8 @@ def test_settings_out_of_range_are_refused_at_engine_start(extra: dict[str, Any]
         ConnectorConfig.from_extra(extra)
     assert ConnectorConfig.from_extra({"kvstore.layerwise_min_tokens": 0}
                                       ).layerwise_min_tokens == 0
+    assert ConnectorConfig.from_extra({"kvstore.peers": " 10.0.0.5:7070, 10.0.0.6:7070"}
+                                      ).peer_set() == {"10.0.0.5:7070", "10.0.0.6:7070"}
 
 
 @pytest.mark.timeout(900)

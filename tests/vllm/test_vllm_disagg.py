@@ -297,3 +297,106 @@ class TestTwoDaemons:
         assert time.monotonic() - began < WAIT_S + 30
         assert got["cached"] == [0, 0]
         assert_same_generation(got, ref)
+
+
+PEER_TOKEN = "peer-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="class")
+def peer_daemons(tmp_path_factory: pytest.TempPathFactory,
+                 ) -> Iterator[tuple[DaemonProcess, DaemonProcess, str]]:
+    """Two daemons and no remote tier: the producer's listens on TCP as well (its
+    `peer_target`); the consumer's can only get the prompt from there."""
+    port = redis_servers.free_port()
+    p = DaemonProcess(tmp_path_factory.mktemp("kv-p"), "--host-bytes", "64MiB",
+                      "--listen", f"127.0.0.1:{port}", "--token", PEER_TOKEN).start()
+    c = DaemonProcess(tmp_path_factory.mktemp("kv-c"), "--host-bytes", "64MiB").start()
+    yield p, c, f"127.0.0.1:{port}"
+    p.kill()
+    c.kill()
+
+
+@pytest.fixture(scope="class")
+def peer_engines(model_dir: Path, peer_daemons: tuple[DaemonProcess, DaemonProcess, str],
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    p, c, address = peer_daemons
+    logs = tmp_path_factory.mktemp("logs")
+    producer = Engine(model_dir, p.target, "kv_producer", logs / "peer-producer.log",
+                      extra={"kvstore.peer_target": address})
+    try:
+        consumer = Engine(model_dir, c.target, "kv_consumer", logs / "peer-consumer.log",
+                          extra={"kvstore.consumer_wait_s": WAIT_S, "kvstore.peers": address,
+                                 "kvstore.peer_token": PEER_TOKEN})
+    except BaseException:
+        producer.close()
+        raise
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+class TestPeer:
+    """The producer's daemon serves its consumer directly (`kvstore.peer_target` and
+    `kvstore.peers`): no remote tier, no wait for a write-through."""
+
+    @pytest.mark.timeout(600)
+    def test_consumer_loads_from_the_producers_daemon_without_waiting(
+            self, peer_engines: tuple[Engine, Engine],
+            peer_daemons: tuple[DaemonProcess, DaemonProcess, str]) -> None:
+        producer, consumer = peer_engines
+        p_daemon, c_daemon, address = peer_daemons
+        batch = prompts(seed=21)
+        ref = reference(consumer, batch)
+        assert consumer.log_path is not None
+        _, seen = new_lines(consumer.log_path, 0)
+        p = producer.prefill(batch)
+        assert p["kv_transfer_params"] == [{**x, "kvstore_peer": address}
+                                           for x in published(batch)]
+        served, own = stats(p_daemon).hit_blocks, stats(c_daemon).hit_blocks
+        got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
+        check_decode(got, ref, batch)
+        # Every block came from the producer's daemon; the consumer's own had none.
+        assert stats(p_daemon).hit_blocks - served == sum(fetched_blocks(n)
+                                                          for n in got["cached"])
+        assert stats(c_daemon).hit_blocks == own
+        assert not WAITED.search(new_lines(consumer.log_path, seen)[0])
+
+    @pytest.mark.timeout(600)
+    def test_a_peer_the_consumer_does_not_list_is_ignored(
+            self, peer_engines: tuple[Engine, Engine],
+            peer_daemons: tuple[DaemonProcess, DaemonProcess, str]) -> None:
+        """`kv_transfer_params` come with the request: an address the operator did not list
+        could serve forged K/V. The consumer ignores it (warns), waits, and computes."""
+        producer, consumer = peer_engines
+        p_daemon, _, address = peer_daemons
+        batch = prompts(seed=22)[:1]
+        ref = reference(consumer, batch)
+        producer.prefill(batch)  # the blocks are on the producer's daemon
+        assert consumer.log_path is not None
+        _, seen = new_lines(consumer.log_path, 0)
+        served = stats(p_daemon).hit_blocks
+        forged = [{**published(batch)[0], "kvstore_peer": p_daemon.target}]  # not listed
+        got = consumer.generate(batch, MAX_TOKENS, forged)
+        assert got["cached"] == [0]
+        assert_same_generation(got, ref)
+        assert stats(p_daemon).hit_blocks == served
+        log = new_lines(consumer.log_path, seen)[0]
+        assert "not in kvstore.peers" in log and address in log, log
+
+    @pytest.mark.timeout(600)
+    def test_the_producers_daemon_down_consumer_recomputes(
+            self, peer_engines: tuple[Engine, Engine],
+            peer_daemons: tuple[DaemonProcess, DaemonProcess, str]) -> None:
+        """The producer's daemon died after answering: the consumer's lookups there miss, it
+        waits `consumer_wait_s` and computes the prompt. Runs last: it kills that daemon."""
+        producer, consumer = peer_engines
+        p_daemon = peer_daemons[0]
+        batch = prompts(seed=23)[:1]
+        ref = reference(consumer, batch)
+        p = producer.prefill(batch)
+        p_daemon.kill()
+        began = time.monotonic()
+        got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
+        assert time.monotonic() - began < WAIT_S + 30
+        assert got["cached"] == [0]
+        assert_same_generation(got, ref)
