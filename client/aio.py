@@ -258,6 +258,24 @@ def normalize_target(target: str) -> tuple[str, bool]:
     return target, False
 
 
+def _copy_into_planes(planes: np.ndarray, offset: int, data: np.ndarray) -> None:
+    """Copy `data`, the bytes from `offset` on of a block laid out plane after plane, into
+    `planes` (`[planes, plane_bytes]`, each row contiguous; `AsyncKVClient._block_planes`)."""
+    width = planes.shape[1]
+    row, col = divmod(offset, width)
+    pos = 0
+    if col:  # the end of a plane begun in an earlier chunk
+        k = min(width - col, len(data))
+        planes[row, col : col + k] = data[:k]
+        pos, row = k, row + 1
+    whole = (len(data) - pos) // width
+    if whole:
+        planes[row : row + whole] = data[pos : pos + whole * width].reshape(whole, width)
+        pos, row = pos + whole * width, row + whole
+    if pos < len(data):  # the start of a plane the next chunk ends
+        planes[row, : len(data) - pos] = data[pos:]
+
+
 class AsyncKVClient:
     """Async client of one daemon for one layout and namespace (salt, LoRA, tenant)."""
 
@@ -1122,20 +1140,31 @@ class AsyncKVClient:
     async def _receive(self, stream: AsyncIterator[pb.FetchChunk], n: int,
                        out: torch.Tensor, start: int) -> None:
         size = self.layout.block_bytes
-        staging = np.empty(size, dtype=np.uint8)
         block, filled = 0, 0
+        planes = self._block_planes(out, start)
         async for chunk in stream:
-            if chunk.block_index != block or chunk.chunk_offset != filled:
+            if chunk.block_index != block or chunk.chunk_offset != filled \
+                    or filled + len(chunk.data) > size:
                 raise KVStoreError("fetch stream out of order")
-            staging[filled : filled + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+            # Straight into the block's place in `out` (no staging copy between).
+            _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
             filled += len(chunk.data)
             if filled == size:
-                view = torch.from_numpy(staging).view(self.layout.torch_dtype)
-                out[:, :, self._tokens_slice(start + block)].copy_(
-                    view.view(self.layout.block_shape))
                 block, filled = block + 1, 0
+                if block < n:
+                    planes = self._block_planes(out, start + block)
         if block != n:
             raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
+
+    def _block_planes(self, out: torch.Tensor, i: int) -> np.ndarray:
+        """Block `i`'s place in `out` (`[L, kv, tokens, H, D]`) as the rows its bytes fill
+        in order: one per (layer, K/V) plane, each `block_tokens * H * D` elements long and
+        contiguous in `out`, as uint8 (a view: writing it writes `out`)."""
+        region = out[:, :, self._tokens_slice(i)].view(torch.uint8)
+        rows = region.flatten(2).flatten(0, 1)
+        if rows.data_ptr() != region.data_ptr() or rows.stride(0) != region.stride(1):
+            raise AssertionError("fetch output is not laid out as [L, kv, tokens, H, D]")
+        return rows.numpy()
 
     async def _publish(self, keys: list[bytes], kv: torch.Tensor, until: float) -> int:
         if self.transfer == "stream":

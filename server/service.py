@@ -84,6 +84,37 @@ _HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
              (True, True): grpc.stream_stream_rpc_method_handler}
 
 
+_DATA_TAG = bytes([pb.FetchChunk.DATA_FIELD_NUMBER << 3 | 2])  # length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def data_chunk(index: int, offset: int, data: Any) -> bytes:
+    """A STREAM fetch's data message, `FetchChunk(block_index, chunk_offset, data)`, encoded
+    here: its bytes are copied once, from the arena into the message (`data`: any buffer).
+    Built as a message, they were copied three times (out of the arena, into the message,
+    into its encoding), and a fetch over TCP ran at a quarter of gRPC's own rate."""
+    head = pb.FetchChunk(block_index=index, chunk_offset=offset).SerializeToString()
+    return b"".join((head, _DATA_TAG, _varint(len(data)), data))
+
+
+def _serializer(message: Any) -> Any:
+    """The message's encoder, passing through messages encoded already (`data_chunk`)."""
+    encode = message.SerializeToString
+
+    def serialize(msg: Any) -> bytes:
+        return msg if isinstance(msg, bytes) else encode(msg)
+
+    return serialize
+
+
 def add_service(service: KVStoreService, server: grpc.aio.Server) -> None:
     """Register `service` as the generated `add_KVStoreServicer_to_server` would, but with
     `_tolerant` deserializers, built from the proto's own service descriptor."""
@@ -94,7 +125,7 @@ def add_service(service: KVStoreService, server: grpc.aio.Server) -> None:
         handlers[m.name] = make(
             getattr(service, m.name),
             request_deserializer=_tolerant(getattr(pb, m.input_type.name)),
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString)
+            response_serializer=_serializer(getattr(pb, m.output_type.name)))
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
@@ -338,14 +369,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 for i, entry in enumerate(lease.entries):
                     data = self.store.host.view(entry)
                     for off in range(0, entry.length, STREAM_CHUNK):
-                        chunk = data[off : off + STREAM_CHUNK].tobytes()
-                        await self._send(context, pb.FetchChunk(block_index=i,
-                                                                chunk_offset=off, data=chunk))
+                        await self._send(context, data_chunk(i, off,
+                                                             data[off : off + STREAM_CHUNK]))
         finally:
             if lease.held:
                 self.store.release(lease.id)
 
-    async def _send(self, context: Any, msg: pb.FetchChunk) -> None:
+    async def _send(self, context: Any, msg: pb.FetchChunk | bytes) -> None:
         """Write one message, or end the call when the client has not taken it within
         `lease_timeout_s`: a stream nobody reads must not hold pins, memory and a concurrency
         slot until the client goes away."""
