@@ -45,6 +45,7 @@ from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KeyCache, Namespace, PrefixKeys
 from kvstore.layout import KVLayout
+from kvstore.malloc_tuning import keep_large_buffers
 from kvstore.planner import (
     DEFAULT_BANDWIDTH,
     BandwidthModel,
@@ -309,6 +310,8 @@ class AsyncKVClient:
         self._layout_pb = pb.Layout(**layout.to_dict())
         self.deadline_s = deadline_s
         self.transfer = transfer if self.is_unix else "stream"
+        if self.transfer == "stream":
+            keep_large_buffers()  # 1 MiB messages from warm heap pages, not fresh mappings
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_msg = max_message_bytes
         self._breaker = Breaker(backoff or BackoffPolicy(), log, self.target)
@@ -856,6 +859,7 @@ class AsyncKVClient:
             log.warning("cannot map the daemon's arena %s (%s); streaming instead",
                         info.arena_path, e)
             self.transfer = "stream"
+            keep_large_buffers()
             return None
         self._arena_id = arena_id
         self._left_arena = None  # the same mapping as `_arena` where it was taken over

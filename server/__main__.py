@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kvstore.server").warning(
             "--token on the command line is readable by every local user (/proc/PID/cmdline, "
             "ps); put it in token_file (mode 0600) or KVSTORE_TOKEN instead")
+    from kvstore.malloc_tuning import keep_large_buffers
     from kvstore.server.app import Daemon
+
+    keep_large_buffers()  # streamed fetches: 1 MiB messages from warm heap pages
 
     try:
         daemon = Daemon(config)
