@@ -52,8 +52,9 @@ class _ShortFetch:
 class FlakyKVStoreConnector(KVStoreConnector):
     """Worker-side fetches lose their last block (see the module docstring)."""
 
-    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
-        return _ShortFetch(super()._client(salt, lora, group, shard))
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                peer: str | None = None) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group, shard, peer))
 
 
 class FiniteFlakyKVStoreConnector(KVStoreConnector):
@@ -63,16 +64,18 @@ class FiniteFlakyKVStoreConnector(KVStoreConnector):
     masked slots with weight 0, which a NaN turns into NaN (docs/ENGINES.md, "Hybrid
     models"). Values used by attention would still change the output."""
 
-    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
-        return _ShortFetch(super()._client(salt, lora, group, shard), poison=1e4)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                peer: str | None = None) -> Any:
+        return _ShortFetch(super()._client(salt, lora, group, shard, peer), poison=1e4)
 
 
 class RankFlakyKVStoreConnector(KVStoreConnector):
     """Tensor parallel: rank 1's worker-side fetches lose their last block (NaN), rank 0's
     are whole; a fault in one worker's load."""
 
-    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
-        client = super()._client(salt, lora, group, shard)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                peer: str | None = None) -> Any:
+        client = super()._client(salt, lora, group, shard, peer)
         return _ShortFetch(client) if self._rank == 1 else client
 
 
@@ -81,8 +84,9 @@ class StageFlakyKVStoreConnector(KVStoreConnector):
     1's are whole; a fault in one stage's load, which makes every later stage's new K/V of
     that step wrong too."""
 
-    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
-        client = super()._client(salt, lora, group, shard)
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                peer: str | None = None) -> Any:
+        client = super()._client(salt, lora, group, shard, peer)
         return _ShortFetch(client) if self._stage == 0 else client
 
 
@@ -118,8 +122,9 @@ class _SlowSave:
 class SlowSaveKVStoreConnector(KVStoreConnector):
     """Saves that take 1.5 s longer: a request finishes long before its blocks are stored."""
 
-    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None) -> Any:
-        return _SlowSave(super()._client(salt, lora, group, shard))
+    def _client(self, salt: str, lora: str, group: int = 0, shard: int | None = None,
+                peer: str | None = None) -> Any:
+        return _SlowSave(super()._client(salt, lora, group, shard, peer))
 
 
 LAYER_COPY_S = 0.05
