@@ -272,13 +272,14 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     if any(n % args.block_size for n in lengths):
         raise SystemExit("--lengths must be whole blocks of --block-size")
+    setups = args.setups.split(",")
+    if unknown := [s for s in setups if s not in SETUPS]:  # before minutes of other setups
+        raise SystemExit(f"--setups: unknown {unknown}; known: {sorted(SETUPS)}")
     root = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short socket paths
     rows: list[dict[str, Any]] = []
     try:
         model = make_model(root / "model", args.layers)
-        for setup in args.setups.split(","):
-            if setup not in SETUPS:
-                raise SystemExit(f"--setups: unknown setup {setup!r}; known: {sorted(SETUPS)}")
+        for setup in setups:
             rows += run_setup(setup, model, root, lengths, args.repeats, args.block_size)
     finally:  # the model and the daemons' blocks; the logs stay
         for path in root.iterdir():
