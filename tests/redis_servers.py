@@ -53,6 +53,10 @@ def cli(port: int, *args: str, timeout: float = 10.0) -> str:
     return out.stdout
 
 
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port or its Cluster bus port."""
+
+
 class RedisServer:
     """One `redis-server` process; `start` again after `kill` reuses its port and directory."""
 
@@ -62,6 +66,10 @@ class RedisServer:
         self.cluster = cluster
         self.password = password  # `requirepass`: clients must AUTH
         self.port = port or free_port(cluster)
+        # A port we chose may be taken between `free_port`'s check and redis-server's bind
+        # (another test's server, a client's ephemeral port): until it first starts, such a
+        # server moves to a fresh port. Once started, a restart keeps its port (nodes.conf).
+        self._may_move = port is None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -69,8 +77,23 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        for attempt in range(3):
+            try:
+                self._start_once(timeout)
+            except _PortTaken:
+                if not self._may_move or attempt == 2:
+                    raise
+                self.port = free_port(self.cluster)
+                continue
+            self._may_move = False
+            return self
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> None:
         assert REDIS_SERVER is not None, SKIP_REASON
         self.dir.mkdir(parents=True, exist_ok=True)
+        log_file = self.dir / "redis.log"
+        log_start = log_file.stat().st_size if log_file.exists() else 0  # this attempt's lines
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "no",
                 "--logfile", str(self.dir / "redis.log"), "--protected-mode", "yes"]
@@ -88,13 +111,16 @@ class RedisServer:
                 break
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
-                if cli(self.port, *auth, "PING", timeout=2).strip() == "PONG":
-                    return self
+                # Ours, not another server that holds the port while ours fails to bind it.
+                info = cli(self.port, *auth, "INFO", "server", timeout=2).split()
+                if f"process_id:{self.proc.pid}" in info:
+                    return
             time.sleep(0.02)
-        log = (self.dir / "redis.log").read_text()[-2000:] if (self.dir / "redis.log").exists() \
-            else ""
+        log = log_file.read_bytes()[log_start:].decode(errors="replace")[-2000:] \
+            if log_file.exists() else ""
         self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+        error = _PortTaken if "Address already in use" in log else RuntimeError
+        raise error(f"redis-server on port {self.port} did not start:\n{log}")
 
     def kill(self) -> None:
         """SIGKILL: the node vanishes as a crashed machine would."""
