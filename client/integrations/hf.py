@@ -54,6 +54,10 @@ from kvstore.planner import Plan, PrefillModel
 
 log = logging.getLogger("kvstore.hf")
 
+# A load path broken for good (a device fault) fails every request: the first failure is a
+# warning, later ones a summary at most this often.
+LOAD_FAILURE_LOG_S = 60.0
+
 __all__ = [  # with what hf_layers holds (a model's cache against blocks), importable from here
     "ATTENTION_LAYER_KINDS", "CUDA_LOAD", "MLP_LAYER_KINDS", "CachedPrefill", "KVBuffers",
     "LayerShape", "Loading", "PrefillResult", "block_runs", "cache_mismatch", "cache_to_kv",
@@ -869,9 +873,28 @@ class CachedPrefill:
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
         client.prepare(pin=self.device.type == "cuda")
         self._mismatch_logged = False
+        self.load_failures = 0  # loads whose copy path raised (each recomputed)
+        self._failures_logged_at: float | None = None
+        self._failures_unlogged = 0
         # The cached layers' windows (sliding-window and chunked layers).
         windows = (own_windows(model) or [])[: len(self.shapes)]
         self.windows = windows if any(windows) else None
+
+    def _load_failed(self, error: BaseException) -> None:
+        self.load_failures += 1
+        self._failures_unlogged += 1
+        now = time.monotonic()
+        if self._failures_logged_at is None:
+            log.warning("kvstore: a load failed (%r); recomputing (further failures are "
+                        "counted and summarised at most every %.0f s)", error,
+                        LOAD_FAILURE_LOG_S)
+        elif now - self._failures_logged_at >= LOAD_FAILURE_LOG_S:
+            log.warning("kvstore: %d loads failed in the last %.0f s (%d in all; last: %r); "
+                        "recomputed", self._failures_unlogged, now - self._failures_logged_at,
+                        self.load_failures, error)
+        else:
+            return
+        self._failures_logged_at, self._failures_unlogged = now, 0
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,
@@ -910,7 +933,7 @@ class CachedPrefill:
                                        last_logits_only=True)
             got = loading.finish()
             if loading.error is not None:  # not a miss: the load path itself failed
-                log.warning("kvstore: a load failed (%r); recomputing", loading.error)
+                self._load_failed(loading.error)
             if got != cached:
                 # Less came than the lookup found (evicted since, a deadline, the daemon gone):
                 # that forward saw stale K/V. Throw it away; load what is there now if part

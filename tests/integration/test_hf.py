@@ -155,6 +155,36 @@ def test_a_load_that_fails_is_recomputed_and_logged(daemon, monkeypatch, caplog)
     assert "copy path broken" in caplog.text and "recomputing" in caplog.text
 
 
+def test_a_load_path_broken_for_good_warns_once_then_summarises(daemon, monkeypatch, caplog):
+    """Every load fails (a device fault that stays): each prefill recomputes correctly, the
+    first failure is a warning, the rest are counted and summarised once the interval passed,
+    not one warning per request."""
+    from kvstore.client.integrations import hf
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy path broken")
+    monkeypatch.setattr(hf, "_copy_in", broken)
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(12))
+    want, _ = reference(model, ids, 0)
+    with KVClient(daemon.target, layout) as c:
+        engine = CachedPrefill(model, c)
+        engine.prefill(ids)  # cold: computes and publishes
+        with caplog.at_level("WARNING", logger=hf.log.name):
+            for _ in range(4):
+                r = engine.prefill(ids, publish=False)
+                assert r.cached_tokens == 0
+                assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
+            assert engine.load_failures == 4
+            assert len(caplog.records) == 1 and "copy path broken" in caplog.text
+            monkeypatch.setattr(hf, "LOAD_FAILURE_LOG_S", 0.0)  # the interval has passed
+            engine.prefill(ids, publish=False)
+    assert len(caplog.records) == 2
+    assert "4 loads failed" in caplog.records[1].getMessage()
+    assert "5 in all" in caplog.records[1].getMessage()
+
+
 def test_reserved_buffers_serve_warm_prefills_and_never_a_held_cache(daemon):
     """`reserve_tokens`: warm prefills load into memory touched up front; a cache the caller
     still holds is never overwritten by the next load (that one gets fresh memory), and a
