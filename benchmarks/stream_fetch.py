@@ -7,8 +7,8 @@ shape (8 layers x 8 KV heads x 128, bf16: 32 KiB per token, 4 MiB blocks of 128 
 length, alternated, median of `--repeats`:
 - "stream": `KVClient.fetch_with` over TCP, the whole prompt (the consumer's load);
 - "grpc ceiling": a bare gRPC server streaming the same bytes in messages of the daemon's
-  chunk size, to a client in another process (no daemon, no protobuf): the limit of gRPC's
-  Python library on this machine;
+  chunk size, to a client in another process (no daemon, no protobuf), both with the
+  daemon's malloc tuning: the limit of gRPC's Python library on this machine;
 - "shm": the same fetch over the Unix socket, zero copy (the local engine's load).
 
     python -m benchmarks.stream_fetch [--lengths 1024,2048,4096] [--repeats 7]
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from benchmarks.common import require, table, write_results
 from kvstore.client import KVClient
 from kvstore.layout import KVLayout
+from kvstore.malloc_tuning import keep_large_buffers
 from kvstore.server.process import DaemonProcess
 from kvstore.server.service import STREAM_CHUNK
 from tests.redis_servers import free_port
@@ -54,6 +55,7 @@ def _fetch_s(client: KVClient, tokens: list[int]) -> float:
 def _grpc_server(port: int) -> None:
     import grpc
 
+    keep_large_buffers()  # as the daemon does: a like-for-like ceiling
     payload = bytes(STREAM_CHUNK)
 
     async def stream(request: bytes, context: Any) -> Any:
