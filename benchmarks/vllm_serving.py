@@ -261,10 +261,9 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
     return records, float(np.median([r[1] for r in runs])), counters
 
 
-def pooled(names: list[str]) -> list[dict[str, Any]]:
-    """TTFT percentiles over several results files of one workload: each request's TTFT the
-    median of its runs in all of them (a single run of the VM is noisier than the stores'
-    differences)."""
+def pooled_runs(names: list[str]) -> dict[str, list[list[float]]]:
+    """Every run's TTFT of every request, per configuration, over several results files of
+    one workload (`[config][request] -> seconds of each run]`)."""
     runs: dict[str, list[list[float]]] = {}
     for name in names:
         requests = json.loads((RESULTS / f"{name}.json").read_text())["requests"]
@@ -275,14 +274,49 @@ def pooled(names: list[str]) -> list[dict[str, Any]]:
                                  f"{len(per)}: not the same workload")
             for mine, record in zip(per, records, strict=True):
                 mine.extend(record.get("ttft_runs", [record["ttft_s"]]))
+    return runs
+
+
+def _stats(ttft: np.ndarray) -> dict[str, float]:
+    return {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99)),
+            "mean": float(ttft.mean())}
+
+
+def pooled(names: list[str]) -> list[dict[str, Any]]:
+    """TTFT percentiles over several results files of one workload: each request's TTFT the
+    median of its runs in all of them (a single run of the VM is noisier than the stores'
+    differences). With a `vllm` configuration, each request's pooled TTFT over vLLM alone's
+    (the worst such ratio is "no request slower than recomputation")."""
+    runs = pooled_runs(names)
+    medians = {config: np.array([np.median(r) for r in per]) for config, per in runs.items()}
     rows = []
     for config, per in runs.items():
-        ttft = np.array([np.median(r) for r in per])
-        rows.append({"config": config, "runs per request": min(len(r) for r in per),
-                     "TTFT p50 s": float(np.percentile(ttft, 50)),
-                     "TTFT p99 s": float(np.percentile(ttft, 99)),
-                     "TTFT mean s": float(ttft.mean())})
+        got = _stats(medians[config])
+        row: dict[str, Any] = {"config": config, "runs per request": min(len(r) for r in per),
+                               "TTFT p50 s": got["p50"], "TTFT p99 s": got["p99"],
+                               "TTFT mean s": got["mean"]}
+        if "vllm" in medians and config != "vllm":
+            row["worst TTFT / vLLM alone's"] = float((medians[config] / medians["vllm"]).max())
+        rows.append(row)
     return rows
+
+
+def bootstrap_ratio(runs: dict[str, list[list[float]]], a: str, b: str,
+                    samples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """How sure the pooled comparison of `a` against `b` is: each request's runs resampled
+    with replacement (per configuration, independently), the statistics of the requests'
+    medians recomputed, and the ratio a / b's 2.5th, 50th and 97.5th percentiles over
+    `samples` resamplings (a 95% interval: an interval that holds 1 is parity)."""
+    rng = np.random.default_rng(seed)
+    ratios: dict[str, list[float]] = {"p50": [], "p99": [], "mean": []}
+    for _ in range(samples):
+        got = [_stats(np.array([np.median(rng.choice(r, len(r))) for r in runs[c]]))
+               for c in (a, b)]
+        for stat, values in ratios.items():
+            values.append(got[0][stat] / got[1][stat])
+    return [{"statistic": f"TTFT {stat}", "ratio": f"{a} / {b}",
+             "2.5%": float(np.percentile(v, 2.5)), "median": float(np.median(v)),
+             "97.5%": float(np.percentile(v, 97.5))} for stat, v in ratios.items()]
 
 
 def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len: int,
@@ -337,8 +371,14 @@ def main() -> None:
                         "the same workload), each request's TTFT the median of all its runs")
     args = p.parse_args()
     if args.pool:
-        print(table(pooled(args.pool.split(",")), ["config", "runs per request", "TTFT p50 s",
-                                                   "TTFT p99 s", "TTFT mean s"]))
+        names = args.pool.split(",")
+        print(table(pooled(names), ["config", "runs per request", "TTFT p50 s", "TTFT p99 s",
+                                    "TTFT mean s", "worst TTFT / vLLM alone's"]))
+        runs = pooled_runs(names)
+        if "kvstore" in runs and "lmcache" in runs:
+            print("\n95% bootstrap intervals (each request's runs resampled):")
+            print(table(bootstrap_ratio(runs, "kvstore", "lmcache"),
+                        ["statistic", "ratio", "2.5%", "median", "97.5%"]))
         return
     configs = args.configs.split(",")
     if "lmcache" in configs and not VENV_LMCACHE.exists():

@@ -36,3 +36,21 @@ def test_files_of_other_workloads_are_refused(tmp_path: Path,
     write(tmp_path, "three", {"kvstore": [[1.0], [2.0], [3.0]]})
     with pytest.raises(SystemExit, match="not the same workload"):
         serving.pooled(["one", "three"])
+
+
+def test_worst_request_against_vllm_alone(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+    write(tmp_path, "one", {"kvstore": [[2.0], [9.0]], "vllm": [[4.0], [6.0]]})
+    rows = {r["config"]: r for r in serving.pooled(["one"])}
+    assert rows["kvstore"]["worst TTFT / vLLM alone's"] == pytest.approx(1.5)  # 9 / 6
+    assert "worst TTFT / vLLM alone's" not in rows["vllm"]
+
+
+def test_bootstrap_interval_holds_the_ratio_and_narrows_with_agreeing_runs() -> None:
+    same = {"a": [[2.0] * 5, [4.0] * 5], "b": [[1.0] * 5, [2.0] * 5]}
+    for row in serving.bootstrap_ratio(same, "a", "b", samples=50):
+        assert row["2.5%"] == row["median"] == row["97.5%"] == pytest.approx(2.0)
+    noisy = {"a": [[1.0, 3.0, 2.0, 2.5, 1.5]] * 2, "b": [[1.0, 3.0, 2.0, 2.5, 1.5]] * 2}
+    for row in serving.bootstrap_ratio(noisy, "a", "b", samples=200):
+        assert row["2.5%"] < 1.0 < row["97.5%"]  # the same runs: parity, with its spread
