@@ -269,6 +269,20 @@ def _coerce(name: str, raw: Any) -> Any:
         raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
 
 
+OTHER_ENV = {
+    "KVSTORE_CONFIG": "the daemon's TOML file (`--config`)",
+    "KVSTORE_TARGET": "the `kvstore` CLI's daemon address",
+    "KVSTORE_SAVE_NICE": "the engine connectors' save priority",
+    "KVSTORE_MALLOC_TUNING": "0: leave glibc's malloc thresholds alone (daemon and clients)",
+    "KVSTORE_NATIVE_COPY": "0: copy vLLM CPU caches with torch ops, not the C routine",
+    "KVSTORE_CACHE_DIR": "where the C copy routine is built",
+}
+"""`KVSTORE_*` variables that are not daemon options: read by other parts of kvstore (the
+CLI, clients, engine connectors) or by the daemon apart from its options. One environment
+often starts the daemon beside them (a compose file, a shell), so its option loader skips
+them; any other unknown `KVSTORE_*` name stops start-up, naming the variable."""
+
+
 def load_config(
     file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -285,9 +299,12 @@ def load_config(
         for k, v in data.items():
             values[k.replace("-", "_")] = _coerce(k.replace("-", "_"), v)
     for k, v in (env or {}).items():
-        if k.startswith("KVSTORE_") and k != "KVSTORE_CONFIG":
+        if k.startswith("KVSTORE_") and k not in OTHER_ENV:
             name = k.removeprefix("KVSTORE_").lower()
-            values[name] = _coerce(name, v)
+            try:
+                values[name] = _coerce(name, v)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (environment variable {k})") from None
     for k, v in (overrides or {}).items():
         if v is not None:
             values[k] = _coerce(k, v)

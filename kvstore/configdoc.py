@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvstore.config import ServerConfig
+from kvstore.config import OTHER_ENV, ServerConfig
 
 HEADER = """# Configuration reference
 
@@ -56,7 +56,18 @@ def render() -> str:
         rows.append(f"| `{f.name}` | `--{f.name.replace('_', '-')}` | "
                     f"`KVSTORE_{f.name.upper()}` | {_default(f)} | {meta['unit']} | "
                     f"{_bounds(dict(meta))} | {doc} |")
-    return HEADER + "\n".join(rows) + "\n"
+    other = "\n".join(f"| `{name}` | {what} |" for name, what in OTHER_ENV.items())
+    return (HEADER + "\n".join(rows) + "\n\n" + OTHER_HEADER + other + "\n")
+
+
+OTHER_HEADER = """## Other `KVSTORE_*` variables
+
+These are not daemon options: other parts of kvstore read them. The daemon ignores them in its
+environment; any other unknown `KVSTORE_*` variable stops its start-up with a message naming it.
+
+| variable | read for |
+| --- | --- |
+"""
 
 
 if __name__ == "__main__":

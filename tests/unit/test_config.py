@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import ServerConfig, load_config, parse_size
+from kvstore.config import OTHER_ENV, ServerConfig, load_config, parse_size
 from kvstore.errors import ConfigError, InvalidArgumentError
 
 
@@ -99,8 +99,45 @@ def test_unknown_option_in_toml_named(tmp_path: Path) -> None:
 
 
 def test_unknown_option_in_env_named() -> None:
-    with pytest.raises(ConfigError, match="unknown option 'cache_size'"):
+    with pytest.raises(ConfigError, match=r"unknown option 'cache_size'.*KVSTORE_CACHE_SIZE"):
         load_config(env={"KVSTORE_CACHE_SIZE": "1GiB"})
+
+
+def test_other_kvstore_variables_in_the_daemons_environment_are_ignored() -> None:
+    """The CLI's, the clients' and the connectors' variables often share the daemon's
+    environment (a compose file, a shell): the documented `KVSTORE_MALLOC_TUNING=0` opt-out
+    made the daemon refuse to start ("unknown option 'malloc_tuning'")."""
+    env = {name: "0" for name in OTHER_ENV} | {"KVSTORE_HOST_BYTES": "2MiB"}
+    assert load_config(env=env) == ServerConfig(host_bytes=2 * 2**20)
+
+
+def test_every_kvstore_variable_the_code_reads_is_an_option_or_listed() -> None:
+    """A new `KVSTORE_*` variable read anywhere in kvstore must be a daemon option or in
+    `OTHER_ENV`, else a daemon started in the same environment refuses to start."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    options = {f"KVSTORE_{f.name.upper()}" for f in dataclasses.fields(ServerConfig)}
+    read: set[str] = set()
+    for package in ("client", "kvstore", "server", "tiers", "kernels"):
+        for source in (root / package).rglob("*.py"):
+            read |= set(re.findall(r"\"(KVSTORE_[A-Z0-9_]+)\"", source.read_text()))
+    assert "KVSTORE_MALLOC_TUNING" in read  # the scan finds what the code reads
+    assert read - options - set(OTHER_ENV) == set()
+
+
+def test_the_daemon_starts_beside_the_clients_variables(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **{name: "0" for name in OTHER_ENV if name != "KVSTORE_CONFIG"},
+           "KVSTORE_TARGET": "unix:///nowhere.sock"}
+    out = subprocess.run([sys.executable, "-m", "kvstore.server", "--data-dir",
+                          str(tmp_path), "--print-config"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path) in out.stdout
 
 
 def test_unknown_override_named() -> None:
