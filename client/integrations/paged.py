@@ -422,7 +422,7 @@ class PagedCache:
         """Copy with the C routine; False where it is unavailable or a view's strides are not
         the token-major ones it walks (the caller then copies with torch)."""
         fn = native_copy(self.isa)
-        if fn is None or self.dtype.itemsize not in (2, 4):
+        if fn is None or self.dtype.itemsize not in (1, 2, 4):
             return False
         if self.isa == "amx" and (self.dtype.itemsize != 2 or self.head_dim > AMX_MAX_DIM):
             return False

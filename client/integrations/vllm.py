@@ -129,8 +129,8 @@ other's blocks; each rank moves the heads its cache holds through head slices of
 
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
 other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA,
-DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches), hybrid models at pipeline
-parallel size 1 only, text prompts (requests with multimodal inputs or prompt embeddings bypass
+DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches other than per-tensor
+fp8), hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs or prompt embeddings bypass
 the store); a block stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is
 described in KV events by its first, a hybrid model's blocks by group (`group_idx`).
 """
@@ -433,9 +433,7 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         raise ConnectorConfigError("the kvstore connector needs a KV cache (attention-free "
                                    "models have none)")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        raise ConnectorConfigError("quantized KV caches are not supported (their scales are not "
-                                   "part of a kvstore block): use kv_cache_dtype='auto'")
+    fp8 = _fp8_cache_dtype(vllm_config)
     # vLLM gives groups whose pages differ in bytes block sizes that make them equal (Gemma
     # 4: full-attention layers of head dim 512 beside sliding ones of 256). A kvstore block
     # spans whole blocks of every group: the least common multiple of their sizes.
@@ -484,6 +482,10 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
                                        f"and (with vLLM's hybrid KV-cache manager) sliding "
                                        f"window attention only, got {type(spec).__name__} in "
                                        f"KV-cache group {index}")
+        if mla and fp8 is not None:
+            raise ConnectorConfigError("fp8 KV caches are supported for full and sliding-window "
+                                       "attention, not MLA (not tested): use kv_cache_dtype "
+                                       "'auto' for an MLA model")
         if mla:
             _warn_cpu_mla_rope(vllm_config)
         else:  # vLLM's CPU MLA cache is plain rows: no ISA packing
@@ -502,7 +504,8 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         local = 1 if mla else spec.num_kv_heads
         layout = functools.partial(
             KVLayout, model_revision=model_config.revision or "", num_kv_heads=local,
-            head_dim=spec.head_size, dtype=spec.dtype, block_tokens=block_tokens,
+            head_dim=spec.head_size, dtype=getattr(torch, fp8) if fp8 else spec.dtype,
+            block_tokens=block_tokens,
             kv_kind="mla" if mla else "kv")
         every = tuple(range(tp))
         total = local * tp  # the model's KV heads: asked of vLLM only where they matter
@@ -540,6 +543,33 @@ def groups_for_vllm(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         out.append(KVGroup(index, mine[stage], names, window, rank, first, tuple(shards), stage,
                            spec.block_size))
     return out
+
+
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
+"""vLLM's per-tensor fp8 KV caches (`--kv-cache-dtype`), stored as the bytes vLLM wrote. Their
+pages are uint8 in vLLM; a kvstore block names the fp8 format, so an fp8 engine's blocks are
+misses for an engine of another cache dtype, and e4m3 and e5m2 never mix."""
+
+
+def _fp8_cache_dtype(vllm_config: VllmConfig) -> str | None:
+    """The fp8 format of vLLM's KV cache (a `FP8_CACHE_DTYPES` value), None for "auto" (the
+    model's dtype); any other quantized cache is refused with the reason."""
+    cache = vllm_config.cache_config
+    if cache.cache_dtype == "auto":
+        return None
+    if cache.cache_dtype not in FP8_CACHE_DTYPES:
+        raise ConnectorConfigError(
+            f"KV cache dtype {cache.cache_dtype!r} is not supported: its per-token scales or "
+            f"packing are not part of a kvstore block; use kv_cache_dtype 'auto' or a "
+            f"per-tensor fp8 cache ({', '.join(FP8_CACHE_DTYPES)})")
+    if getattr(cache, "kv_cache_dtype_skip_layers", None):
+        raise ConnectorConfigError(
+            f"kv_cache_dtype_skip_layers {cache.kv_cache_dtype_skip_layers} is not supported: "
+            f"layers of two cache dtypes in one model (vLLM pads their pages to one size)")
+    # The scales K and V are quantized with are the checkpoint's (1.0 where it has none):
+    # like the weights, they are named by the model (`kvstore.model`, its revision).
+    return FP8_CACHE_DTYPES[cache.cache_dtype]
 
 
 def _event_group(group: KVGroup) -> EventGroup:
@@ -608,9 +638,8 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: Any) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except ImportError:
         return
-    # The cache dtype is "auto" (checked before), so the spec's dtype is the model's, which is
-    # what vLLM's CPU attention picks its ISA by.
-    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size,
+    # vLLM's CPU attention picks its ISA by the model's dtype (an fp8 cache's spec says uint8).
+    isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
                         vllm_config.cache_config.cache_dtype)
     if isa not in VLLM_CPU_ISAS:
         raise ConnectorConfigError(f"vLLM's CPU attention would use ISA {isa!r}, whose packed "
@@ -1376,6 +1405,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                      ) -> PagedCache:
         """The paged cache of one KV-cache group's layers, checked against its layout."""
         lay = group.layout
+        if lay.dtype_name in FP8_CACHE_DTYPES.values() and tensors[0].dtype == torch.uint8:
+            # vLLM allocates fp8 caches as bytes: the same memory, read as what it holds.
+            tensors = [t.view(lay.torch_dtype) for t in tensors]
         first = tensors[0]
         layers = self._vllm_config.compilation_config.static_forward_context
         if lay.kv_kind == "mla":

@@ -8,11 +8,13 @@ compiler is found, paged.py copies with torch ops instead (same bytes, about 3x 
 Inside one (page, head) of a vLLM CPU cache layer `[pages, heads, page_size, 2*head_dim]`, K
 is column-major `[head_dim, page_size]` and V row-major `[page_size, head_dim]`
 (`reshape_and_cache` in vLLM's csrc/cpu/cpu_attn_vec.hpp). kvstore keeps each of K and V
-token-major, `[tokens, heads, head_dim]`, so V moves as rows and K is transposed: 8x8 tiles of
-16-bit or 4x4 tiles of 32-bit elements in SSE2 registers, element by element otherwise.
+token-major, `[tokens, heads, head_dim]`, so V moves as rows and K is transposed: 16x16 tiles
+of bytes (fp8 caches), 8x8 of 16-bit or 4x4 of 32-bit elements in SSE2 registers, element by
+element otherwise.
 
 Both directions walk the token-major side in address order, a strip of tokens of every head at
-a time (the 64 bytes of a K page row: 32 tokens of 16-bit elements, 16 of 32-bit ones). Its
+a time (the 64 bytes of a K page row: 64 tokens of bytes, 32 of 16-bit elements, 16 of 32-bit
+ones). Its
 token rows are 2-4 KiB apart: walked one head at a time down a page, every row was a new 4 KiB
 page for the prefetcher, and even V's plain row copies ran at 0.4x memcpy. A load writes V with
 streaming stores (no read of the cache lines it overwrites), and K's strips too, one whole
@@ -65,6 +67,33 @@ static inline void tile16x8(const char* s, int64_t ss, char* d, int64_t ds) {
     _mm_storeu_si128((__m128i*)(d + 7 * ds * 2), _mm_unpackhi_epi64(c3, c7));
 }
 
+/* One tile of bytes (fp8 caches): dst[c][r] = src[r][c] for r, c < 16, in four rounds of
+   unpacks (bytes, then pairs, quads and halves of rows). */
+static inline void tile8x16(const char* s, int64_t ss, char* d, int64_t ds) {
+    __m128i a[16], b[16];
+    for (int i = 0; i < 16; i++)
+        a[i] = _mm_loadu_si128((const __m128i*)(s + i * ss));
+    for (int p = 0; p < 8; p++) {  /* b[8h + p]: rows 2p, 2p+1 of columns 8h..8h+7 */
+        b[p] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
+        b[8 + p] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
+    }
+    for (int h = 0; h < 2; h++)  /* a[4g + q]: rows 4q..4q+3 of columns 4g..4g+3 */
+        for (int q = 0; q < 4; q++) {
+            a[8 * h + q] = _mm_unpacklo_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
+            a[8 * h + 4 + q] = _mm_unpackhi_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
+        }
+    for (int g = 0; g < 4; g++)  /* b[2k + w]: rows 8w..8w+7 of columns 2k, 2k+1 */
+        for (int w = 0; w < 2; w++) {
+            b[4 * g + w] = _mm_unpacklo_epi32(a[4 * g + 2 * w], a[4 * g + 2 * w + 1]);
+            b[4 * g + 2 + w] = _mm_unpackhi_epi32(a[4 * g + 2 * w], a[4 * g + 2 * w + 1]);
+        }
+    for (int k = 0; k < 8; k++) {
+        _mm_storeu_si128((__m128i*)(d + (2 * k) * ds), _mm_unpacklo_epi64(b[2 * k], b[2 * k + 1]));
+        _mm_storeu_si128((__m128i*)(d + (2 * k + 1) * ds),
+                         _mm_unpackhi_epi64(b[2 * k], b[2 * k + 1]));
+    }
+}
+
 static inline void tile32x4(const char* s, int64_t ss, char* d, int64_t ds) {
     __m128i a0 = _mm_loadu_si128((const __m128i*)(s + 0 * ss * 4));
     __m128i a1 = _mm_loadu_si128((const __m128i*)(s + 1 * ss * 4));
@@ -91,7 +120,10 @@ static void transpose(const char* src, int64_t ss, char* dst, int64_t ds, int ro
                       int es) {
     int tile = 0;
 #if defined(__SSE2__)
-    if (es == 2) {
+    if (es == 1) {
+        tile = 16;
+        TILES(tile8x16, 16)
+    } else if (es == 2) {
         tile = 8;
         TILES(tile16x8, 8)
     } else if (es == 4) {
@@ -136,13 +168,15 @@ static void copy_streaming(char* dst, const char* src, size_t n) {
 #if defined(__SSE2__)
 static inline __attribute__((always_inline)) void streamed_tiles(
     const char* src, int64_t ss, char* dst, int64_t ds, int rows, int cols, int es) {
-    const int t = es == 2 ? 8 : 4, line = 64 / es;  /* a tile's size; elements per line */
-    _Alignas(64) char lines[8 * 64];
+    const int t = es == 1 ? 16 : es == 2 ? 8 : 4, line = 64 / es;  /* tile; elements a line */
+    _Alignas(64) char lines[16 * 64];
     for (int c = 0; c + t <= cols; c += t) {
         for (int r0 = 0; r0 < rows; r0 += line) {
             for (int q = 0; q < 4; q++) {
                 const char* s = src + ((int64_t)(r0 + q * t) * ss + c) * es;
-                if (es == 2)
+                if (es == 1)
+                    tile8x16(s, ss, lines + q * 16, 64);
+                else if (es == 2)
                     tile16x8(s, ss, lines + q * 16, 32);
                 else
                     tile32x4(s, ss, lines + q * 16, 16);
@@ -171,9 +205,12 @@ static inline __attribute__((always_inline)) void streamed_tiles(
 static int transpose_streaming(const char* src, int64_t ss, char* dst, int64_t ds, int rows,
                                int cols, int es) {
 #if defined(__SSE2__)
-    if (((uintptr_t)dst & 15) || (ds * es) % 16 || (es != 2 && es != 4) || (rows * es) % 64)
+    if (((uintptr_t)dst & 15) || (ds * es) % 16 || (es != 1 && es != 2 && es != 4)
+            || (rows * es) % 64)
         return 0;
-    if (es == 2)  /* a constant element size per call: the tiles' loops unroll */
+    if (es == 1)  /* a constant element size per call: the tiles' loops unroll */
+        streamed_tiles(src, ss, dst, ds, rows, cols, 1);
+    else if (es == 2)
         streamed_tiles(src, ss, dst, ds, rows, cols, 2);
     else
         streamed_tiles(src, ss, dst, ds, rows, cols, 4);

@@ -1,9 +1,10 @@
 """Save (gather out of vLLM's CPU pages) and load (scatter into them), beside memcpy.
 
     .venv/bin/python -m tests.unit.bench_paged_copy [--repeats 9] [--tokens 2048,8192] \
-        [--against OLD.c] [--torch] [--isa amx]
+        [--against OLD.c] [--torch] [--isa amx] [--dtypes bfloat16,float32,float8_e4m3fn]
 
-A Llama-8B-shaped block set (32 layers, 8 KV heads, head_dim 128) in bf16 and float32, prompts
+A Llama-8B-shaped block set (32 layers, 8 KV heads, head_dim 128) in bf16 and float32 (or
+`--dtypes`: an fp8 cache's `float8_e4m3fn`), prompts
 of 2,048 and 8,192 tokens in 128-token pages (shuffled, as a request's pages are) and kvstore
 blocks of 128 tokens (separate views, as `fetch_with`/`publish_with` hand them out), copied by
 the C routine on as many threads as the process may use CPUs (`taskset -c 1` for one), beside
@@ -112,6 +113,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another version of "
                         f"{paged.NATIVE_SOURCE.name} to time in the same turns")
     parser.add_argument("--torch", action="store_true", help="also time the torch fallback")
+    parser.add_argument("--dtypes", default="bfloat16,float32",
+                        help="cache dtypes, comma-separated (float8_e4m3fn: an fp8 cache)")
     parser.add_argument("--isa", choices=("vec", "amx"), default="vec",
                         help="the cache layout (vLLM's CPU attention ISA)")
     args = parser.parse_args()
@@ -119,7 +122,8 @@ def main() -> None:
     if "C" not in copies:
         print("no C compiler (or KVSTORE_NATIVE_COPY=0): the C routine's rows are skipped")
     rows = []
-    for dtype in (torch.bfloat16,) if args.isa == "amx" else (torch.bfloat16, torch.float32):
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    for dtype in [torch.bfloat16] if args.isa == "amx" else dtypes:
         for tokens in map(int, args.tokens.split(",")):
             for row in measure(dtype, tokens, copies, args.repeats, args.isa):
                 line = f"{row['dtype']:8} {tokens:5} {row['copy']:7}"

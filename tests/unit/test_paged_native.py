@@ -1,5 +1,6 @@
 """The C copy routine of vLLM CPU caches (`client/integrations/vllm_cpu_copy.c`) against an
-index-by-index reference and against its torch twin: every dtype it vectorises, odd shapes that
+index-by-index reference and against its torch twin: every element size it vectorises (4, 2
+and 1 byte: fp8 caches), odd shapes that
 take its element-by-element path, partial pages, block views with arena strides, bounds."""
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def reference_pages(kv: torch.Tensor, pages: list[int], num_pages: int, ps: int,
 
 
 def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:  # an fp8 cache's bytes, as vLLM allocates it: every value
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g).to(dtype)
 
 
 CASES = [  # (dtype, layers, heads, head_dim, page size): SSE tiles, and odd shapes
@@ -52,6 +56,9 @@ CASES = [  # (dtype, layers, heads, head_dim, page size): SSE tiles, and odd sha
     (torch.bfloat16, 1, 2, 20, 64),  # the same in 16-bit
     (torch.float32, 1, 2, 8, 18),  # whole strips, page rows of 72 bytes: not streamed
     (torch.float16, 1, 1, 16, 36),  # the same in 16-bit
+    (torch.uint8, 2, 2, 64, 128),  # bytes (fp8 caches): 16x16 tiles, 64-token strips
+    (torch.uint8, 1, 3, 40, 24),  # bytes: tiles plus remainders, a short strip
+    (torch.uint8, 1, 2, 16, 72),  # bytes: one whole strip, page rows of 72 bytes
 ]
 
 

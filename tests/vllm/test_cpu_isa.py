@@ -43,7 +43,14 @@ from tests.vllm.test_vllm_connector import (
 from tests.vllm.vllm_runner import corpus_ids, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
-CONFIG = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+def config(dtype: torch.dtype, cache_dtype: str = "auto") -> SimpleNamespace:
+    """What `_check_cpu_isa` reads of a VllmConfig: the model's dtype and the cache's."""
+    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                           model_config=SimpleNamespace(dtype=dtype))
+
+
 AMX = torch.cpu._is_amx_tile_supported()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX: vLLM never picks 'amx'")
 
@@ -56,7 +63,7 @@ def test_every_isa_vllm_picks_here_starts(monkeypatch: pytest.MonkeyPatch) -> No
     if not AMX:  # what vLLM would pick on a CPU with AMX (the one thing not caused here)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     for dtype, block in ((torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 16)):
-        _check_cpu_isa(CONFIG, spec(dtype, block))  # amx, vec, vec16
+        _check_cpu_isa(config(dtype), spec(dtype, block))  # amx, vec, vec16
 
 
 def test_an_isa_it_does_not_decode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +71,7 @@ def test_an_isa_it_does_not_decode_is_refused(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a: "neon")
     with pytest.raises(ConnectorConfigError, match="'neon'"):
-        _check_cpu_isa(CONFIG, spec(torch.bfloat16, 128))
+        _check_cpu_isa(config(torch.bfloat16), spec(torch.bfloat16, 128))
 
 
 @needs_amx
