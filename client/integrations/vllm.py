@@ -130,9 +130,10 @@ other's blocks; each rank moves the heads its cache holds through head slices of
 Limits: full attention, MLA, and sliding window beside them (no Mamba, linear-attention or
 other state groups, chunked local attention, static sink attention, padded pages, hybrid MLA,
 DeepSeek-V3.2/V4 sparse or compressed MLA caches, quantized caches other than per-tensor
-fp8), hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal inputs or prompt embeddings bypass
-the store); a block stored as several shards (TP > 1, PP > 1, `kvstore.shared_model`) is
-described in KV events by its first, a hybrid model's blocks by group (`group_idx`).
+fp8), hybrid models at pipeline parallel size 1 only, text prompts (requests with multimodal
+inputs or prompt embeddings bypass the store); a block stored as several shards (TP > 1,
+PP > 1, `kvstore.shared_model`) is described in KV events by its first, a hybrid model's
+blocks by group (`group_idx`).
 """
 
 from __future__ import annotations
@@ -645,6 +646,13 @@ def _check_cpu_isa(vllm_config: VllmConfig, spec: Any) -> None:
         raise ConnectorConfigError(f"vLLM's CPU attention would use ISA {isa!r}, whose packed "
                                    f"cache layout the kvstore connector does not decode "
                                    f"(supported: {sorted(VLLM_CPU_ISAS)})")
+    if isa == "amx" and vllm_config.cache_config.cache_dtype != "auto":
+        # Its tiles pair 16-bit values; how it packs bytes was not seen on a CPU with AMX.
+        raise ConnectorConfigError(
+            f"vLLM's CPU attention would keep this {vllm_config.cache_config.cache_dtype} cache "
+            f"in AMX tiles, which the kvstore connector does not decode for 1-byte elements: "
+            f"run the model in float32 (vLLM then picks the 'vec' ISA) or with "
+            f"kv_cache_dtype 'auto'")
 
 
 # ---- what the scheduler tells the workers (pickled across processes: plain fields only)

@@ -68,6 +68,24 @@ def test_per_tensor_fp8_is_stored_and_other_quantized_caches_are_refused() -> No
     assert len(digests) == 3
 
 
+def test_an_fp8_cache_in_amx_tiles_is_refused_at_start(monkeypatch: pytest.MonkeyPatch,
+                                                       ) -> None:
+    """A bf16 model on a CPU with AMX: vLLM would pack the fp8 cache in AMX tiles, a layout
+    not seen here (no AMX on this machine); the connector refuses it, naming the way out."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvstore.client.integrations.vllm import _check_cpu_isa
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    config = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"),
+                             model_config=SimpleNamespace(dtype=torch.bfloat16))
+    with pytest.raises(ConnectorConfigError, match=r"AMX tiles.*float32"):
+        _check_cpu_isa(config, spec)
+    config.model_config.dtype = torch.float32  # the way out: vLLM picks "vec"
+    _check_cpu_isa(config, spec)
+
+
 @needs_fp8_cpu
 @pytest.mark.parametrize("cache_dtype", sorted(FORMATS))
 def test_fp8_vec_layout_is_vllms_own(cache_dtype: str) -> None:
