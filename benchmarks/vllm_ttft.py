@@ -114,7 +114,8 @@ def engine_main(opts: dict[str, Any]) -> None:
     llm = LLM(model=opts["model"], dtype=opts.get("dtype", "bfloat16"), enforce_eager=True,
               skip_tokenizer_init=True, block_size=opts["block_size"],
               max_model_len=opts["max_model_len"], max_num_seqs=4, seed=0,
-              kv_transfer_config=ktc, **sched)
+              kv_cache_dtype=opts.get("kv_cache_dtype", "auto"), kv_transfer_config=ktc,
+              **sched)
     sc, cc = llm.llm_engine.vllm_config.scheduler_config, llm.llm_engine.vllm_config.cache_config
     settings = {"enable_prefix_caching": cc.enable_prefix_caching,
                 "enable_chunked_prefill": sc.enable_chunked_prefill,
@@ -286,6 +287,9 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="model dtype; --layers 16 --dtype float32 is the compose model: the same "
                         "128 KiB of KV per token as 32 bf16 layers, prefilled ~4x faster here")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   default="auto", help="vLLM's KV cache dtype (fp8: one byte per element; "
+                   "on the CPU it needs AVX-512, and a float32 model where the CPU has AMX)")
     p.add_argument("--block-size", type=int, default=128,
                    help="vLLM block size (a multiple of 32; CPU default 128)")
     p.add_argument("--kv-block", type=int, default=0,
@@ -362,7 +366,8 @@ def run(args: argparse.Namespace) -> None:
     data.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.dtype == "bfloat16" else f"-{args.dtype}"
     model = make_model(data / f"llama-8b-kv-{args.layers}l{suffix}", args.layers, args.dtype)
-    bytes_per_token = args.layers * 2 * 8 * 128 * (2 if args.dtype == "bfloat16" else 4)
+    element = 1 if args.kv_cache_dtype != "auto" else 2 if args.dtype == "bfloat16" else 4
+    bytes_per_token = args.layers * 2 * 8 * 128 * element
     max_len = max(lengths) + 64
     kv_space = max(2, -(-2 * max_len * bytes_per_token // (1 << 30)))
     # n tokens in whole blocks plus one: vLLM's prefix cache then serves the same n tokens a
@@ -371,6 +376,7 @@ def run(args: argparse.Namespace) -> None:
     warmup = prompt_ids(512, seed=7)  # first-use costs of each engine, outside the figures
     primer = prompt_ids(2 * args.block_size, seed=11)  # reconnects clients after a restart
     base: dict[str, Any] = {"model": str(model), "dtype": args.dtype,
+                            "kv_cache_dtype": args.kv_cache_dtype,
                             "block_size": args.block_size,
                             "max_model_len": max_len, "kv_space_gib": kv_space,
                             "reserved_cpus": args.reserved_cpus, "max_tokens": args.max_tokens}
