@@ -72,15 +72,19 @@ def rank_layout(model: Path, rank: int | None) -> Any:
 
 
 def fake_config(tp: int, pp: int = 1, kv_heads: int = 2) -> Any:
-    """The parts of a `VllmConfig` `groups_for_vllm` reads: model "m" with `kv_heads` KV
-    heads."""
+    """The parts of a `VllmConfig` `groups_for_vllm` reads: model "m" (float32) with
+    `kv_heads` KV heads."""
     from types import SimpleNamespace
+
+    import torch
 
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
-        model_config=SimpleNamespace(model="m", revision=None, hf_text_config=SimpleNamespace(
-            rope_parameters={"rope_type": "yarn"}), get_total_num_kv_heads=lambda: kv_heads),
+        model_config=SimpleNamespace(model="m", revision=None, dtype=torch.float32,
+                                     hf_text_config=SimpleNamespace(
+                                         rope_parameters={"rope_type": "yarn"}),
+                                     get_total_num_kv_heads=lambda: kv_heads),
         compilation_config=SimpleNamespace(custom_ops=[]))
 
 
