@@ -75,6 +75,27 @@ _PAGE_AXES: dict[tuple[str, str], str] = {
 _BLOCK_AXES = "LkPHD"  # kvstore's block: [layers, kv, block_tokens, heads, head_dim]
 
 
+FP8_FORMATS = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""SGLang's fp8 KV cache dtypes and the kvstore dtype a block of each is stored as."""
+
+
+def stored_dtype(pool_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The dtype a host pool's pages are stored as: the pool's own, or for a pool of bytes
+    (SGLang keeps an fp8 cache as uint8) the fp8 format `kv_cache_dtype` names. Bytes of an
+    unnamed format are refused: an e4m3 engine's blocks must never load into an e5m2 one."""
+    if pool_dtype.itemsize == 1 and not pool_dtype.is_floating_point:
+        if kv_cache_dtype == "auto":
+            raise InvalidArgumentError(
+                f"the host pool holds {pool_dtype} bytes: an fp8 KV cache, whose format SGLang "
+                f"does not give the backend; set kvstore.kv_cache_dtype to SGLang's "
+                f"--kv-cache-dtype ({', '.join(FP8_FORMATS)})")
+        return cast(torch.dtype, getattr(torch, FP8_FORMATS[kv_cache_dtype]))
+    if kv_cache_dtype != "auto":
+        raise InvalidArgumentError(f"kvstore.kv_cache_dtype is {kv_cache_dtype!r}, but the host "
+                                   f"pool holds {pool_dtype}, not an fp8 cache's bytes")
+    return pool_dtype
+
+
 @dataclass(frozen=True)
 class KVStoreHiCacheConfig:
     """This backend's settings: the `kvstore.*` keys of SGLang's storage extra config."""
@@ -87,10 +108,17 @@ class KVStoreHiCacheConfig:
     salt: str = ""
     model: str | None = None
     model_revision: str = ""
+    kv_cache_dtype: str = "auto"
+    """SGLang's `--kv-cache-dtype` where it is fp8 (`fp8_e4m3`, `fp8_e5m2`): the host pool
+    holds such a cache as bytes (uint8) and says nothing of the format, so the backend is
+    told it, and blocks of the two formats never mix. Required for a 1-byte host pool."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KVStoreHiCacheConfig:
         cfg = cls(**read_extra(cls, extra, "HiCache", InvalidArgumentError))
+        if cfg.kv_cache_dtype not in ("auto", *FP8_FORMATS):
+            raise InvalidArgumentError(f"kvstore.kv_cache_dtype must be auto or one of "
+                                       f"{', '.join(FP8_FORMATS)}, got {cfg.kv_cache_dtype!r}")
         if not cfg.deadline_s > 0:
             raise InvalidArgumentError(f"kvstore.deadline_s must be positive, got "
                                        f"{cfg.deadline_s}")
@@ -168,6 +196,11 @@ class PageFormat:
         if "k" not in axes:
             t, axes = t.unsqueeze(0), "k" + axes
         return t.permute(*(axes.index(a) for a in _BLOCK_AXES))
+
+    def raw(self, block: torch.Tensor) -> torch.Tensor:
+        """A block view of the daemon's memory as the pool's dtype: an fp8 block (stored as its
+        format) read as the pool's bytes, bit for bit; other blocks as they are."""
+        return block if block.dtype == self.dtype else block.view(self.dtype)
 
     def page(self, index: int) -> torch.Tensor:
         """The page starting at host index `index`: a view into the pool, in block order."""
@@ -268,7 +301,8 @@ class KVStoreHiCache(HiCacheStorage):
         tp_rank, tp_size = (0, 1) if self.is_mla else (sc.tp_rank, sc.tp_size)
         layout = KVLayout(model=self.model, model_revision=self.config.model_revision,
                           num_layers=fmt.block_shape[0], num_kv_heads=fmt.block_shape[3],
-                          head_dim=fmt.block_shape[4], dtype=fmt.dtype,
+                          head_dim=fmt.block_shape[4],
+                          dtype=stored_dtype(fmt.dtype, self.config.kv_cache_dtype),
                           block_tokens=fmt.page_size, kv_kind="mla" if self.is_mla else "kv",
                           tp_rank=tp_rank, tp_size=tp_size, pp_rank=sc.pp_rank,
                           pp_size=sc.pp_size)
@@ -322,7 +356,7 @@ class KVStoreHiCache(HiCacheStorage):
         client, fmt = ready
         starts = fmt.starts(pages, host_indices)
 
-        consume = _page_by_page(lambda block, view: fmt.page(starts[block]).copy_(view))
+        consume = _page_by_page(lambda block, view: fmt.page(starts[block]).copy_(fmt.raw(view)))
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [i < loaded for i in range(len(pages))]
 
@@ -340,7 +374,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(pages)
 
-        produce = _page_by_page(lambda block, view: view.copy_(fmt.page(starts[block])))
+        produce = _page_by_page(lambda block, view: fmt.raw(view).copy_(fmt.page(starts[block])))
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return [i < stored for i in range(len(pages))]
 
@@ -371,7 +405,7 @@ class KVStoreHiCache(HiCacheStorage):
             raise InvalidArgumentError(f"{len(pages)} keys but {len(targets)} target pages")
         views = [fmt.flat(t, writable=True) for t in targets]
 
-        consume = _page_by_page(lambda block, view: views[block].copy_(view))
+        consume = _page_by_page(lambda block, view: views[block].copy_(fmt.raw(view)))
         loaded = self._run(client.fetch_with(_tokens(pages), consume), 0) // fmt.page_size
         return [t if i < loaded else None for i, t in enumerate(targets)]
 
@@ -393,7 +427,7 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.is_writer:
             return True
 
-        produce = _page_by_page(lambda block, view: view.copy_(views[block]))
+        produce = _page_by_page(lambda block, view: fmt.raw(view).copy_(views[block]))
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return stored == len(pages)
 

@@ -56,10 +56,10 @@ MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 DOWN_BOUND_S = 3.0  # a call against a dead or stalled daemon, with deadline_s=0.5
 
 
-def mha_pool(layout: str, seed: int) -> MHATokenToKVPoolHost:
-    """SGLang's MHA host pool for a CPU device pool, as its pool assembler builds it, filled
-    with random bytes (`seed`)."""
-    device = MHATokenToKVPool(256, PAGE, DTYPE, HEADS, HEAD_DIM, LAYERS, "cpu", False,
+def mha_pool(layout: str, seed: int, dtype: torch.dtype = DTYPE) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool for a CPU device pool of `dtype` (an fp8 one's host pool holds
+    uint8), as its pool assembler builds it, filled with random bytes (`seed`)."""
+    device = MHATokenToKVPool(256, PAGE, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False,
                               start_layer=0, end_layer=LAYERS)
     with host_memory_budget_scope(1 << 30):  # book against this, not the machine's free RAM
         pool = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0,
@@ -84,7 +84,11 @@ def mla_pool(layout: str, seed: int) -> MLATokenToKVPoolHost:
 
 def _fill(pool: Any, seed: int) -> Any:
     g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(DTYPE))
+    if pool.kv_buffer.dtype == torch.uint8:  # an fp8 cache's bytes: every value
+        pool.kv_buffer.copy_(torch.randint(0, 256, pool.kv_buffer.shape, generator=g,
+                                           dtype=torch.uint8))
+    else:
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(DTYPE))
     return pool
 
 
@@ -190,6 +194,7 @@ def test_dynamic_backend_is_loaded_by_sglangs_factory(daemon, make_backend) -> N
     ({"kvstore.deadline_s": -1}, "deadline_s must be positive"),
     ({"kvstore.deadline_s": "soon"}, "deadline_s must be a number"),
     ({"kvstore.transfer": "rdma"}, "transfer must be auto, shm or stream"),
+    ({"kvstore.kv_cache_dtype": "int8"}, "kv_cache_dtype must be auto or one of"),
 ])
 def test_bad_extra_config_is_refused_at_start(extra: dict, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
@@ -219,6 +224,45 @@ def test_unsupported_setups_are_refused_with_a_reason(daemon) -> None:
         assert backend.batch_get_v1(page_keys(2), torch.arange(2 * PAGE)) == [False, False]
     finally:
         backend.close()
+
+
+# ---- fp8 caches: SGLang's host pool holds their bytes as uint8 and names no format
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_fp8_pages_round_trip_under_their_declared_format_only(daemon, make_backend,
+                                                               layout: str) -> None:
+    e4m3 = {"kvstore.kv_cache_dtype": "fp8_e4m3"}
+    writer_pool = mha_pool(layout, seed=1, dtype=torch.float8_e4m3fn)
+    reader_pool = mha_pool(layout, seed=2, dtype=torch.float8_e4m3fn)
+    assert writer_pool.dtype == torch.uint8  # what SGLang gives the backend
+    writer = make_backend(storage_config(daemon.target, **e4m3), writer_pool)
+    reader = make_backend(storage_config(daemon.target, **e4m3), reader_pool)
+    assert writer.layout is not None and writer.layout.dtype_name == "float8_e4m3fn"
+    keys, src, dst = page_keys(3, seed=5), writer_pool.alloc(3 * PAGE), reader_pool.alloc(3 * PAGE)
+    assert writer.batch_set_v1(keys, src) == [True] * 3
+    assert reader.batch_get_v1(keys, dst) == [True] * 3
+    assert same_pages(writer_pool, starts_of(src), reader_pool, starts_of(dst)) == [True] * 3
+    # An e5m2 engine of the same model reads the same bytes as other numbers: never served.
+    e5m2 = make_backend(storage_config(daemon.target, **{"kvstore.kv_cache_dtype": "fp8_e5m2"}),
+                        mha_pool(layout, seed=3, dtype=torch.float8_e5m2))
+    assert e5m2.batch_exists(keys) == 0
+
+
+def test_an_fp8_pool_needs_its_format_named(daemon) -> None:
+    backend = KVStoreHiCache(storage_config(daemon.target))
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"set kvstore\.kv_cache_dtype"):
+            backend.register_mem_pool_host(mha_pool("layer_first", 1, torch.float8_e5m2))
+    finally:
+        backend.close()
+    declared = KVStoreHiCache(storage_config(daemon.target,
+                                             **{"kvstore.kv_cache_dtype": "fp8_e4m3"}))
+    try:
+        with pytest.raises(InvalidArgumentError, match="not an fp8 cache"):
+            declared.register_mem_pool_host(mha_pool("layer_first", 1))
+    finally:
+        declared.close()
 
 
 # ---- the zero-copy interface: byte-identical round trips
