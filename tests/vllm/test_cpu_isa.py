@@ -103,7 +103,11 @@ def test_bf16_engine_loads_its_prefix_bit_for_bit(tmp_path_factory: pytest.TempP
     the prompt's blocks from kvstore and gives exactly what vLLM's own prefix cache gives."""
     model = make_model(tmp_path_factory.mktemp("vllm-amx-model") / "tiny-llama")
     daemon: DaemonProcess = next(small_daemon(tmp_path_factory, "vllm-amx"))
-    engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
+    try:
+        engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
+    except BaseException:
+        daemon.kill()  # an engine that does not start must not leave its daemon behind
+        raise
     try:
         assert "ISA amx, torch.bfloat16" in engine.tail(200), engine.tail()
         for prompt in prompts(seed=31):
@@ -169,7 +173,11 @@ def test_bf16_mla_engine_on_amx_mla_loads_its_prefix_bit_for_bit(
     then part after a few steps, for vLLM's own prefix cache as for kvstore.)"""
     model = make_mla_model(tmp_path_factory.mktemp("vllm-amx-mla") / "tiny-deepseek-v2")
     daemon: DaemonProcess = next(small_daemon(tmp_path_factory, "vllm-amx-mla"))
-    engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
+    try:
+        engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
+    except BaseException:
+        daemon.kill()  # an engine that does not start must not leave its daemon behind
+        raise
     try:
         assert "Using AMX_MLA backend" in engine.tail(400), engine.tail()
         for seed, n in ((51, 6 * BLOCK + 9), (52, 5 * BLOCK)):

@@ -127,27 +127,28 @@ def test_fp8_engine_loads_its_prefix_bit_for_bit(
     blocks are the fp8 format's only: the model's float32 layout finds none of them."""
     model = make_model(tmp_path_factory.mktemp(f"vllm-{cache_dtype}-model") / "tiny-llama")
     daemon: DaemonProcess = next(small_daemon(tmp_path_factory, f"vllm-{cache_dtype}"))
-    engine = Engine(model, daemon.target, block_size=BLOCK,
-                    llm_kwargs={"kv_cache_dtype": cache_dtype})
-    batch = prompts(seed=61)
     try:
-        assert f"ISA vec, {FORMATS[cache_dtype]}" in engine.tail(200), engine.tail()
-        # One prompt per run: reruns of a batch of two differ among themselves in the last
-        # bits (up to ~5e-6 in log-probabilities), vLLM's own prefix-cache runs as well as
-        # kvstore's loads; one prompt at a time gave the same bits in six rounds of six.
-        for prompt in batch:
-            cold = engine.generate([prompt])
-            assert cold["cached"] == [0]
-            engine.reset()
-            served = hit_blocks(daemon)
-            warm = engine.generate([prompt])
-            assert warm["cached"] == [expected_cached(warm["prompt_tokens"][0])], engine.tail()
-            assert hit_blocks(daemon) > served
-            assert_same_generation(warm, cold)
-            assert_prefix_cache_bit_identical(warm, engine.generate([prompt]))
-    finally:
-        engine.close()
-    try:
+        batch = prompts(seed=61)
+        engine = Engine(model, daemon.target, block_size=BLOCK,
+                        llm_kwargs={"kv_cache_dtype": cache_dtype})
+        try:
+            assert f"ISA vec, {FORMATS[cache_dtype]}" in engine.tail(200), engine.tail()
+            # One prompt per run: reruns of a batch of two differ among themselves in the
+            # last bits (up to ~5e-6 in log-probabilities), vLLM's own prefix-cache runs as
+            # well as kvstore's loads; one prompt at a time gave the same bits in six rounds.
+            for prompt in batch:
+                cold = engine.generate([prompt])
+                assert cold["cached"] == [0]
+                engine.reset()
+                served = hit_blocks(daemon)
+                warm = engine.generate([prompt])
+                assert warm["cached"] == [expected_cached(warm["prompt_tokens"][0])], \
+                    engine.tail()
+                assert hit_blocks(daemon) > served
+                assert_same_generation(warm, cold)
+                assert_prefix_cache_bit_identical(warm, engine.generate([prompt]))
+        finally:
+            engine.close()
         from transformers import AutoTokenizer
 
         ids = AutoTokenizer.from_pretrained(model)(batch[0])["input_ids"]
@@ -159,4 +160,4 @@ def test_fp8_engine_loads_its_prefix_bit_for_bit(
                 stored[dtype] = client.lookup(ids)
         assert stored == {FORMATS[cache_dtype]: len(ids) // BLOCK * BLOCK, torch.float32: 0}
     finally:
-        daemon.kill()
+        daemon.kill()  # killed however the test ends (a failed assertion left daemons behind)
