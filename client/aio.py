@@ -69,10 +69,6 @@ BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], int | Non
 """`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`);
 returns how many of the leading blocks it copied in full (None: all of them)."""
 STREAM_CHUNK = 4 << 20
-# A streamed `fetch_with` receives into a staging tensor, which the client keeps for the next
-# one up to this size: a fresh one faults in its pages on every fetch (a 32 MiB prompt's took
-# about a quarter of its fetch over loopback TCP). Larger ones are allocated per fetch.
-STREAM_STAGING_KEEP_BYTES = 256 << 20
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
 # is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
 COPY_PIECE_BYTES = 64 << 20
@@ -332,7 +328,6 @@ class AsyncKVClient:
         self._drops_unlogged = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
-        self._staging: torch.Tensor | None = None  # a streamed fetch_with's, kept between them
         self._arena: Arena | None = None
         self._arena_id = ""
         # The arena of a daemon that went away, kept mapped until its successor says which
@@ -1276,32 +1271,20 @@ class AsyncKVClient:
 
     async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,
                                  until: float) -> int:
-        # The kept staging tensor if it is large enough; a concurrent fetch takes a new one.
-        tokens = len(keys) * self.layout.block_tokens
-        staging, self._staging = self._staging, None
-        if staging is None or staging.shape[2] < tokens:
-            staging = self._new_out(len(keys))
-        out: torch.Tensor | None = staging[:, :, :tokens]
-        try:
-            done = skip
-            while done < len(keys):
-                n, more, out = await self._fetch_some(keys, done, out, until)
-                done += n
-                if not more or n == 0:
-                    break
-            if done == skip or out is None:
-                return skip
-            blocks = list(range(skip, done))
-            got = await self._copy(consume, len(blocks), blocks,
-                                   [self._prompt_view(out, i, 1)[:, :, 0] for i in blocks],
-                                   until=until)
-            return skip + got
-        finally:
-            # Nothing reads or writes it any more: the stream is over and `_copy` waited for
-            # its thread, even when cancelled.
-            if staging.nbytes <= STREAM_STAGING_KEEP_BYTES and (
-                    self._staging is None or self._staging.nbytes < staging.nbytes):
-                self._staging = staging
+        out: torch.Tensor | None = None
+        done = skip
+        while done < len(keys):
+            n, more, out = await self._fetch_some(keys, done, out, until)
+            done += n
+            if not more or n == 0:
+                break
+        if done == skip or out is None:
+            return skip
+        blocks = list(range(skip, done))
+        got = await self._copy(consume, len(blocks), blocks,
+                               [self._prompt_view(out, i, 1)[:, :, 0] for i in blocks],
+                               until=until)
+        return skip + got
 
     async def _publish_with(self, keys: list[bytes], produce: BlockCopy, until: float) -> int:
         if self.transfer == "stream":

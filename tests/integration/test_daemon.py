@@ -293,64 +293,6 @@ def test_tcp_requires_token_and_streams(daemon_factory):
     channel.close()
 
 
-def test_streamed_fetch_with_reuses_its_staging_and_keeps_data_apart(daemon_factory):
-    """A streamed `fetch_with` receives into a staging tensor the client keeps for the next
-    one (its pages already faulted in). Reused across prompts of other sizes, skips and
-    concurrent fetches, every block handed to `consume` is that prompt's own."""
-    import asyncio
-    import socket
-
-    from kvstore.client.aio import AsyncKVClient
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = "s3cret-0123456789abcdef"
-    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", token).start()
-    layout = small_layout()
-    bt = layout.block_tokens
-    prompts = {n: [n * 1000 + t for t in range(n * bt)] for n in (2, 5, 3)}
-    kvs = {n: random_kv(layout, n * bt) for n in prompts}
-    with KVClient(d.target, layout) as c:
-        for n, tokens in prompts.items():
-            assert c.publish(tokens, kvs[n]) == n * bt
-
-    def collect(into: dict[int, torch.Tensor]):
-        def consume(blocks, views, stop):
-            for b, v in zip(blocks, views, strict=True):
-                into[b] = v.clone()  # views are staging memory: copy out, keep no reference
-        return consume
-
-    async def main() -> None:
-        client = AsyncKVClient(f"127.0.0.1:{port}", layout, token=token, transfer="stream")
-        try:
-            kept = None
-            for n, skip in ((2, 0), (5, 1), (3, 2), (5, 0)):  # smaller after larger, skips
-                got: dict[int, torch.Tensor] = {}
-                assert await client.fetch_with(prompts[n], collect(got), skip_blocks=skip) \
-                    == n * bt
-                assert sorted(got) == list(range(skip, n))
-                for b, v in got.items():
-                    assert same_bytes(v, kvs[n][:, :, b * bt:(b + 1) * bt])
-                if n == 5 and skip == 0:
-                    assert client._staging is not None and client._staging.data_ptr() == kept
-                if n == 5:
-                    kept = client._staging.data_ptr()  # the largest so far, kept
-            # Two at once: each gets its own staging, and its own prompt's bytes.
-            outs: list[dict[int, torch.Tensor]] = [{}, {}]
-            results = await asyncio.gather(client.fetch_with(prompts[5], collect(outs[0])),
-                                           client.fetch_with(prompts[3], collect(outs[1])))
-            assert results == [5 * bt, 3 * bt]
-            for got, n in zip(outs, (5, 3), strict=True):
-                assert sorted(got) == list(range(n))
-                for b, v in got.items():
-                    assert same_bytes(v, kvs[n][:, :, b * bt:(b + 1) * bt])
-        finally:
-            await client.close()
-
-    asyncio.run(main())
-
-
 def test_listen_without_token_refuses_to_start(daemon_factory):
     d = daemon_factory("--listen", "127.0.0.1:1")
     with pytest.raises(RuntimeError, match="token"):
