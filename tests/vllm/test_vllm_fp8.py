@@ -133,9 +133,9 @@ def test_fp8_engine_loads_its_prefix_bit_for_bit(
                         llm_kwargs={"kv_cache_dtype": cache_dtype})
         try:
             assert f"ISA vec, {FORMATS[cache_dtype]}" in engine.tail(200), engine.tail()
-            # One prompt per run: reruns of a batch of two differ among themselves in the
-            # last bits (up to ~5e-6 in log-probabilities), vLLM's own prefix-cache runs as
-            # well as kvstore's loads; one prompt at a time gave the same bits in six rounds.
+            # One prompt per run: reruns of a batch of two differed among themselves in the
+            # last bits on a loaded machine (up to ~5e-6 in log-probabilities), vLLM's own
+            # prefix-cache runs as well as kvstore's loads (tests/vllm/rerun_determinism.py).
             for prompt in batch:
                 cold = engine.generate([prompt])
                 assert cold["cached"] == [0]
