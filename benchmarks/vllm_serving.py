@@ -70,6 +70,9 @@ from benchmarks.vllm_ttft import LOGGING, free_port, lmcache_server
 from tests.vllm.compose import MODEL_NAME, Native, remove_volumes, stack
 
 CONFIGS = ("vllm", "kvstore", "lmcache")
+# The arguments that make two results files one workload (--pool).
+WORKLOAD = ("users", "rounds", "system", "history", "question", "answer", "cache_blocks",
+            "stagger_s")
 VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
 
 
@@ -87,14 +90,18 @@ def changed_transfer_config(native: Native, role: str | None = None,
 
 
 def workload(users: int, rounds: int, system: int, question: int, answer: int,
-             seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
-    """The shared system prompt, and each user's turns per round: a question, then the reply
-    that joins the history (token ids)."""
+             history: int = 0, seed: int = 0,
+             ) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
+    """The shared system prompt, each user's own document (`history` tokens, after the system
+    prompt from the first round on), and each user's turns per round: a question, then the
+    reply that joins the history (token ids)."""
     rng = random.Random(seed)
     sys_prompt = [rng.randrange(3, 32000) for _ in range(system)]
     turns = [[[rng.randrange(3, 32000) for _ in range(question + answer)]
               for _ in range(rounds)] for _ in range(users)]
-    return sys_prompt, turns
+    # Drawn last, so that a workload without documents is the one of earlier results files.
+    docs = [[rng.randrange(3, 32000) for _ in range(history)] for _ in range(users)]
+    return sys_prompt, docs, turns
 
 
 def stream_completion(url: str, model: str, ids: list[int], max_tokens: int,
@@ -136,8 +143,8 @@ def metric(url: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def run_users(native: Native, sys_prompt: list[int], turns: list[list[list[int]]],
-              question: int, answer: int, stagger_s: float,
+def run_users(native: Native, sys_prompt: list[int], docs: list[list[int]],
+              turns: list[list[list[int]]], question: int, answer: int, stagger_s: float,
               bar: tqdm) -> tuple[list[dict[str, Any]], float]:
     """Every user's rounds, users concurrent; the requests' records and the run's wall time."""
     model = native.path(f"/models/{MODEL_NAME}")
@@ -148,7 +155,7 @@ def run_users(native: Native, sys_prompt: list[int], turns: list[list[list[int]]
     def user(u: int) -> None:
         try:
             time.sleep(u * stagger_s)
-            history = list(sys_prompt)
+            history = sys_prompt + docs[u]
             for r, turn in enumerate(turns[u]):
                 prompt = history + turn[:question]
                 ttft, total, out, lp = stream_completion(native.url, model, prompt, answer,
@@ -203,7 +210,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int,
-               sys_prompt: list[int], turns: list[list[list[int]]],
+               sys_prompt: list[int], docs: list[list[int]], turns: list[list[list[int]]],
                ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
     """One engine of `config`, the whole workload: its requests' records, the wall time and
     vLLM's prefix-cache counters."""
@@ -237,8 +244,8 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
             vllm_args=tuple(vllm_args),
             vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
         with tqdm(total=args.users * args.rounds, desc=config, unit="req") as bar:
-            records, wall = run_users(native, sys_prompt, turns, args.question, args.answer,
-                                      args.stagger_s, bar)
+            records, wall = run_users(native, sys_prompt, docs, turns, args.question,
+                                      args.answer, args.stagger_s, bar)
         counters = {name: metric(native.url, name) for name in (
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:external_prefix_cache_hits_total")}
@@ -265,8 +272,14 @@ def pooled_runs(names: list[str]) -> dict[str, list[list[float]]]:
     """Every run's TTFT of every request, per configuration, over several results files of
     one workload (`[config][request] -> seconds of each run]`)."""
     runs: dict[str, list[list[float]]] = {}
+    first: dict[str, Any] | None = None
     for name in names:
-        requests = json.loads((RESULTS / f"{name}.json").read_text())["requests"]
+        results = json.loads((RESULTS / f"{name}.json").read_text())
+        shape = {k: results["args"].get(k, 0 if k == "history" else None) for k in WORKLOAD}
+        if first is not None and shape != first:
+            raise SystemExit(f"{name}: workload {shape}, not {names[0]}'s {first}")
+        first = shape
+        requests = results["requests"]
         for config, records in requests.items():
             per = runs.setdefault(config, [[] for _ in records])
             if len(per) != len(records):
@@ -320,7 +333,7 @@ def bootstrap_ratio(runs: dict[str, list[list[float]]], a: str, b: str,
 
 
 def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len: int,
-            sys_prompt: list[int], turns: list[list[list[int]]],
+            sys_prompt: list[int], docs: list[list[int]], turns: list[list[list[int]]],
             ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """Every configuration `args.repeats` times: a summary row each, and their requests."""
     runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, float]]]] = {}
@@ -333,7 +346,7 @@ def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len:
             order = configs if rep % 2 == 0 else configs[::-1]
         for config in order:
             runs.setdefault(config, []).append(
-                run_config(config, args, models, max_len, sys_prompt, turns))
+                run_config(config, args, models, max_len, sys_prompt, docs, turns))
     rows, per_request = [], {}
     for config in configs:
         records, wall, counters = merge(runs[config])
@@ -349,6 +362,9 @@ def main() -> None:
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--system", type=int, default=1024, help="shared system prompt, tokens")
+    p.add_argument("--history", type=int, default=0,
+                   help="each user's own document, tokens, after the system prompt from the "
+                        "first round on (LMCache's multi-round QA: --user-history-prompt)")
     p.add_argument("--question", type=int, default=1024, help="tokens per question")
     p.add_argument("--answer", type=int, default=16, help="tokens per answer")
     p.add_argument("--cache-blocks", type=int, default=48,
@@ -385,16 +401,16 @@ def main() -> None:
         print(f"no {VENV_LMCACHE}: the lmcache configuration is skipped "
               "(bash scripts/setup_lmcache.sh)")
         configs.remove("lmcache")
-    sys_prompt, turns = workload(args.users, args.rounds, args.system, args.question,
-                                 args.answer)
-    longest = args.system + args.rounds * (args.question + args.answer)
+    sys_prompt, docs, turns = workload(args.users, args.rounds, args.system, args.question,
+                                       args.answer, args.history)
+    longest = args.system + args.history + args.rounds * (args.question + args.answer)
     max_len = min(16384, (args.cache_blocks - 1) * 128)  # a sequence must fit, with a spare
     if longest + args.answer > max_len:
         raise SystemExit(f"the longest prompt ({longest} tokens) does not fit vLLM's cache "
                          f"of {args.cache_blocks} blocks: raise --cache-blocks")
     models = Path(tempfile.mkdtemp(prefix="kvs-models-", dir="/tmp"))  # built once, shared
     try:
-        rows, per_request = run_all(configs, args, models, max_len, sys_prompt, turns)
+        rows, per_request = run_all(configs, args, models, max_len, sys_prompt, docs, turns)
     finally:
         shutil.rmtree(models, ignore_errors=True)
     for row in rows:  # each request against vLLM alone's run of the same request
@@ -411,7 +427,8 @@ def main() -> None:
                 (abs(a["logprobs"][0] - b["logprobs"][0]) for a, b in pairs
                  if a["logprobs"] and b["logprobs"] and a["output"][:1] == b["output"][:1]),
                 default=float("nan"))
-    print(f"\n{args.users} users x {args.rounds} rounds, system {args.system}, question "
+    print(f"\n{args.users} users x {args.rounds} rounds, system {args.system}, history "
+          f"{args.history}, question "
           f"{args.question}, answer {args.answer} tokens; vLLM cache {args.cache_blocks} "
           f"blocks of 128 tokens\n")
     print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))

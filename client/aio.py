@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kvstore.arena import Arena, run_at_lowest_priority
-from kvstore.client.backoff import BackoffPolicy, Breaker
+from kvstore.client.backoff import BackoffPolicy, Breaker, LogThrottle
 from kvstore.client.slab import MappedSlab, map_slab
 from kvstore.engine_blocks import EngineBlockSpan
 from kvstore.errors import AuthError, InvalidArgumentError, KVStoreError, PermissionDeniedError
@@ -320,12 +320,8 @@ class AsyncKVClient:
         # The daemon's measured read bandwidth per tier, from its latest Lookup reply: what
         # a transfer's deadline is planned at.
         self._read_bandwidth: dict[str, float] = {}
-        self.dropped_saves = 0
-        """Saves (`publish`, `publish_with`) that stored fewer blocks than asked: the daemon
-        was down, slow or full, or the copy ran past its deadline."""
+        self._drops = LogThrottle(DROP_LOG_S)
         self.dropped_blocks = 0
-        self._drops_logged_at: float | None = None
-        self._drops_unlogged = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._arena: Arena | None = None
@@ -634,7 +630,7 @@ class AsyncKVClient:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if self._drops_unlogged:
+        if self._drops.pending:
             self._log_drops("before close")
         if self._channel is not None:
             await self._channel.close()
@@ -782,24 +778,28 @@ class AsyncKVClient:
             self._dropped(blocks - stored, blocks, why)
         return stored
 
+    @property
+    def dropped_saves(self) -> int:
+        """Saves (`publish`, `publish_with`) that stored fewer blocks than asked: the daemon
+        was down, slow or full, or the copy ran past its deadline."""
+        return self._drops.total
+
     def _dropped(self, missing: int, blocks: int, why: str) -> None:
-        self.dropped_saves += 1
         self.dropped_blocks += missing
-        self._drops_unlogged += 1
-        if self._drops_logged_at is None:
+        if not self._drops.count():
+            return
+        if self._drops.first:
+            self._drops.logged()
             log.warning("kvstore: a save was dropped: %d of %d blocks not stored (%s); dropped "
                         "saves are counted and summarised here at most every %.0f s",
                         missing, blocks, why, DROP_LOG_S)
-            self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0
-        elif time.monotonic() - self._drops_logged_at >= DROP_LOG_S:
+        else:
             self._log_drops(f"last: {why}")
 
     def _log_drops(self, note: str) -> None:
-        since = time.monotonic() - (self._drops_logged_at or time.monotonic())
+        covered, since = self._drops.logged()
         log.warning("kvstore: %d saves dropped in the last %.0f s (%d saves, %d blocks in all; "
-                    "%s)", self._drops_unlogged, since, self.dropped_saves,
-                    self.dropped_blocks, note)
-        self._drops_logged_at, self._drops_unlogged = time.monotonic(), 0
+                    "%s)", covered, since, self.dropped_saves, self.dropped_blocks, note)
 
     # ---- transport
     def _stub_(self) -> pb_grpc.KVStoreStub:

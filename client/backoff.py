@@ -66,3 +66,33 @@ class Breaker:
             self.log.info("kvstore daemon at %s is back after %d failed calls", self.target,
                           self.failures)
         self.failures = 0
+
+
+class LogThrottle:
+    """Counts a repeated event (a dropped save, a failed load) and says when to log it: the
+    first at once, later ones as one summary line at most every `every_s` seconds, since a
+    broken path can fire on every request."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.total = 0
+        self.pending = 0  # events since the last line
+        self._logged_at: float | None = None
+
+    @property
+    def first(self) -> bool:
+        """Nothing logged yet: the next line is the first."""
+        return self._logged_at is None
+
+    def count(self) -> bool:
+        """Counts one event; whether a line is due now."""
+        self.total += 1
+        self.pending += 1
+        return self._logged_at is None or time.monotonic() - self._logged_at >= self.every_s
+
+    def logged(self) -> tuple[int, float]:
+        """Marks a line written: the events it covers, and seconds since the previous line."""
+        now = time.monotonic()
+        since = 0.0 if self._logged_at is None else now - self._logged_at
+        covered, self._logged_at, self.pending = self.pending, now, 0
+        return covered, since

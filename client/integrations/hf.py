@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from kvstore.client.aio import prefault_paused
+from kvstore.client.backoff import LogThrottle
 from kvstore.client.integrations.hf_layers import (
     ATTENTION_LAYER_KINDS,
     MLP_LAYER_KINDS,
@@ -873,28 +874,28 @@ class CachedPrefill:
         # A model on a GPU has it pinned too: its loads are then DMA at the bus rate.
         client.prepare(pin=self.device.type == "cuda")
         self._mismatch_logged = False
-        self.load_failures = 0  # loads whose copy path raised (each recomputed)
-        self._failures_logged_at: float | None = None
-        self._failures_unlogged = 0
+        self._failures = LogThrottle(LOAD_FAILURE_LOG_S)  # loads whose copy path raised
         # The cached layers' windows (sliding-window and chunked layers).
         windows = (own_windows(model) or [])[: len(self.shapes)]
         self.windows = windows if any(windows) else None
 
+    @property
+    def load_failures(self) -> int:
+        """Loads whose copy path raised (each recomputed)."""
+        return self._failures.total
+
     def _load_failed(self, error: BaseException) -> None:
-        self.load_failures += 1
-        self._failures_unlogged += 1
-        now = time.monotonic()
-        if self._failures_logged_at is None:
+        if not self._failures.count():
+            return
+        first = self._failures.first
+        covered, since = self._failures.logged()
+        if first:
             log.warning("kvstore: a load failed (%r); recomputing (further failures are "
                         "counted and summarised at most every %.0f s)", error,
                         LOAD_FAILURE_LOG_S)
-        elif now - self._failures_logged_at >= LOAD_FAILURE_LOG_S:
-            log.warning("kvstore: %d loads failed in the last %.0f s (%d in all; last: %r); "
-                        "recomputed", self._failures_unlogged, now - self._failures_logged_at,
-                        self.load_failures, error)
         else:
-            return
-        self._failures_logged_at, self._failures_unlogged = now, 0
+            log.warning("kvstore: %d loads failed in the last %.0f s (%d in all; last: %r); "
+                        "recomputed", covered, since, self.load_failures, error)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, publish: bool = True,

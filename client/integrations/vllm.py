@@ -162,6 +162,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.client.backoff import LogThrottle
 from kvstore.client.cli import DEFAULT_TARGET
 from kvstore.client.integrations.layerwise import LayerwiseLoad
 from kvstore.client.integrations.paged import (
@@ -964,9 +965,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._side_cpus: set[int] | None = None  # CPUs off vLLM's compute threads: saves
         # Synchronous loads stall the forward: they copy on its CPUs and the side ones.
         self._load_cpus: set[int] | None = None
-        self.dropped_saves = 0  # saves not queued (queue full); the client counts its own
-        self._drops_logged_at: float | None = None
-        self._drops_unlogged = 0
+        # Saves not queued (the queue was full); the client counts the ones it drops.
+        self._drops = LogThrottle(_DROP_LOG_S)
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss is never an error: a block that fails to load is recomputed. vLLM's
             # default policy ("fail") would fail the request instead. The scheduler reads the
@@ -1900,16 +1900,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._save_reqs -= done
         return done or None, None
 
+    @property
+    def dropped_saves(self) -> int:
+        """Saves not queued (the queue was full)."""
+        return self._drops.total
+
     def _dropped(self, req_id: str) -> None:
         """A save the full queue turned away: counted, logged once, then summarised."""
-        self.dropped_saves += 1
-        self._drops_unlogged += 1
-        now = time.monotonic()
-        if self._drops_logged_at is None or now - self._drops_logged_at >= _DROP_LOG_S:
+        if self._drops.count():
+            covered, _ = self._drops.logged()
             log.warning("kvstore: save queue full (%d): %d save(s) dropped since the last such "
                         "line (%d in all; latest: request %s); a dropped save is a future miss",
-                        self._cfg.save_queue, self._drops_unlogged, self.dropped_saves, req_id)
-            self._drops_logged_at, self._drops_unlogged = now, 0
+                        self._cfg.save_queue, covered, self.dropped_saves, req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._settle_layerwise()

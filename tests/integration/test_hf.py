@@ -178,7 +178,7 @@ def test_a_load_path_broken_for_good_warns_once_then_summarises(daemon, monkeypa
                 assert torch.allclose(r.logits, want, atol=1e-5, rtol=0)
             assert engine.load_failures == 4
             assert len(caplog.records) == 1 and "copy path broken" in caplog.text
-            monkeypatch.setattr(hf, "LOAD_FAILURE_LOG_S", 0.0)  # the interval has passed
+            engine._failures.every_s = 0.0  # the interval has passed
             engine.prefill(ids, publish=False)
     assert len(caplog.records) == 2
     assert "4 loads failed" in caplog.records[1].getMessage()
