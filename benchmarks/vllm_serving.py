@@ -2,10 +2,11 @@
 through vLLM's OpenAI server as docker-compose.yml runs it, with kvstore and without, in one run.
 
     .venv-vllm/bin/python -m benchmarks.vllm_serving [--users 6] [--rounds 4] [--system 1024] \
-        [--repeats 3]
+        [--history 4096 --question 64] [--repeats 3]
 
 As LMCache's multi-round QA benchmark: every user's prompt in round r is the system prompt, the
-user's earlier questions and answers, and a new question; each user sends its next question
+user's own document (`--history` tokens; none by default), the user's earlier questions and
+answers, and a new question; each user sends its next question
 when its previous answer is complete, users start `--stagger-s` apart, so their requests
 overlap in the engine (one batch, vLLM's scheduler). Every answer is `--answer` tokens
 (greedy, `ignore_eos`). What joins the history is a fixed reply of that length drawn with the
@@ -32,6 +33,11 @@ Configurations, one engine each, the same workload:
   agree: with requests batched differently, vLLM's own outputs differ between runs.
 - `kvstore-nice0` (not by default): the compose stack with `KVSTORE_SAVE_NICE=0`, the saves'
   copies at the engine's own CPU priority (as before 2026-11-29), beside `kvstore`.
+- `vllm-lmvenv` (not by default): vLLM alone from `.venv-lmcache`'s interpreter (the same
+  vLLM and torch versions): whether the engine of the `lmcache` configuration computes
+  differently from `vllm`'s apart from LMCache.
+- `kvstore-noprefault` (not by default): the compose stack with the client's background
+  touch of the daemon's arena off (`KVCLIENT_PREFAULT_BYTES=0`).
 - `kvstore-nosave` (not by default): the compose stack's connector as a `kv_consumer`: it
   looks up and loads but never saves (so it never hits either): what the connector costs an
   engine apart from its saves.
@@ -195,17 +201,32 @@ def summary(config: str, records: list[dict[str, Any]], wall_s: float,
             "connector hit": external / queries if queries else 0.0}
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    fig, ax = figure(6.5, 3.0)
+def plot(rows: list[dict[str, Any]], per_request: dict[str, list[dict[str, Any]]],
+         path: Path) -> None:
+    """TTFT p50 / p99 / mean per configuration, and the mean TTFT of each round (where the
+    stores' loads are: the first round is a miss in every configuration)."""
+    fig, _ = figure(10.0, 3.4)
+    fig.clf()  # two panels, the left one wider
+    ax, by_round = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     names = [r["config"] for r in rows]
     x = np.arange(len(names))
-    for i, (key, color) in enumerate((("TTFT p50 s", "#4c72b0"), ("TTFT p99 s", "#dd8452"))):
-        ax.bar(x + (i - 0.5) * 0.35, [r[key] for r in rows], 0.35, label=key, color=color)
+    keys = (("TTFT p50 s", "#4c72b0"), ("TTFT p99 s", "#dd8452"), ("TTFT mean s", "#55a868"))
+    for i, (key, color) in enumerate(keys):
+        ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=key, color=color)
     ax.set_xticks(x, [f"{n}\n{r['output tok/s']:.1f} out tok/s" for n, r in zip(names, rows,
                                                                                 strict=True)])
     ax.set_ylabel("seconds")
-    ax.set_title("TTFT under concurrency (multi-round QA, vLLM OpenAI server)")
-    ax.legend()
+    ax.set_title("TTFT under concurrency (multi-round QA)")
+    ax.set_ylim(0, 1.2 * max(r[k] for r in rows for k, _ in keys))  # room for the legend
+    ax.legend(loc="upper center", ncol=3, fontsize="small")
+    for config, records in per_request.items():
+        rounds = sorted({r["round"] for r in records})
+        means = [np.mean([r["ttft_s"] for r in records if r["round"] == k]) for k in rounds]
+        by_round.plot(rounds, means, marker="o", label=config)
+    by_round.set_xlabel("round")
+    by_round.set_ylabel("mean TTFT, s")
+    by_round.set_title("per round")
+    by_round.legend(fontsize="small")
     save(fig, path)
 
 
@@ -239,10 +260,12 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
             vllm_args.append(changed_transfer_config(native, role="kv_consumer"))
         if config == "kvstore-nice0":  # saves at the engine's priority
             env["KVSTORE_SAVE_NICE"] = "0"
+        if config == "kvstore-noprefault":  # no background touch of the arena
+            env["KVCLIENT_PREFAULT_BYTES"] = "0"
         running.enter_context(stack(
             native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
             vllm_args=tuple(vllm_args),
-            vllm_python=str(VENV_LMCACHE) if config == "lmcache" else None))
+            vllm_python=str(VENV_LMCACHE) if config in ("lmcache", "vllm-lmvenv") else None))
         with tqdm(total=args.users * args.rounds, desc=config, unit="req") as bar:
             records, wall = run_users(native, sys_prompt, docs, turns, args.question,
                                       args.answer, args.stagger_s, bar)
@@ -397,10 +420,11 @@ def main() -> None:
                         ["statistic", "ratio", "2.5%", "median", "97.5%"]))
         return
     configs = args.configs.split(",")
-    if "lmcache" in configs and not VENV_LMCACHE.exists():
-        print(f"no {VENV_LMCACHE}: the lmcache configuration is skipped "
-              "(bash scripts/setup_lmcache.sh)")
-        configs.remove("lmcache")
+    for needs_venv in ("lmcache", "vllm-lmvenv"):
+        if needs_venv in configs and not VENV_LMCACHE.exists():
+            print(f"no {VENV_LMCACHE}: the {needs_venv} configuration is skipped "
+                  "(bash scripts/setup_lmcache.sh)")
+            configs.remove(needs_venv)
     sys_prompt, docs, turns = workload(args.users, args.rounds, args.system, args.question,
                                        args.answer, args.history)
     longest = args.system + args.history + args.rounds * (args.question + args.answer)
@@ -434,7 +458,7 @@ def main() -> None:
     print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))
     path = write_results(args.name, {"args": vars(args), "rows": rows,
                                      "requests": per_request})
-    plot(rows, RESULTS / f"{args.name}.png")
+    plot(rows, per_request, RESULTS / f"{args.name}.png")
     print(f"results: {path}")
 
 
