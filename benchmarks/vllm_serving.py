@@ -452,9 +452,8 @@ def main() -> None:
                  if a["logprobs"] and b["logprobs"] and a["output"][:1] == b["output"][:1]),
                 default=float("nan"))
     print(f"\n{args.users} users x {args.rounds} rounds, system {args.system}, history "
-          f"{args.history}, question "
-          f"{args.question}, answer {args.answer} tokens; vLLM cache {args.cache_blocks} "
-          f"blocks of 128 tokens\n")
+          f"{args.history}, question {args.question}, answer {args.answer} tokens; vLLM cache "
+          f"{args.cache_blocks} blocks of 128 tokens\n")
     print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))
     path = write_results(args.name, {"args": vars(args), "rows": rows,
                                      "requests": per_request})
