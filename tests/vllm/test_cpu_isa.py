@@ -15,6 +15,7 @@ engine loads bit for bit too.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from types import SimpleNamespace
 
@@ -103,12 +104,10 @@ def test_bf16_engine_loads_its_prefix_bit_for_bit(tmp_path_factory: pytest.TempP
     the prompt's blocks from kvstore and gives exactly what vLLM's own prefix cache gives."""
     model = make_model(tmp_path_factory.mktemp("vllm-amx-model") / "tiny-llama")
     daemon: DaemonProcess = next(small_daemon(tmp_path_factory, "vllm-amx"))
-    try:
+    with contextlib.ExitStack() as stack:  # the daemon killed whatever fails, close included
+        stack.callback(daemon.kill)
         engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
-    except BaseException:
-        daemon.kill()  # an engine that does not start must not leave its daemon behind
-        raise
-    try:
+        stack.callback(engine.close)
         assert "ISA amx, torch.bfloat16" in engine.tail(200), engine.tail()
         for prompt in prompts(seed=31):
             cold = engine.generate([prompt])
@@ -120,9 +119,6 @@ def test_bf16_engine_loads_its_prefix_bit_for_bit(tmp_path_factory: pytest.TempP
             assert hit_blocks(daemon) > served
             assert warm["tokens"] == cold["tokens"]
             assert_prefix_cache_bit_identical(warm, engine.generate([prompt]))
-    finally:
-        engine.close()
-        daemon.kill()
 
 
 @needs_amx
@@ -173,12 +169,10 @@ def test_bf16_mla_engine_on_amx_mla_loads_its_prefix_bit_for_bit(
     then part after a few steps, for vLLM's own prefix cache as for kvstore.)"""
     model = make_mla_model(tmp_path_factory.mktemp("vllm-amx-mla") / "tiny-deepseek-v2")
     daemon: DaemonProcess = next(small_daemon(tmp_path_factory, "vllm-amx-mla"))
-    try:
+    with contextlib.ExitStack() as stack:  # the daemon killed whatever fails, close included
+        stack.callback(daemon.kill)
         engine = Engine(model, daemon.target, dtype="bfloat16", block_size=BLOCK)
-    except BaseException:
-        daemon.kill()  # an engine that does not start must not leave its daemon behind
-        raise
-    try:
+        stack.callback(engine.close)
         assert "Using AMX_MLA backend" in engine.tail(400), engine.tail()
         for seed, n in ((51, 6 * BLOCK + 9), (52, 5 * BLOCK)):
             prompt = corpus_ids(model, seed, n, sentences=30)
@@ -193,6 +187,3 @@ def test_bf16_mla_engine_on_amx_mla_loads_its_prefix_bit_for_bit(
             if best[0] - best[1] > 0.05:  # a nearer tie may round either way in bf16
                 assert warm["tokens"][0][0] == cold["tokens"][0][0]
             assert_prefix_cache_bit_identical(warm, engine.generate([prompt]))
-    finally:
-        engine.close()
-        daemon.kill()
