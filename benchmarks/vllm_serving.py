@@ -49,7 +49,12 @@ between two runs of the same engine (docs/PERFORMANCE.md, 2026-11-29), more than
 differences the per-request comparison looks for.
 
 TTFT is the time from sending a request to its first streamed token, measured by the client;
-throughput is output tokens over the run's wall time. Per request the kvstore TTFT is compared
+throughput is output tokens over the run's wall time. The CPU columns are the seconds the
+engine's processes ran during the requests (`benchmarks.thread_cpu`; with `--repeats`, the
+median run's): "worker compute", the vLLM worker's main thread, which runs the forward pass
+on its own core; "worker other", the worker's other threads (a connector's saves and loads);
+"all", every process the benchmark started (the API server, the engine core, the worker, the
+store's daemon or server). Per request the kvstore TTFT is compared
 with vLLM alone's TTFT of the same request (the same user and round; their neighbours in the
 batch may differ). Results: benchmarks/results/vllm_serving.json and .png.
 """
@@ -72,6 +77,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, figure, save, table, write_results
+from benchmarks.thread_cpu import cpu_by_role
 from benchmarks.vllm_ttft import LOGGING, free_port, lmcache_server
 from tests.vllm.compose import MODEL_NAME, Native, remove_volumes, stack
 
@@ -80,6 +86,7 @@ CONFIGS = ("vllm", "kvstore", "lmcache")
 WORKLOAD = ("users", "rounds", "system", "history", "question", "answer", "cache_blocks",
             "stagger_s")
 VENV_LMCACHE = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin" / "python"
+CPU = "cpu: "  # the counters that are CPU seconds of the run (`thread_cpu.cpu_by_role`)
 
 
 def changed_transfer_config(native: Native, role: str | None = None,
@@ -198,7 +205,9 @@ def summary(config: str, records: list[dict[str, Any]], wall_s: float,
             "TTFT p99 s": float(np.percentile(ttft, 99)), "TTFT mean s": float(ttft.mean()),
             "output tok/s": out_tokens / wall_s, "wall s": wall_s,
             "vLLM cache hit": local / queries if queries else 0.0,
-            "connector hit": external / queries if queries else 0.0}
+            "connector hit": external / queries if queries else 0.0,
+            **{"CPU " + name[len(CPU):]: v for name, v in counters.items()
+               if name.startswith(CPU)}}
 
 
 def plot(rows: list[dict[str, Any]], per_request: dict[str, list[dict[str, Any]]],
@@ -266,12 +275,16 @@ def run_config(config: str, args: argparse.Namespace, models: Path, max_len: int
             native, remote=False, vllm_env=env, connector=config.startswith("kvstore"),
             vllm_args=tuple(vllm_args),
             vllm_python=str(VENV_LMCACHE) if config in ("lmcache", "vllm-lmvenv") else None))
+        cpu_before = cpu_by_role()
         with tqdm(total=args.users * args.rounds, desc=config, unit="req") as bar:
             records, wall = run_users(native, sys_prompt, docs, turns, args.question,
                                       args.answer, args.stagger_s, bar)
+        cpu_after = cpu_by_role()
         counters = {name: metric(native.url, name) for name in (
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
             "vllm:external_prefix_cache_hits_total")}
+        counters.update({f"{CPU}{role} s": cpu_after[role] - cpu_before[role]
+                         for role in cpu_after})
     return records, wall, counters
 
 
@@ -279,7 +292,7 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
           ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
     """Several runs of one configuration as one: each request's TTFT the median of its runs
     (`ttft_runs` lists them; output and log-probabilities are the first run's), the median
-    wall time, the counters summed."""
+    wall time, vLLM's counters summed and the CPU seconds the median run's."""
     records = []
     for same in zip(*(r[0] for r in runs), strict=True):
         times = [r["ttft_s"] for r in same]
@@ -288,6 +301,9 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
     for _, _, c in runs:
         for name, value in c.items():
             counters[name] = counters.get(name, 0.0) + value
+    for name in counters:
+        if name.startswith(CPU):
+            counters[name] = float(np.median([c.get(name, 0.0) for _, _, c in runs]))
     return records, float(np.median([r[1] for r in runs])), counters
 
 
@@ -357,9 +373,13 @@ def bootstrap_ratio(runs: dict[str, list[list[float]]], a: str, b: str,
 
 def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len: int,
             sys_prompt: list[int], docs: list[list[int]], turns: list[list[list[int]]],
-            ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
-    """Every configuration `args.repeats` times: a summary row each, and their requests."""
+            ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
+                       list[dict[str, Any]]]:
+    """Every configuration `args.repeats` times: a summary row each, their requests, and each
+    engine's CPU seconds in the order they ran (a pass's engines ran minutes apart: compare
+    those within a pass)."""
     runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, float]]]] = {}
+    cpu_runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         # Every other pass in reverse: the VM's speed drifts within minutes, and no
         # configuration should always run first (the first engine of a run was the slowest).
@@ -368,14 +388,17 @@ def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len:
         else:
             order = configs if rep % 2 == 0 else configs[::-1]
         for config in order:
-            runs.setdefault(config, []).append(
-                run_config(config, args, models, max_len, sys_prompt, docs, turns))
+            run = run_config(config, args, models, max_len, sys_prompt, docs, turns)
+            runs.setdefault(config, []).append(run)
+            cpu_runs.append({"pass": rep, "config": config,
+                             **{"CPU " + k[len(CPU):]: v for k, v in run[2].items()
+                                if k.startswith(CPU)}})
     rows, per_request = [], {}
     for config in configs:
         records, wall, counters = merge(runs[config])
         rows.append(summary(config, records, wall, counters))
         per_request[config] = records
-    return rows, per_request
+    return rows, per_request, cpu_runs
 
 
 def main() -> None:
@@ -434,7 +457,8 @@ def main() -> None:
                          f"of {args.cache_blocks} blocks: raise --cache-blocks")
     models = Path(tempfile.mkdtemp(prefix="kvs-models-", dir="/tmp"))  # built once, shared
     try:
-        rows, per_request = run_all(configs, args, models, max_len, sys_prompt, docs, turns)
+        rows, per_request, cpu_runs = run_all(configs, args, models, max_len, sys_prompt,
+                                              docs, turns)
     finally:
         shutil.rmtree(models, ignore_errors=True)
     for row in rows:  # each request against vLLM alone's run of the same request
@@ -455,8 +479,11 @@ def main() -> None:
           f"{args.history}, question {args.question}, answer {args.answer} tokens; vLLM cache "
           f"{args.cache_blocks} blocks of 128 tokens\n")
     print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))
+    if args.repeats > 1:
+        print("\nCPU seconds of each engine, in the order they ran:")
+        print(table(cpu_runs, list(dict.fromkeys(k for r in cpu_runs for k in r))))
     path = write_results(args.name, {"args": vars(args), "rows": rows,
-                                     "requests": per_request})
+                                     "requests": per_request, "cpu_runs": cpu_runs})
     plot(rows, per_request, RESULTS / f"{args.name}.png")
     print(f"results: {path}")
 
