@@ -44,10 +44,11 @@ def descendants(root: int | None = None) -> list[int]:
 
 def cpu_by_role(root: int | None = None) -> dict[str, float]:
     """CPU seconds so far of the processes below `root`: "worker compute" (the main thread of
-    each vLLM worker process, which runs the forward pass), "worker other" (the worker's other
-    threads: a connector's saves and loads, its client), and "all" (every descendant, those
-    two included). A process's figure counts its threads that ended; a process that ended is
-    not counted."""
+    each vLLM worker process, which runs the whole forward pass where vLLM computes with one
+    OMP thread, as on this 2-core machine; more OMP threads would count as "worker other"),
+    "worker other" (the worker's other threads: a connector's saves and loads, its client),
+    and "all" (every descendant, those two included). A process's figure counts its threads
+    that ended; a process that ended is not counted."""
     out = {"worker compute": 0.0, "worker other": 0.0, "all": 0.0}
     for pid in descendants(root):
         proc = _stat(Path(f"/proc/{pid}/stat"))  # the whole thread group's time
