@@ -50,11 +50,11 @@ differences the per-request comparison looks for.
 
 TTFT is the time from sending a request to its first streamed token, measured by the client;
 throughput is output tokens over the run's wall time. The CPU columns are the seconds the
-engine's processes ran during the requests (`benchmarks.thread_cpu`; with `--repeats`, the
-median run's): "worker compute", the vLLM worker's main thread, which runs the forward pass
-on its own core; "worker other", the worker's other threads (a connector's saves and loads);
-"all", every process the benchmark started (the API server, the engine core, the worker, the
-store's daemon or server). Per request the kvstore TTFT is compared
+engine's processes ran during the requests (`benchmarks.thread_cpu`; with `--repeats`, each
+the median over the runs): "worker compute", the vLLM worker's main thread, which runs the
+forward pass on its own core; "worker other", the worker's other threads (a connector's saves
+and loads); "all", every process the benchmark started (the API server, the engine core, the
+worker, the store's daemon or server). Per request the kvstore TTFT is compared
 with vLLM alone's TTFT of the same request (the same user and round; their neighbours in the
 batch may differ). Results: benchmarks/results/vllm_serving.json and .png.
 """
@@ -292,7 +292,7 @@ def merge(runs: list[tuple[list[dict[str, Any]], float, dict[str, float]]],
           ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
     """Several runs of one configuration as one: each request's TTFT the median of its runs
     (`ttft_runs` lists them; output and log-probabilities are the first run's), the median
-    wall time, vLLM's counters summed and the CPU seconds the median run's."""
+    wall time, vLLM's counters summed, and each CPU figure the median over the runs."""
     records = []
     for same in zip(*(r[0] for r in runs), strict=True):
         times = [r["ttft_s"] for r in same]
