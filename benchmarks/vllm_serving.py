@@ -206,8 +206,12 @@ def summary(config: str, records: list[dict[str, Any]], wall_s: float,
             "output tok/s": out_tokens / wall_s, "wall s": wall_s,
             "vLLM cache hit": local / queries if queries else 0.0,
             "connector hit": external / queries if queries else 0.0,
-            **{"CPU " + name[len(CPU):]: v for name, v in counters.items()
-               if name.startswith(CPU)}}
+            **cpu_columns(counters)}
+
+
+def cpu_columns(counters: dict[str, float]) -> dict[str, float]:
+    """The CPU counters of a run, named as the tables show them."""
+    return {"CPU " + name[len(CPU):]: v for name, v in counters.items() if name.startswith(CPU)}
 
 
 def plot(rows: list[dict[str, Any]], per_request: dict[str, list[dict[str, Any]]],
@@ -390,9 +394,7 @@ def run_all(configs: list[str], args: argparse.Namespace, models: Path, max_len:
         for config in order:
             run = run_config(config, args, models, max_len, sys_prompt, docs, turns)
             runs.setdefault(config, []).append(run)
-            cpu_runs.append({"pass": rep, "config": config,
-                             **{"CPU " + k[len(CPU):]: v for k, v in run[2].items()
-                                if k.startswith(CPU)}})
+            cpu_runs.append({"pass": rep, "config": config, **cpu_columns(run[2])})
     rows, per_request = [], {}
     for config in configs:
         records, wall, counters = merge(runs[config])

@@ -48,7 +48,7 @@ def test_roles_and_grandchildren() -> None:
         assert child.pid in tree and len(tree) >= 2  # the grandchild too
         got = {k: v - before[k] for k, v in cpu_by_role().items()}
     finally:
-        for pid in reversed(descendants()):
+        for pid in [*reversed(descendants(child.pid)), child.pid]:  # this test's tree only
             subprocess.run(["kill", str(pid)], check=False)
         child.wait(10)
     # The clock ticks are 10 ms: each figure at most a tick or two short of what was spent.
