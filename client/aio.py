@@ -69,6 +69,13 @@ BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], int | Non
 """`fn(blocks, views, stop)`: copies to or from block views (see `AsyncKVClient.fetch_with`);
 returns how many of the leading blocks it copied in full (None: all of them)."""
 STREAM_CHUNK = 4 << 20
+STREAM_GROUP_BYTES = 8 << 20
+# A fetch over TCP hands its blocks to `consume` in groups of about this many bytes as they
+# arrive, through two buffers taken from `_stream_buffers`: memory bounded by two groups
+# whatever the prompt, pages touched once per process, each group's copy overlapping the
+# next one's receipt.
+# (One buffer for the whole prefix, freshly allocated per fetch, cost its page faults in every
+# load: 94 ms of a vLLM consumer's first 1,024-token load from its peer, 17 ms of each later.)
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
 # is cancelled (about 4 ms each at memory speed), so a deadline is kept to within one piece.
 COPY_PIECE_BYTES = 64 << 20
@@ -237,6 +244,49 @@ def _prefault(arena: Arena, nbytes: int) -> None:
             int(arena.array[off : min(off + step, nbytes) : mmap.PAGESIZE].sum())
     except (ValueError, BufferError):  # the mapping went away meanwhile: nothing to do
         return
+
+
+class _BufferPool:
+    """Byte buffers of streamed fetches, reused by every client of the process (engines make
+    a client per namespace): a buffer's pages are faulted in once, not in every fetch."""
+
+    def __init__(self, kept_per_size: int) -> None:
+        self._kept = kept_per_size
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # clients of several event loops share it
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buffer.numel(), [])
+            if len(free) < self._kept:
+                free.append(buffer)
+
+
+_stream_buffers = _BufferPool(kept_per_size=4)  # two streamed fetches at once reuse theirs
+
+
+def _group_blocks(layout: KVLayout) -> int:
+    """Blocks per group of a streamed fetch (`STREAM_GROUP_BYTES`, one at least)."""
+    return max(1, STREAM_GROUP_BYTES // layout.block_bytes)
+
+
+def warm_stream_buffers(layout: KVLayout) -> None:
+    """Fault in the buffers of this process's streamed fetches of `layout`'s blocks ahead of
+    the first one: an engine that will load from another machine's daemon (a disaggregated
+    consumer's peers) calls it at start. A fresh buffer's page faults cost a vLLM consumer
+    ~80 ms of its first 1,024-token load from a peer on this repository's VM."""
+    nbytes = _group_blocks(layout) * layout.block_bytes
+    raw = [_stream_buffers.take(nbytes) for _ in range(2)]
+    for b in raw:
+        b.zero_()
+        _stream_buffers.give(b)
 
 
 class _CopyStopped(Exception):
@@ -439,7 +489,9 @@ class AsyncKVClient:
         use no block before it has them all (a layer-by-layer load, whose first layer needs
         every block's). A prefix that host has no room for still comes in rounds; a fetch that
         outlives its deadline keeps nothing of a round not answered yet, where windows keep
-        the ones copied. Over TCP `consume` gets every block in one call either way.
+        the ones copied. Over TCP, `whole` gives `consume` every block in one call, once all
+        have arrived (in a buffer of the whole prefix); without it `consume` gets them in groups
+        of about `STREAM_GROUP_BYTES` as they arrive, each copied while the next arrives.
         """
         keys = self.keys(tokens)[: _limit(max_blocks)]
         if skip_blocks < 0:
@@ -1126,6 +1178,81 @@ class AsyncKVClient:
         self._observe_copy(head.blocks, time.perf_counter() - began)
         return n, head.more, out
 
+    async def _stream_groups(self, keys: list[bytes], consume: BlockCopy, until: float,
+                             progress: _Progress) -> bool:
+        """One streamed Fetch of `keys[progress.done:]`: each group of blocks received
+        (`STREAM_GROUP_BYTES`) is handed to `consume` while the next one arrives, in the other
+        of two buffers; `progress.done` advances past each group consumed intact. Returns
+        whether the daemon has more of the prefix to send (it answers in rounds) and every
+        block of this round was consumed."""
+        start = progress.done
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
+                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
+        call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
+        stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
+        head = await anext(stream)  # a stream's lease ends with the stream
+        n = head.hits
+        if n == 0:
+            return False
+        size, group = self.layout.block_bytes, _group_blocks(self.layout)
+        raw = [_stream_buffers.take(group * size) for _ in range(2)]
+        shape = self.layout.kv_shape(group * self.layout.block_tokens)
+        buffers = [b.view(self.layout.torch_dtype).view(shape) for b in raw]
+        copying: tuple[asyncio.Future[int], int] | None = None  # a group's copy, its blocks
+
+        async def settled() -> bool:
+            """Wait for the copy in flight; whether it copied its whole group."""
+            nonlocal copying
+            if copying is None:
+                return True
+            got = await asyncio.shield(copying[0])  # cancelled, this still counts it: below
+            progress.done += got
+            done, copying = copying[1], None
+            return got == done
+
+        began = time.perf_counter()
+        block, filled, first, side = 0, 0, 0, 0  # `first`: the block buffers[side] starts at
+        try:
+            planes = self._block_planes(buffers[side], 0)
+            async for chunk in stream:
+                if chunk.block_index != block or chunk.chunk_offset != filled \
+                        or filled + len(chunk.data) > size:
+                    raise KVStoreError("fetch stream out of order")
+                _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
+                filled += len(chunk.data)
+                if filled < size:
+                    continue
+                block, filled = block + 1, 0
+                if block - first == group or block == n:  # a group is here: hand it over
+                    if not await settled():
+                        return False
+                    views = [self._prompt_view(buffers[side], j, 1)[:, :, 0]
+                             for j in range(block - first)]
+                    blocks = list(range(start + first, start + block))
+                    copying = (asyncio.ensure_future(self._copy(
+                        consume, len(blocks), blocks, views, until=until)), len(blocks))
+                    side, first = 1 - side, block
+                if block < n:
+                    planes = self._block_planes(buffers[side], block - first)
+            if block != n:
+                raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
+            self._observe_copy(head.blocks, time.perf_counter() - began)
+            return await settled() and head.more
+        finally:
+            # Cut short (the daemon went away, the stream broke, the caller was cancelled):
+            # the copy in flight ends before its buffer is reused (at `until` at the latest),
+            # and the group it copied whole still counts; its bytes had all arrived.
+            call.cancel()  # the daemon stops sending and ends the lease (no-op once ended)
+            try:
+                if copying is not None:
+                    await wait_out(copying[0])
+            finally:
+                if copying is not None and not copying[0].cancelled() \
+                        and copying[0].exception() is None:
+                    progress.done += copying[0].result()
+                for b in raw:
+                    _stream_buffers.give(b)
+
     def _copy_out(self, arena: Arena, slab: torch.Tensor | None, refs: list[pb.BlockRef],
                   out: torch.Tensor, start: int, stop: threading.Event) -> int:
         """Copy `refs` into blocks `start...` of `out`; returns the blocks copied (a prefix)."""
@@ -1258,7 +1385,7 @@ class AsyncKVClient:
                           until: float, progress: _Progress, whole: bool) -> int:
         """Blocks `[0, end)` of `keys` consumed intact (`skip` on none past it)."""
         if self.transfer == "stream":
-            return await self._fetch_with_stream(keys, consume, skip, until)
+            return await self._fetch_with_stream(keys, consume, skip, until, progress, whole)
 
         async def take(arena: Arena, slab: torch.Tensor | None, head: pb.FetchChunk,
                        first: int) -> int:
@@ -1270,7 +1397,16 @@ class AsyncKVClient:
         return progress.done
 
     async def _fetch_with_stream(self, keys: list[bytes], consume: BlockCopy, skip: int,
-                                 until: float) -> int:
+                                 until: float, progress: _Progress, whole: bool) -> int:
+        """Over TCP: blocks go to `consume` a group at a time as they arrive
+        (`_stream_groups`); with `whole`, all of them in one call once every one is here."""
+        if not whole:
+            while progress.done < len(keys):
+                before = progress.done
+                more = await self._stream_groups(keys, consume, until, progress)
+                if not more or progress.done == before:
+                    break
+            return progress.done
         out: torch.Tensor | None = None
         done = skip
         while done < len(keys):

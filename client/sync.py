@@ -50,6 +50,12 @@ class KVClient:
         return self._aio.namespace
 
     @property
+    def streams(self) -> bool:
+        """Whether transfers stream through gRPC (a daemon over TCP, or `transfer="stream"`)
+        rather than through the daemon's shared memory."""
+        return self._aio.transfer == "stream"
+
+    @property
     def dropped_saves(self) -> int:
         """See `AsyncKVClient.dropped_saves`."""
         return self._aio.dropped_saves

@@ -162,6 +162,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstore.client.aio import warm_stream_buffers
 from kvstore.client.backoff import LogThrottle
 from kvstore.client.cli import DEFAULT_TARGET
 from kvstore.client.integrations.layerwise import LayerwiseLoad
@@ -1397,6 +1398,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # on a GPU has it pinned too: the kernels then read loads across the bus themselves.
         on_gpu = any(c.engine is not None and c.engine.device.type == "cuda" for c in caches)
         self._client("", "").prepare(pin=on_gpu)
+        if self._peers:  # a consumer's loads from its producers' daemons stream over TCP
+            for layout in {s.layout for g in self._groups
+                           for s in g.shards_of(self._rank, self._stage)}:
+                warm_stream_buffers(layout)
         if self._async_save and self._saves and self._saver is None:
             self._saver = _Saver(self._save, self._cfg.save_queue)
         if self._cfg.async_load and self._loader is None:
@@ -1774,13 +1779,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
         began = time.perf_counter()
         try:
+            client = self._client(spec.salt, spec.lora, spec.group, spec.shard, spec.peer)
             # `whole_loads`: a layer is ready for the forward only once a call brought every
-            # block (`signal`), so in windows the forward waits for a whole disk load.
-            n = self._client(spec.salt, spec.lora, spec.group, spec.shard,
-                             spec.peer).fetch_with(
+            # block (`signal`), so in windows the forward waits for a whole disk load. Over
+            # TCP (a peer) blocks arrive one after another, all layers each: no layer is
+            # complete before the last block, so they are copied in groups as they arrive
+            # rather than all at the end through a buffer of the whole prefix.
+            n = client.fetch_with(
                 spec.keys, consume, skip_blocks=spec.start // bt,
                 budget_s=self._recompute_s(spec.start, spec.end),
-                whole=layerwise is not None and self._cfg.whole_loads)
+                whole=layerwise is not None and self._cfg.whole_loads and not client.streams)
         finally:
             guard.close()  # no copy into vLLM's pages after this
         # A shorter prefix than the lookup promised (evicted since, or the daemon went away):
