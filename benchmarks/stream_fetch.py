@@ -9,7 +9,10 @@ length, alternated, median of `--repeats`:
 - "grpc ceiling": a bare gRPC server streaming the same bytes in messages of the daemon's
   chunk size, to a client in another process (no daemon, no protobuf), both with the
   daemon's malloc tuning: the limit of gRPC's Python library on this machine;
-- "shm": the same fetch over the Unix socket, zero copy (the local engine's load).
+- "shm": the same fetch over the Unix socket, zero copy (the local engine's load);
+- "publish stream" / "publish shm": `KVClient.publish_with` of a prompt the daemon lacks (a
+  fresh one each time), its `produce` copying from a tensor, over TCP / the Unix socket (an
+  engine's save to a daemon on another host / its own).
 
     python -m benchmarks.stream_fetch [--lengths 1024,2048,4096] [--repeats 7]
 """
@@ -48,6 +51,20 @@ def _fetch_s(client: KVClient, tokens: list[int]) -> float:
     got = client.fetch_with(tokens, lambda blocks, views, stop: len(blocks))
     took = time.perf_counter() - t0
     require(got == len(tokens), f"fetched {got} of {len(tokens)} tokens")
+    return took
+
+
+def _publish_s(client: KVClient, tokens: list[int], kv: torch.Tensor) -> float:
+    bt = LAYOUT.block_tokens
+
+    def produce(blocks: list[int], views: list[torch.Tensor], stop: Any) -> None:
+        for b, view in zip(blocks, views, strict=True):
+            view.copy_(kv[:, :, b * bt : (b + 1) * bt])
+
+    t0 = time.perf_counter()
+    got = client.publish_with(tokens, produce)
+    took = time.perf_counter() - t0
+    require(got == len(tokens), f"published {got} of {len(tokens)} tokens")
     return took
 
 
@@ -115,7 +132,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     root = Path(tempfile.mkdtemp(prefix="kvw-", dir="/tmp"))
     port, token = free_port(), secrets.token_hex(16)
-    daemon = DaemonProcess(root / "d", "--host-bytes", "1GiB", "--disk-bytes", "0",
+    daemon = DaemonProcess(root / "d", "--host-bytes", "2GiB", "--disk-bytes", "0",
                            "--listen", f"127.0.0.1:{port}", "--token", token).start()
     ceiling = GrpcCeiling()
     rows = []
@@ -128,11 +145,16 @@ def main() -> None:
                 kv = torch.randn(LAYOUT.kv_shape(n)).to(LAYOUT.torch_dtype)
                 require(local.publish(tokens, kv) == n, "publish refused")
                 nbytes = n // LAYOUT.block_tokens * LAYOUT.block_bytes
-                times: dict[str, list[float]] = {"stream": [], "grpc ceiling": [], "shm": []}
-                for _ in range(args.repeats):
+                times: dict[str, list[float]] = {"stream": [], "grpc ceiling": [], "shm": [],
+                                                 "publish stream": [], "publish shm": []}
+                for r in range(args.repeats):
                     times["stream"].append(_fetch_s(tcp, tokens))
                     times["grpc ceiling"].append(ceiling.seconds(nbytes))
                     times["shm"].append(_fetch_s(local, tokens))
+                    fresh = [t + (2 * r + 1) * 1_000_000 for t in tokens]  # new keys each time
+                    times["publish stream"].append(_publish_s(tcp, fresh, kv))
+                    fresh = [t + 1_000_000 for t in fresh]
+                    times["publish shm"].append(_publish_s(local, fresh, kv))
                 row: dict[str, Any] = {"tokens": n, "MiB": nbytes >> 20}
                 for k, v in times.items():
                     row[f"{k} ms"] = statistics.median(v) * 1e3
@@ -145,7 +167,8 @@ def main() -> None:
         daemon.kill()
         shutil.rmtree(root, ignore_errors=True)
     print(table(rows, ["tokens", "MiB", "stream ms", "stream GB/s", "grpc ceiling ms",
-                       "grpc ceiling GB/s", "stream / ceiling", "shm ms", "shm GB/s"]))
+                       "grpc ceiling GB/s", "stream / ceiling", "shm ms", "shm GB/s",
+                       "publish stream ms", "publish stream GB/s", "publish shm ms"]))
     print(write_results(args.name, {"command": " ".join(sys.argv), "repeats": args.repeats,
                                     "chunk_bytes": STREAM_CHUNK, "rows": rows}))
 

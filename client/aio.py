@@ -513,9 +513,11 @@ class AsyncKVClient:
 
         `produce(blocks, views, stop)` runs in a worker thread with the prompt indices of the
         blocks the daemon lacks and a writable view of each, `[layers, kv, block_tokens, heads,
-        head_dim]`: it fills every view. Blocks already stored are not asked for (over TCP,
-        every block is: the views are then a local buffer, streamed afterwards). As with
-        `fetch_with`, `stop` is set when the deadline passes; nothing is committed then.
+        head_dim]`: it fills every view. Blocks already stored are not asked for. As with
+        `fetch_with`, `stop` is set when the deadline passes; nothing is committed then. Over
+        TCP the views are buffers of this process, a group of blocks at a time
+        (`STREAM_GROUP_BYTES`), each group streamed while `produce` fills the next; a
+        `produce` stopped there still stores the groups streamed before.
         """
         keys = self.keys(tokens)
         if not keys:
@@ -1354,23 +1356,71 @@ class AsyncKVClient:
         return copied
 
     async def _publish_stream(self, keys: list[bytes], kv: torch.Tensor, until: float) -> int:
+        """`kv`'s blocks over TCP, through the same groups as `publish_with`'s."""
+        def produce(blocks: list[int], views: list[torch.Tensor], stop: threading.Event,
+                    ) -> int:
+            for i, (b, view) in enumerate(zip(blocks, views, strict=True)):
+                if stop.is_set():
+                    return i
+                view.copy_(kv[:, :, self._tokens_slice(b)])
+            return len(blocks)
+
+        return await self._publish_with_stream(keys, produce, until)
+
+    async def _publish_with_stream(self, keys: list[bytes], produce: BlockCopy,
+                                   until: float) -> int:
+        """Over TCP: the blocks the daemon lacks, filled by `produce` a group at a time
+        (`STREAM_GROUP_BYTES`) into two pooled buffers, each group streamed while the next is
+        filled. The daemon commits each block as its last byte arrives, so a `produce` stopped
+        part-way (its deadline) still stores the blocks before the one it stopped in."""
         have = (await self._lookup(keys)).hits
         if have == len(keys):
             return have
-        send = keys[have:]
+        size, group = self.layout.block_bytes, _group_blocks(self.layout)
+        raw = [_stream_buffers.take(group * size) for _ in range(2)]
+        # Block-major: each block's bytes contiguous, in the order the stream sends them.
+        buffers = [b.view(self.layout.torch_dtype).view(group, *self.layout.block_shape)
+                   for b in raw]
+        starts = list(range(have, len(keys), group))
+        filling: asyncio.Future[int] | None = None
+
+        def fill(g: int) -> asyncio.Future[int]:
+            blocks = list(range(starts[g], min(starts[g] + group, len(keys))))
+            views = [buffers[g % 2][j] for j in range(len(blocks))]
+            return asyncio.ensure_future(self._copy(produce, len(blocks), blocks, views,
+                                                    until=until, save=True))
 
         async def messages() -> AsyncIterator[pb.PublishChunk]:
-            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb, keys=send,
+            nonlocal filling
+            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb, keys=keys[have:],
                                   prior_keys=keys[:have])
-            for j in range(len(send)):
-                block = kv[:, :, self._tokens_slice(have + j)].contiguous()
-                raw = block.view(torch.uint8).numpy().reshape(-1)
-                for off in range(0, raw.size, STREAM_CHUNK):
-                    yield pb.PublishChunk(block_index=j, chunk_offset=off,
-                                          data=raw[off : off + STREAM_CHUNK].tobytes())
+            current = filling = fill(0)
+            for g, first in enumerate(starts):
+                count = min(group, len(keys) - first)
+                got = await asyncio.shield(current)
+                filling = None
+                if got == count and g + 1 < len(starts):
+                    current = filling = fill(g + 1)  # into the other buffer, as this one goes
+                flat = raw[g % 2].numpy()
+                for j in range(got):  # the blocks filled whole; the stream ends after them
+                    for off in range(0, size, STREAM_CHUNK):
+                        yield pb.PublishChunk(
+                            block_index=first - have + j, chunk_offset=off,
+                            data=flat[j * size + off : j * size + min(off + STREAM_CHUNK, size)
+                                      ].tobytes())
+                if got < count:
+                    return
 
-        reply: pb.PublishReply = await self._stub_().Publish(
-            messages(), timeout=self._left(until), metadata=self._metadata)
+        try:
+            reply: pb.PublishReply = await self._stub_().Publish(
+                messages(), timeout=self._left(until), metadata=self._metadata)
+        finally:
+            if filling is not None:  # the stream ended early: stop the fill before reuse
+                filling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await wait_out(filling)
+            for b in raw:
+                _stream_buffers.give(b)
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
@@ -1424,15 +1474,7 @@ class AsyncKVClient:
 
     async def _publish_with(self, keys: list[bytes], produce: BlockCopy, until: float) -> int:
         if self.transfer == "stream":
-            kv = torch.empty(self.layout.kv_shape(len(keys) * self.layout.block_tokens),
-                             dtype=self.layout.torch_dtype)
-            blocks = list(range(len(keys)))
-            got = await self._copy(produce, len(blocks), blocks,
-                                   [self._prompt_view(kv, i, 1)[:, :, 0] for i in blocks],
-                                   until=until, save=True)
-            if got < len(blocks):
-                raise _CopyStopped(f"publish wrote {got} of {len(blocks)} blocks")
-            return await self._publish_stream(keys, kv, until)
+            return await self._publish_with_stream(keys, produce, until)
 
         async def write(arena: Arena, todo: list[int], refs: list[pb.BlockRef]) -> None:
             got = await self._copy(produce, len(todo), todo,

@@ -1,6 +1,8 @@
-"""`fetch_with` over TCP (a disaggregated consumer loading from its producer's daemon): blocks
-reach `consume` in groups as they arrive, through two reused buffers, and a fetch cut short
-(a copy stopped, its deadline, the daemon killed) keeps exactly the groups copied intact."""
+"""`fetch_with` and `publish_with` over TCP (a disaggregated consumer loading from its
+producer's daemon; an engine whose daemon is on another host): blocks move in groups, through
+two reused buffers, each group's copy overlapping the next one's transfer. A fetch cut short
+(a copy stopped, its deadline, the daemon killed) keeps exactly the groups copied intact; a
+publish whose `produce` stops stores the blocks before it, and nothing past them."""
 
 from __future__ import annotations
 
@@ -22,18 +24,24 @@ GROUP = 3  # blocks per group in these tests (`STREAM_GROUP_BYTES` patched)
 
 
 @pytest.fixture
-def tcp(daemon_factory, monkeypatch):
-    """A daemon listening on loopback TCP, its address and token, and a prompt stored there."""
+def empty(daemon_factory, monkeypatch):
+    """A daemon listening on loopback TCP, its address and token, and a prompt (not stored)."""
     layout = small_layout()
     monkeypatch.setattr(aio, "STREAM_GROUP_BYTES", GROUP * layout.block_bytes)
     address, token = f"127.0.0.1:{free_port()}", secrets.token_hex(16)
     daemon = daemon_factory("--host-bytes", "8MiB", "--listen", address, "--token",
                             token).start()
     tokens = list(range(BLOCKS * BT))
-    kv = random_kv(layout, len(tokens))
+    return daemon, address, token, layout, tokens, random_kv(layout, len(tokens))
+
+
+@pytest.fixture
+def tcp(empty):
+    """`empty`, with the prompt stored (over the daemon's Unix socket)."""
+    daemon, _, _, layout, tokens, kv = empty
     with KVClient(daemon.target, layout) as own:
         assert own.publish(tokens, kv) == len(tokens)
-    return daemon, address, token, layout, tokens, kv
+    return empty
 
 
 class Recorder:
@@ -126,3 +134,52 @@ def test_the_daemon_killed_mid_fetch_keeps_what_was_copied_whole(tcp):
         assert got % BT == 0 and got >= GROUP * BT
         assert rec.intact(kv, got // BT)
         assert c.fetch_with(tokens, Recorder()) == 0  # gone: a miss, not an error
+
+
+class Producer(Recorder):
+    """A `produce` that fills each view with its block of `kv`, recording calls and buffers;
+    `short`: (first block of a call, blocks to fill before returning) for a stopped one."""
+
+    def __init__(self, kv: torch.Tensor, short: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.kv, self.short = kv, short
+
+    def __call__(self, blocks: list[int], views: list[torch.Tensor],
+                 stop: threading.Event) -> int | None:
+        n = self.short[1] if self.short and blocks[0] == self.short[0] else len(blocks)
+        for b, v in zip(blocks[:n], views[:n], strict=True):
+            v.copy_(self.kv[:, :, b * BT : (b + 1) * BT])
+        super().__call__(blocks, views, stop)
+        return n
+
+
+def test_publish_with_fills_only_missing_blocks_in_groups_through_two_buffers(empty):
+    daemon, address, token, layout, tokens, kv = empty
+    with KVClient(daemon.target, layout) as own:
+        assert own.publish(tokens[: 4 * BT], kv[:, :, : 4 * BT]) == 4 * BT
+    produce = Producer(kv)
+    with KVClient(address, layout, token=token) as c:
+        assert c.publish_with(tokens, produce) == len(tokens)
+        assert produce.calls == [[4, 5, 6], [7, 8, 9]]  # the daemon had blocks 0-3
+        assert len(produce.storages) == 2
+        back = Recorder()
+        assert c.fetch_with(tokens, back) == len(tokens)
+        assert back.intact(kv, BLOCKS)
+        # `publish` of a tensor goes the same way, and its bytes come back as given.
+        other = [t + 100_000 for t in tokens]
+        kv2 = random_kv(layout, len(other), seed=1)
+        assert c.publish(other, kv2) == len(other)
+        n, got = c.fetch(other)
+        assert n == len(other) and same_bytes(got, kv2)
+
+
+def test_publish_with_stopped_part_way_stores_the_blocks_before_it_and_nothing_past(empty):
+    _, address, token, layout, tokens, kv = empty
+    produce = Producer(kv, short=(GROUP, 1))  # the second group: its first block only
+    with KVClient(address, layout, token=token) as c:
+        assert c.publish_with(tokens, produce) == (GROUP + 1) * BT
+        assert produce.calls == [[0, 1, 2], [3, 4, 5]]  # no group asked for after it
+        assert c.lookup(tokens) == (GROUP + 1) * BT
+        back = Recorder()
+        assert c.fetch_with(tokens, back) == (GROUP + 1) * BT
+        assert back.intact(kv, GROUP + 1)
