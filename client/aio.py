@@ -758,6 +758,14 @@ class AsyncKVClient:
         except _CopyStopped as e:
             log.debug("kvstore copy stopped at its deadline: %s", e)
             return False, None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this task's own cancellation (its caller's): not a failure to hide
+            # gRPC cancelled the call itself: a request stream that ended as the call's
+            # deadline passed, say. The call failed; the caller gets a miss, not CancelledError.
+            log.debug("kvstore call cancelled by gRPC")
+            return False, None
         except TimeoutError as e:
             if until is None:
                 self._outage(f"TimeoutError: {e}", gone=False)
@@ -827,8 +835,11 @@ class AsyncKVClient:
         ok, stored = await self._attempt(call, until=until)
         stored = stored if ok and stored is not None else 0
         if stored < blocks:
-            why = ("the daemon lacked space" if ok else "the daemon was unavailable"
-                   if self._breaker.open else "the call failed or ran past its deadline")
+            why = ("the daemon was unavailable" if not ok and self._breaker.open
+                   else "the call failed or ran past its deadline" if not ok
+                   else "the daemon lacked space" if self.transfer != "stream"
+                   # over TCP the blocks before a copy stopped at its deadline are stored
+                   else "the daemon lacked space, or a copy ran past its deadline")
             self._dropped(blocks - stored, blocks, why)
         return stored
 
@@ -1383,6 +1394,7 @@ class AsyncKVClient:
                    for b in raw]
         starts = list(range(have, len(keys), group))
         filling: asyncio.Future[int] | None = None
+        ended = False  # the call is over: its buffers may be another transfer's from now on
 
         def fill(g: int) -> asyncio.Future[int]:
             blocks = list(range(starts[g], min(starts[g] + group, len(keys))))
@@ -1399,6 +1411,8 @@ class AsyncKVClient:
                 count = min(group, len(keys) - first)
                 got = await asyncio.shield(current)
                 filling = None
+                if ended:  # gRPC read on after the call ended: touch no buffer
+                    return
                 if got == count and g + 1 < len(starts):
                     current = filling = fill(g + 1)  # into the other buffer, as this one goes
                 flat = raw[g % 2].numpy()
@@ -1412,15 +1426,20 @@ class AsyncKVClient:
                     return
 
         try:
+            # Half a deadline past `until`: a `produce` stopped there ends the stream, and the
+            # daemon's reply (the blocks it committed before) still comes back.
             reply: pb.PublishReply = await self._stub_().Publish(
-                messages(), timeout=self._left(until), metadata=self._metadata)
+                messages(), timeout=self._left(until) + self.deadline_s / 2,
+                metadata=self._metadata)
         finally:
-            if filling is not None:  # the stream ended early: stop the fill before reuse
-                filling.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await wait_out(filling)
-            for b in raw:
-                _stream_buffers.give(b)
+            ended = True
+            try:
+                if filling is not None:  # the stream ended early: stop the fill before reuse
+                    filling.cancel()
+                    await wait_out(filling)  # done when it returns, or raises our own cancel
+            finally:
+                for b in raw:
+                    _stream_buffers.give(b)
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory

@@ -183,3 +183,41 @@ def test_publish_with_stopped_part_way_stores_the_blocks_before_it_and_nothing_p
         back = Recorder()
         assert c.fetch_with(tokens, back) == (GROUP + 1) * BT
         assert back.intact(kv, GROUP + 1)
+
+
+def test_publish_with_past_its_deadline_stores_the_groups_before_it(empty):
+    daemon, address, token, layout, tokens, kv = empty
+    fills = Producer(kv)
+
+    def stalls(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+        if blocks[0] == 0:
+            return fills(blocks, views, stop) or len(blocks)
+        stop.wait(30)  # a stuck copy out of the engine: only the deadline's `stop` ends it
+        return 0
+
+    with KVClient(address, layout, token=token, deadline_s=0.5) as c:
+        began = time.monotonic()
+        # The first group, whole; nothing of the stuck one. (Its stream ends at the stop and
+        # the daemon's reply has half a deadline to come back: it used to race the call's
+        # deadline, and gRPC's cancelled call escaped as CancelledError 1 time in 10.)
+        assert c.publish_with(tokens, stalls) == GROUP * BT
+        assert time.monotonic() - began < 10
+        assert c.dropped_saves == 1
+    with KVClient(daemon.target, layout) as own:
+        assert own.lookup(tokens) == GROUP * BT
+        n, back = own.fetch(tokens)
+        assert n == GROUP * BT and same_bytes(back, kv[:, :, : GROUP * BT])
+
+
+def test_publish_with_to_a_daemon_killed_mid_stream_is_a_miss_not_an_error(empty):
+    daemon, address, token, layout, tokens, kv = empty
+    fills = Producer(kv)
+
+    def kills(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+        if blocks[0] == GROUP:
+            daemon.kill()
+        return fills(blocks, views, stop) or len(blocks)
+
+    with KVClient(address, layout, token=token, deadline_s=2) as c:
+        assert c.publish_with(tokens, kills) == 0
+        assert fills.calls[0] == [0, 1, 2] and len(fills.calls) <= 4
