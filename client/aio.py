@@ -70,10 +70,10 @@ BlockCopy = Callable[[list[int], list[torch.Tensor], threading.Event], int | Non
 returns how many of the leading blocks it copied in full (None: all of them)."""
 STREAM_CHUNK = 4 << 20
 STREAM_GROUP_BYTES = 8 << 20
-# A fetch over TCP hands its blocks to `consume` in groups of about this many bytes as they
-# arrive, through two buffers taken from `_stream_buffers`: memory bounded by two groups
-# whatever the prompt, pages touched once per process, each group's copy overlapping the
-# next one's receipt.
+# A transfer over TCP moves its blocks in groups of about this many bytes: a fetch hands each
+# group to `consume` as it arrives, a publish streams each group `produce` filled. Through two
+# buffers taken from `_stream_buffers`: memory bounded by two groups whatever the prompt,
+# pages touched once per process, each group's copy overlapping the next one's transfer.
 # (One buffer for the whole prefix, freshly allocated per fetch, cost its page faults in every
 # load: 94 ms of a vLLM consumer's first 1,024-token load from its peer, 17 ms of each later.)
 # A copy between the arena and a caller's tensor stops between pieces this large when its call
@@ -247,8 +247,8 @@ def _prefault(arena: Arena, nbytes: int) -> None:
 
 
 class _BufferPool:
-    """Byte buffers of streamed fetches, reused by every client of the process (engines make
-    a client per namespace): a buffer's pages are faulted in once, not in every fetch."""
+    """Byte buffers of streamed transfers, reused by every client of the process (engines
+    make a client per namespace): a buffer's pages are faulted in once, not in every call."""
 
     def __init__(self, kept_per_size: int) -> None:
         self._kept = kept_per_size
@@ -269,16 +269,16 @@ class _BufferPool:
                 free.append(buffer)
 
 
-_stream_buffers = _BufferPool(kept_per_size=4)  # two streamed fetches at once reuse theirs
+_stream_buffers = _BufferPool(kept_per_size=4)  # two transfers at once reuse theirs
 
 
 def _group_blocks(layout: KVLayout) -> int:
-    """Blocks per group of a streamed fetch (`STREAM_GROUP_BYTES`, one at least)."""
+    """Blocks per group of a streamed transfer (`STREAM_GROUP_BYTES`, one at least)."""
     return max(1, STREAM_GROUP_BYTES // layout.block_bytes)
 
 
 def warm_stream_buffers(layout: KVLayout) -> None:
-    """Fault in the buffers of this process's streamed fetches of `layout`'s blocks ahead of
+    """Fault in the buffers of this process's streamed transfers of `layout`'s blocks ahead of
     the first one: an engine that will load from another machine's daemon (a disaggregated
     consumer's peers) calls it at start. A fresh buffer's page faults cost a vLLM consumer
     ~80 ms of its first 1,024-token load from a peer on this repository's VM."""
