@@ -327,6 +327,18 @@ def _copy_into_planes(planes: np.ndarray, offset: int, data: np.ndarray) -> None
         planes[row, : len(data) - pos] = data[pos:]
 
 
+def _place_chunk(chunk: pb.FetchChunk, block: int, filled: int, size: int,
+                 planes: np.ndarray) -> int:
+    """Copy a streamed fetch's `chunk` into `planes`, block `block`'s place (`filled` of its
+    `size` bytes in already); returns the bytes of the block in now. A chunk out of order, or
+    past the block's end, fails the fetch."""
+    if chunk.block_index != block or chunk.chunk_offset != filled \
+            or filled + len(chunk.data) > size:
+        raise KVStoreError("fetch stream out of order")
+    _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
+    return filled + len(chunk.data)
+
+
 class AsyncKVClient:
     """Async client of one daemon for one layout and namespace (salt, LoRA, tenant)."""
 
@@ -1176,11 +1188,7 @@ class AsyncKVClient:
                           until: float) -> tuple[int, bool, torch.Tensor | None]:
         """Streamed fetch (TCP) from block `start` on, into `out` (allocated for all keys on
         first need)."""
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
-        call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
-        stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
-        head = await anext(stream)  # a stream's lease ends with the stream
+        _, stream, head = await self._fetch_stream(keys, start, until)
         n = head.hits
         if n == 0:
             return 0, False, out
@@ -1191,6 +1199,17 @@ class AsyncKVClient:
         self._observe_copy(head.blocks, time.perf_counter() - began)
         return n, head.more, out
 
+    async def _fetch_stream(self, keys: list[bytes], start: int, until: float,
+                            ) -> tuple[grpc.aio.UnaryStreamCall[Any, pb.FetchChunk],
+                                       AsyncIterator[pb.FetchChunk], pb.FetchChunk]:
+        """A streamed Fetch (TCP) of `keys[start:]`: the call, its messages, and the first
+        (the hits). The stream holds the daemon's lease on the blocks until it ends."""
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
+                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
+        call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
+        stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
+        return call, stream, await anext(stream)
+
     async def _stream_groups(self, keys: list[bytes], consume: BlockCopy, until: float,
                              progress: _Progress) -> bool:
         """One streamed Fetch of `keys[progress.done:]`: each group of blocks received
@@ -1199,11 +1218,7 @@ class AsyncKVClient:
         whether the daemon has more of the prefix to send (it answers in rounds) and every
         block of this round was consumed."""
         start = progress.done
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
-        call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
-        stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
-        head = await anext(stream)  # a stream's lease ends with the stream
+        call, stream, head = await self._fetch_stream(keys, start, until)
         n = head.hits
         if n == 0:
             return False
@@ -1228,11 +1243,7 @@ class AsyncKVClient:
         try:
             planes = self._block_planes(buffers[side], 0)
             async for chunk in stream:
-                if chunk.block_index != block or chunk.chunk_offset != filled \
-                        or filled + len(chunk.data) > size:
-                    raise KVStoreError("fetch stream out of order")
-                _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
-                filled += len(chunk.data)
+                filled = _place_chunk(chunk, block, filled, size, planes)
                 if filled < size:
                     continue
                 block, filled = block + 1, 0
@@ -1287,12 +1298,8 @@ class AsyncKVClient:
         block, filled = 0, 0
         planes = self._block_planes(out, start)
         async for chunk in stream:
-            if chunk.block_index != block or chunk.chunk_offset != filled \
-                    or filled + len(chunk.data) > size:
-                raise KVStoreError("fetch stream out of order")
             # Straight into the block's place in `out` (no staging copy between).
-            _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
-            filled += len(chunk.data)
+            filled = _place_chunk(chunk, block, filled, size, planes)
             if filled == size:
                 block, filled = block + 1, 0
                 if block < n:
