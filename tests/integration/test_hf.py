@@ -404,3 +404,42 @@ def test_cache_round_trip_is_byte_exact_through_either_transfer(daemon, transfer
                                                                           v[:, :, :160])
                    for (k, v), layer in zip(kv, got.layers, strict=True))
         assert fetch_cache(c, torch.arange(7000, 7100)) == (0, None)  # a miss
+
+
+def test_warm_prefill_through_a_stream_in_groups_matches_recompute(daemon, monkeypatch):
+    """Over TCP (`transfer="stream"`) blocks move in groups (`STREAM_GROUP_BYTES`): a fetch
+    hands each to the cache's copy as it arrives, a publish streams each as it is filled. The
+    warm prefill through them gives the same logits and greedy tokens, bit for bit."""
+    import kvstore.client.aio as aio
+
+    model = tiny_llama(torch.float32)
+    layout = layout_for_model(model, block_tokens=32)
+    monkeypatch.setattr(aio, "STREAM_GROUP_BYTES", 2 * layout.block_bytes)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(11))
+    want_logits, want_tokens = reference(model, ids, 16)
+    calls: list[list[int]] = []
+
+    class Counting:
+        """The client, its `fetch_with` copies recorded (the blocks of each call)."""
+
+        def __init__(self, client: KVClient) -> None:
+            self._client = client
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._client, name)
+
+        def fetch_with(self, tokens, consume, **kwargs) -> int:
+            def counted(indices, views, stop):
+                calls.append(list(indices))
+                return consume(indices, views, stop)
+
+            return self._client.fetch_with(tokens, counted, **kwargs)
+
+    with KVClient(daemon.target, layout, transfer="stream") as c:
+        cold_tokens, cold = CachedPrefill(model, c).generate(ids, 16)
+        assert cold.published_tokens == 192
+        warm_tokens, warm = CachedPrefill(model, Counting(c)).generate(ids, 16)  # type: ignore[arg-type]
+        assert warm.cached_tokens == 192
+    assert calls == [[0, 1], [2, 3], [4, 5]]
+    assert (warm.logits - want_logits).abs().max().item() == 0.0
+    assert warm_tokens == want_tokens == cold_tokens
