@@ -139,7 +139,7 @@ def main() -> None:
     try:
         with KVClient(daemon.target, LAYOUT) as local, \
                 KVClient(f"127.0.0.1:{port}", LAYOUT, token=token, deadline_s=30) as tcp:
-            require(tcp._aio.transfer == "stream", "the TCP client does not stream")
+            require(tcp.streams, "the TCP client does not stream")
             for n in tqdm(lengths, desc="lengths"):
                 tokens = list(range(n))
                 kv = torch.randn(LAYOUT.kv_shape(n)).to(LAYOUT.torch_dtype)

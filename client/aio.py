@@ -1402,6 +1402,7 @@ class AsyncKVClient:
         starts = list(range(have, len(keys), group))
         filling: asyncio.Future[int] | None = None
         ended = False  # the call is over: its buffers may be another transfer's from now on
+        failed: list[Exception] = []  # `produce` raised: the caller's bug, raised to it below
 
         def fill(g: int) -> asyncio.Future[int]:
             blocks = list(range(starts[g], min(starts[g] + group, len(keys))))
@@ -1416,7 +1417,11 @@ class AsyncKVClient:
             current = filling = fill(0)
             for g, first in enumerate(starts):
                 count = min(group, len(keys) - first)
-                got = await asyncio.shield(current)
+                try:
+                    got = await asyncio.shield(current)
+                except Exception as e:  # gRPC would take it for a cancel of the call: a miss
+                    failed.append(e)
+                    return
                 filling = None
                 if ended:  # gRPC read on after the call ended: touch no buffer
                     return
@@ -1447,6 +1452,8 @@ class AsyncKVClient:
             finally:
                 for b in raw:
                     _stream_buffers.give(b)
+        if failed:
+            raise failed[0]
         return have + reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory

@@ -221,3 +221,22 @@ def test_publish_with_to_a_daemon_killed_mid_stream_is_a_miss_not_an_error(empty
     with KVClient(address, layout, token=token, deadline_s=2) as c:
         assert c.publish_with(tokens, kills) == 0
         assert fills.calls[0] == [0, 1, 2] and len(fills.calls) <= 4
+
+
+def test_a_failing_copy_raises_over_tcp_as_over_shared_memory(tcp):
+    """A `consume` or `produce` that fails is the caller's bug: it reaches the caller, as it
+    does over the Unix socket, and the daemon keeps serving."""
+    _, address, token, layout, tokens, _ = tcp
+
+    def fails(blocks: list[int], views: list[torch.Tensor], stop: threading.Event) -> int:
+        if blocks[0] >= GROUP:  # the second group: one went through before
+            raise RuntimeError("copy failed")
+        return len(blocks)
+
+    with KVClient(address, layout, token=token) as c:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            c.fetch_with(tokens, fails)
+        fresh = [t + 100_000 for t in tokens]
+        with pytest.raises(RuntimeError, match="copy failed"):
+            c.publish_with(fresh, fails)
+        assert c.fetch_with(tokens, Recorder()) == len(tokens)  # still serving
