@@ -11,6 +11,12 @@ the trace simulator run the same code.
 - **Pinned blocks are never evicted.** Pins are counts (several readers may hold one block).
 - **Demotion, promotion.** Victims are handed back to the caller, which moves them to the next
   tier down; hits in a lower tier are copied up by the caller.
+- **Tenants share a tier fairly.** Each block has an owner: the tenant whose scoped namespace it
+  is in (`owner_of`; b"" for unscoped callers). Each owner's blocks have an eviction policy of
+  their own, and the owner holding the most bytes gives way first, its own policy naming which
+  of its blocks. So a tenant publishing without end evicts only its own blocks once it holds
+  as much as the others, and a tenant holding at most 1/N of a full tier (N owners) keeps
+  everything against any other's flood. With one owner (no tenants) this is the policy alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,18 @@ from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.eviction import Clock, EvictionPolicy, make_policy
+
+# A tenant's stored namespace (`server.tenancy`) starts with this tag and 4 bytes naming the
+# tenant, so every tier can tell a block's owner from its namespace, a reopened disk tier's too.
+TENANT_NAMESPACE_TAG = b"\xa7kvT"
+OWNER_BYTES = 8  # the tag and the tenant's 4 bytes
+
+
+def owner_of(namespace: bytes) -> bytes:
+    """The owner of a block in `namespace`: its tenant's 8 bytes, or b"" (unscoped)."""
+    if len(namespace) == 32 and namespace.startswith(TENANT_NAMESPACE_TAG):
+        return namespace[:OWNER_BYTES]
+    return b""
 
 
 @dataclass
@@ -46,15 +64,39 @@ class TierPolicy:
         self.evictions = 0
         self._sizes: dict[bytes, int] = {}  # key -> bytes
         self._pins: dict[bytes, int] = {}
-        self.eviction: EvictionPolicy = make_policy(eviction, capacity_bytes, self._pins, clock)
+        self._kind, self._clock = eviction, clock
+        # One eviction policy per owner, and the bytes each owner's blocks hold. b"" always
+        # exists (`eviction`); a tenant's is made at its first block, dropped with its last.
+        self._policies: dict[bytes, EvictionPolicy] = {b"": self._new_policy()}
+        self._held: dict[bytes, int] = {b"": 0}
+        self._owner: dict[bytes, bytes] = {}  # key -> owner, for owners other than b""
+
+    def _new_policy(self) -> EvictionPolicy:
+        return make_policy(self._kind, self.capacity_bytes, self._pins, self._clock)
+
+    @property
+    def eviction(self) -> EvictionPolicy:
+        """The eviction policy of unscoped blocks (the only one without tenants)."""
+        return self._policies[b""]
+
+    def _policy_of(self, key: bytes) -> EvictionPolicy:
+        return self._policies[self._owner.get(key, b"")]
+
+    def owner(self, key: bytes) -> bytes:
+        """The owner of a block the tier holds (b"": unscoped)."""
+        return self._owner.get(key, b"")
+
+    def held_by(self, owner: bytes) -> int:
+        """Bytes of `owner`'s blocks in the tier (scratch space is no one's)."""
+        return self._held.get(owner, 0)
 
     def with_eviction(self, eviction: str) -> TierPolicy:
         """A copy of this tier's state under another eviction policy: blocks enter it in this
         policy's eviction order (pinned ones last), as if used in that order."""
-        other = TierPolicy(self.name, self.capacity_bytes, eviction, self.eviction.clock)
+        other = TierPolicy(self.name, self.capacity_bytes, eviction, self._clock)
         first = list(self.eviction_order())
         for key in first + [k for k in self._sizes if k in self._pins]:
-            other.add(key, self._sizes[key])
+            other.add(key, self._sizes[key], self.owner(key))
         other._pins.update(self._pins)
         other.evictions = self.evictions
         other.used_bytes = self.used_bytes  # scratch space too (`Tier.prepare_scratch`)
@@ -72,17 +114,24 @@ class TierPolicy:
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 
-    def add(self, key: bytes, nbytes: int) -> None:
-        """Account a block as most recent; the caller has made room (see `victims`)."""
+    def add(self, key: bytes, nbytes: int, owner: bytes = b"") -> None:
+        """Account a block of `owner` (`owner_of` its namespace) as most recent; the caller
+        has made room (see `victims`)."""
         if key in self._sizes:
-            self.eviction.touch_chain((key,))
+            self._policy_of(key).touch_chain((key,))
             return
         if nbytes > self.capacity_bytes:
             raise CapacityError(f"{self.name}: a {nbytes}-byte block exceeds the tier's "
                                 f"{self.capacity_bytes}-byte capacity")
         self._sizes[key] = nbytes
         self.used_bytes += nbytes
-        self.eviction.insert(key, nbytes)
+        if owner:
+            self._owner[key] = owner
+            if owner not in self._policies:
+                self._policies[owner] = self._new_policy()
+                self._held[owner] = 0
+        self._held[owner] += nbytes
+        self._policies[owner].insert(key, nbytes)
 
     def remove(self, key: bytes) -> int:
         """Forget a block (evicted, deleted or corrupt); returns its size, 0 if absent."""
@@ -91,17 +140,30 @@ class TierPolicy:
             return 0
         self.used_bytes -= nbytes
         self._pins.pop(key, None)
-        self.eviction.remove(key)
+        owner = self._owner.pop(key, b"")
+        self._policies[owner].remove(key)
+        self._held[owner] -= nbytes
+        if owner and not self._held[owner]:  # its last block: a tenant gone costs nothing
+            del self._policies[owner], self._held[owner]
         return nbytes
+
+    def _owners_in(self, keys: Sequence[bytes]) -> list[EvictionPolicy]:
+        """The policies of the owners of `keys` (one in practice: a chain's blocks share a
+        namespace)."""
+        if len(self._policies) == 1:
+            return [self.eviction]
+        owners = {self._owner.get(k, b"") for k in keys if k in self._sizes}
+        return [self._policies[o] for o in owners]
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
         """Mark a prefix chain used, root first (the policy ranks parents after children)."""
-        self.eviction.touch_chain(keys)
+        for policy in self._owners_in(keys):
+            policy.touch_chain(keys)  # each skips the keys it lacks
 
     def end_session(self, keys: Sequence[bytes]) -> int:
         """A client's hint that the conversation of prompt `keys` ended: its own blocks go
         first (`EvictionPolicy.end_session`); returns how many blocks that marked."""
-        return self.eviction.end_session(keys)
+        return sum(policy.end_session(keys) for policy in self._owners_in(keys))
 
     def pin(self, key: bytes) -> None:
         if key not in self._sizes:
@@ -114,7 +176,7 @@ class TierPolicy:
             self._pins[key] = count - 1
         elif count == 1:
             del self._pins[key]
-            self.eviction.unpinned(key)
+            self._policy_of(key).unpinned(key)
 
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pins
@@ -124,16 +186,49 @@ class TierPolicy:
 
     def eviction_order(self) -> Iterator[bytes]:
         """Unpinned keys, the next victim first (O(n) or more: not for the hot path)."""
-        return self.eviction.order()
+        if len(self._policies) == 1:
+            return self.eviction.order()
+        return self._fair_order()
+
+    def _fair_order(self) -> Iterator[bytes]:
+        orders = {o: p.order() for o, p in self._policies.items()}
+        held = dict(self._held)
+        while orders:
+            owner = max(orders, key=held.__getitem__)
+            key = next(orders[owner], None)
+            if key is None:
+                del orders[owner]
+                continue
+            held[owner] -= self._sizes[key]
+            yield key
 
     lru_order = eviction_order  # the name callers used when LRU was the only policy
 
-    def next_victim(self) -> bytes | None:
-        """The unpinned block to evict next, or None; not removed."""
-        return self.eviction.victim()
+    def _victim(self, held: dict[bytes, int], owner: bytes) -> bytes | None:
+        """The next victim: the owner holding the most (by `held`) that has an unpinned
+        block gives up its policy's victim; on a tie, `owner` (whose block needs the room)."""
+        if len(self._policies) == 1:
+            return self.eviction.victim()
+        for o in sorted(self._policies, key=lambda o: (held.get(o, 0), o == owner),
+                        reverse=True):
+            if (key := self._policies[o].victim()) is not None:
+                return key
+        return None
 
-    def victims(self, nbytes: int) -> list[bytes]:
-        """The unpinned blocks to evict, in order, to make room for `nbytes` more.
+    def _held_with(self, owner: bytes, nbytes: int) -> dict[bytes, int]:
+        """What each owner holds once `owner`'s `nbytes` more are in."""
+        held = dict(self._held)
+        held[owner] = held.get(owner, 0) + nbytes
+        return held
+
+    def next_victim(self, owner: bytes = b"", nbytes: int = 0) -> bytes | None:
+        """The unpinned block to evict next to make room for `nbytes` of `owner`, or None;
+        not removed."""
+        return self._victim(self._held_with(owner, nbytes), owner)
+
+    def victims(self, nbytes: int, owner: bytes = b"") -> list[bytes]:
+        """The unpinned blocks to evict, in order, to make room for `nbytes` more of `owner`:
+        each from the owner that would hold the most, counting those bytes in.
 
         Raises `CapacityError` when even evicting every unpinned block would not be enough.
         Does not remove them: the caller demotes each, then calls `remove`.
@@ -143,10 +238,12 @@ class TierPolicy:
         if need <= 0:
             return chosen
         aside: list[bytes] = []  # pinned for a moment, so the policy names the next one
+        held = self._held_with(owner, nbytes)  # less the blocks chosen so far, as they go
         try:
-            while (key := self.eviction.victim()) is not None:
+            while (key := self._victim(held, owner)) is not None:
                 chosen.append(key)
                 need -= self._sizes[key]
+                held[self.owner(key)] -= self._sizes[key]
                 if need <= 0:
                     return chosen
                 self._pins[key] = 1
@@ -158,7 +255,7 @@ class TierPolicy:
         finally:
             for key in reversed(aside):  # last set aside first: each goes back where it was
                 del self._pins[key]
-                self.eviction.unpinned(key)
+                self._policy_of(key).unpinned(key)
 
     def count_eviction(self, n: int = 1) -> None:
         self.evictions += n

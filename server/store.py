@@ -44,7 +44,7 @@ from kvstore.planner import BandwidthModel
 from kvstore.server.fences import Fences
 from kvstore.server.remote_writer import RemoteWriter
 from kvstore.server.write_through import WriteThroughQueue
-from kvstore.tiering import RecentChains
+from kvstore.tiering import RecentChains, owner_of
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
@@ -805,7 +805,7 @@ class TieredStore:
             return dst, False
         level = self.host_level
         while (space := self.host.prepare_scratch(length)) is None:
-            plan = self.placement.room(level, size, partial=True)
+            plan = self.placement.room(level, size, partial=True, owner=owner_of(namespace))
             if plan.short:  # never another of its own, unless it holds more than its share
                 victim = self._give_way(room, share)
                 if victim is None:
@@ -1059,7 +1059,8 @@ class TieredStore:
             entry = tier.prepare_store(key, namespace, layout_digest, length)
             if entry is not None:
                 return entry
-            plan = self.placement.room(level, tier.units_for(length) * PAGE, partial=True)
+            plan = self.placement.room(level, tier.units_for(length) * PAGE, partial=True,
+                                       owner=owner_of(namespace))
             if plan.short:
                 raise CapacityError(f"{tier.name} tier is full of pinned or in-flight blocks")
             if await self._carry_out(plan) == len(plan.moves):
@@ -1128,7 +1129,7 @@ class TieredStore:
             while (dst := disk.prepare_store(src.key, src.namespace, src.layout_digest,
                                              src.length)) is None:
                 plan = self.placement.room(level, disk.units_for(src.length) * PAGE,
-                                           partial=True)
+                                           partial=True, owner=owner_of(src.namespace))
                 if plan.short:
                     return False  # disk full of in-flight blocks: drop rather than block
                 for move in plan.moves:  # the last level: its victims are dropped

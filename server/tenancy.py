@@ -5,7 +5,11 @@ field: a client can put anything in its namespace, so isolation cannot rest on i
 rewrites a tenant's namespace and keys before they reach the store:
 
     scope   = SHA256("kvstore-tenant-v1\\0" || tenant)
-    ns'     = SHA256(scope || ns)         key' = SHA256(scope || key)
+    ns'     = TAG || scope[:4] || SHA256(scope || ns)[:24]       key' = SHA256(scope || key)
+
+(`TAG`: `kvstore.tiering.TENANT_NAMESPACE_TAG`.) A stored namespace so names its tenant's 8
+bytes, and the tiers share their space between tenants by it (`kvstore.tiering`), a reopened
+disk tier's blocks included.
 
 Two tenants sending identical keys therefore address different blocks: neither can read, probe
 (by timing a hit) or overwrite the other's. Callers on the Unix socket and those presenting the
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.tiering import OWNER_BYTES, TENANT_NAMESPACE_TAG
 
 TENANT_SCOPE_VERSION = b"kvstore-tenant-v1\x00"
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -54,7 +59,9 @@ class Scope:
         validation still reports what the client sent."""
         if not self.tenant or len(ns) != 32:
             return ns
-        return hashlib.sha256(scope_of(self.tenant) + ns).digest()
+        scope = scope_of(self.tenant)
+        return (TENANT_NAMESPACE_TAG + scope[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
+                + hashlib.sha256(scope + ns).digest()[: 32 - OWNER_BYTES])
 
     def keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if not self.tenant:

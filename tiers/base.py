@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.extents import ExtentAllocator
-from kvstore.tiering import TierPolicy
+from kvstore.tiering import TierPolicy, owner_of
 
 PAGE = 4096  # allocation unit: page-aligned blocks allow O_DIRECT and aligned vector copies
 
@@ -110,7 +110,7 @@ class Tier(ABC):
             return None
         entry = BlockEntry(key, namespace, layout_digest, length, *got)
         self.entries[key] = entry
-        self.policy.add(key, entry.units * PAGE)
+        self.policy.add(key, entry.units * PAGE, owner_of(namespace))
         self.policy.pin(key)  # in flight: not evictable
         return entry
 

@@ -39,6 +39,7 @@ from kvstore.integrity import (
     encode_header,
     verify_binding,
 )
+from kvstore.tiering import owner_of
 from kvstore.tiers.base import PAGE, BlockEntry, Tier, TierStats
 from kvstore.tiers.disk_index import (
     READ_PIECE,
@@ -168,7 +169,7 @@ class DiskTier(Tier):
                                units, committed=True, checksum=row.checksum)
             self.entries[row.key] = entry
             self._count(entry, 1)
-            self.policy.add(row.key, units * PAGE)
+            self.policy.add(row.key, units * PAGE, owner_of(row.namespace))
             self._seq = max(self._seq, row.seq)
         return dropped
 

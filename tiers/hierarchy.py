@@ -154,8 +154,10 @@ class Hierarchy:
         """The move of one victim of `level`."""
         return Move(key, level, self.below(level, key))
 
-    def room(self, level: int, nbytes: int, partial: bool = False) -> RoomPlan:
-        """The moves that make `nbytes` of room at `level`, by its policy's byte count.
+    def room(self, level: int, nbytes: int, partial: bool = False,
+             owner: bytes = b"") -> RoomPlan:
+        """The moves that make `nbytes` of room at `level` for a block of `owner`
+        (`kvstore.tiering.owner_of`: tenants share a level fairly), by its policy's byte count.
 
         `partial` is the daemon's: its allocator may be fragmented, and concurrent calls free
         and take room while its moves run, so it evicts what it can and tries again. With it,
@@ -165,13 +167,13 @@ class Hierarchy:
         """
         policy = self.levels[level].policy
         try:
-            victims = policy.victims(nbytes)
+            victims = policy.victims(nbytes, owner)
         except CapacityError as e:
             if not partial:
                 return RoomPlan(level, nbytes, short=str(e))
             victims = []
         if not victims and partial:
-            victim = policy.next_victim()
+            victim = policy.next_victim(owner, nbytes)
             if victim is None:
                 return RoomPlan(level, nbytes, short=(
                     f"{self.levels[level].name} tier is full of pinned or in-flight blocks"))

@@ -120,6 +120,49 @@ def test_unknown_token_is_unauthenticated(tenant_daemon):
     channel.close()
 
 
+def _tiers(tcp: str, token: str, client: KVClient, tokens: list[int]) -> list[str]:
+    """The tier each block of `tokens` is found in, as the tenant of `token` sees it."""
+    with grpc.insecure_channel(tcp) as channel:
+        reply = pb_grpc.KVStoreStub(channel).Lookup(
+            pb.LookupRequest(namespace=client.namespace.digest(), keys=client.keys(tokens)),
+            metadata=(("authorization", f"Bearer {token}"),), timeout=10)
+    return list(reply.tiers)
+
+
+@pytest.mark.integration
+def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, tmp_path):
+    """Alpha publishes three times what host and disk hold together; bravo, holding 3/4 of
+    host, gives way to half of it (its deepest blocks, demoted to disk) and no further: every
+    block of its prompt still hits, byte for byte. Before tenants shared tiers fairly, alpha's
+    flood evicted all of bravo's blocks (host, then disk)."""
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
+                   "--host-bytes", "8MiB", "--disk-bytes", "32MiB").start()
+    tcp = f"127.0.0.1:{port}"
+    layout = small_layout(num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB blocks
+    assert layout.block_bytes == 128 << 10
+    host_blocks = (8 << 20) // layout.block_bytes  # 64
+    prompt = list(range(48 * 16))  # 48 blocks: 3/4 of host
+    kv = random_kv(layout, len(prompt), seed=3)
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=10) as b:
+        assert b.publish(prompt, kv) == len(prompt)
+        assert _tiers(tcp, TOKEN_B, b, prompt) == ["host"] * 48
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=10) as a:
+        flood = 32 * 16  # 32 blocks a prompt, 30 prompts: 960 blocks, 120 MiB
+        for r in range(30):
+            tokens = [10**6 + r * flood + i for i in range(flood)]
+            assert a.publish(tokens, random_kv(layout, flood, seed=r)) == flood
+        assert a.lookup(tokens) == flood  # alpha's own last prompt: the positive control
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=10) as b:
+        tiers = _tiers(tcp, TOKEN_B, b, prompt)
+        in_host = tiers.count("host")
+        assert tiers == ["host"] * in_host + ["disk"] * (48 - in_host), tiers
+        assert in_host >= host_blocks // 2, tiers  # its half of host, its first blocks
+        n, got = b.fetch(prompt)
+        assert n == len(prompt) and same_bytes(got, kv)
+
+
 @pytest.mark.integration
 def test_world_readable_tokens_file_stops_startup(daemon_factory, tmp_path):
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n", mode=0o644)

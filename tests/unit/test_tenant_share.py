@@ -1,0 +1,196 @@
+"""Tenants share a tier fairly (`kvstore.tiering`): the owner holding the most gives way.
+
+A tenant that publishes without end must not push another tenant's blocks out of a tier once
+it holds as much as that tenant: each owner's blocks have their own eviction policy, and the
+victim comes from the owner holding the most bytes. Without tenants (one owner) the order is
+the eviction policy's alone. Driven on `TierPolicy` directly, on a `TieredStore` (host and
+disk), and on a disk tier reopened from its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvstore.eviction import POLICIES
+from kvstore.server.store import TieredStore
+from kvstore.server.tenancy import Scope
+from kvstore.tiering import OWNER_BYTES, TierPolicy, owner_of
+from kvstore.tiers.base import PAGE
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+
+A, B = b"\xa7kvTaaaa", b"\xa7kvTbbbb"
+SIZE = 10
+
+
+def put(p: TierPolicy, key: str, owner: bytes = b"") -> list[str]:
+    """Make room as the daemon does (victims, then remove), add `key`; returns the victims."""
+    gone = p.victims(SIZE, owner)
+    for v in gone:
+        p.remove(v)
+    p.add(key.encode(), SIZE, owner)
+    return [v.decode() for v in gone]
+
+
+def held(p: TierPolicy, prefix: str) -> list[str]:
+    return sorted(k.decode() for k in p._sizes if k.decode().startswith(prefix))
+
+
+@pytest.mark.parametrize("eviction", sorted(POLICIES))
+def test_a_flood_never_evicts_a_tenant_holding_less_than_its_share(eviction: str) -> None:
+    p = TierPolicy("host", 10 * SIZE, eviction)
+    for i in range(3):
+        put(p, f"b{i}", B)
+    for i in range(200):  # alpha publishes 20 tiers' worth
+        gone = put(p, f"a{i:03}", A)
+        assert not [v for v in gone if v.startswith("b")], (i, gone)
+    assert held(p, "b") == ["b0", "b1", "b2"]
+    assert p.held_by(A) == 7 * SIZE and p.held_by(B) == 3 * SIZE
+
+
+def test_a_tenant_over_its_share_keeps_half_against_one_flooder() -> None:
+    p = TierPolicy("host", 10 * SIZE, "lru")
+    for i in range(8):
+        put(p, f"b{i}", B)
+    for i in range(50):
+        put(p, f"a{i:02}", A)
+    # Bravo gave way down to an equal share, its least recent first; then alpha evicted its own.
+    assert held(p, "b") == ["b3", "b4", "b5", "b6", "b7"]
+    assert p.held_by(A) == p.held_by(B) == 5 * SIZE
+
+
+def test_without_tenants_the_order_is_the_policys_own() -> None:
+    fair, plain = TierPolicy("host", 5 * SIZE, "lru"), POLICIES["lru"](5 * SIZE, {})
+    evicted: list[str] = []
+    for i in range(12):
+        evicted += put(fair, f"k{i:02}")
+        if len(plain._lru) == 5:  # type: ignore[attr-defined]
+            v = plain.victim()
+            assert v is not None
+            plain.remove(v)
+        plain.insert(f"k{i:02}".encode(), SIZE)
+        if i % 3 == 0:
+            fair.touch_chain([b"k00"])
+            plain.touch_chain([b"k00"])
+    assert evicted == [f"k{i:02}" for i in range(1, 8)]
+    assert list(fair.eviction_order()) == list(plain.order())
+
+
+def test_pinned_blocks_of_the_largest_owner_make_the_next_one_give_way() -> None:
+    p = TierPolicy("host", 6 * SIZE, "lru")
+    for i in range(4):
+        put(p, f"a{i}", A)
+        p.pin(f"a{i}".encode())
+    put(p, "b0", B)
+    put(p, "b1", B)
+    assert put(p, "b2", B) == ["b0"]  # alpha holds more, but every block of it is pinned
+    p.unpin(b"a0")
+    assert put(p, "b3", B) == ["a0"]
+
+
+def test_one_plan_shares_out_its_victims_by_what_each_owner_holds_after_the_last() -> None:
+    p = TierPolicy("host", 8 * SIZE, "lru")
+    for i in range(5):
+        put(p, f"a{i}", A)
+    for i in range(3):
+        put(p, f"b{i}", B)
+    # 4 blocks of room: alpha 5 -> 3, then they alternate (ties go to the owner seen first).
+    got = [v.decode() for v in p.victims(4 * SIZE)]
+    assert got[:2] == ["a0", "a1"] and sorted(got[2:]) == ["a2", "b0"]
+    assert len(p) == 8 and p.held_by(A) == 5 * SIZE  # a plan removes nothing itself
+
+
+def test_the_fair_eviction_order_names_every_unpinned_block_once() -> None:
+    p = TierPolicy("host", 20 * SIZE, "s3fifo")
+    for i in range(6):
+        p.add(f"a{i}".encode(), SIZE, A)
+    for i in range(3):
+        p.add(f"b{i}".encode(), SIZE, B)
+    p.add(b"u0", SIZE)
+    p.pin(b"a5")
+    order = [k.decode() for k in p.eviction_order()]
+    assert sorted(order) == sorted(["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2", "u0"])
+    assert order[:3] == ["a0", "a1", "a2"]  # alpha holds 6 against 3 and 1
+
+
+def test_an_owner_is_forgotten_with_its_last_block_and_a_copy_keeps_owners() -> None:
+    p = TierPolicy("host", 10 * SIZE, "lru")
+    p.add(b"a0", SIZE, A)
+    p.add(b"b0", SIZE, B)
+    p.remove(b"a0")
+    assert A not in p._policies and p.held_by(A) == 0
+    q = p.with_eviction("arc")
+    assert q.owner(b"b0") == B and q.held_by(B) == SIZE
+    assert type(q._policies[B]) is POLICIES["arc"]
+
+
+def test_stored_tenant_namespaces_name_their_tenant_and_no_other() -> None:
+    alpha, bravo = Scope("alpha"), Scope("bravo")
+    ns1, ns2 = b"\x01" * 32, b"\x02" * 32
+    a1, a2, b1 = alpha.namespace(ns1), alpha.namespace(ns2), bravo.namespace(ns1)
+    assert len(a1) == 32 and a1 != a2 != b1
+    assert owner_of(a1) == owner_of(a2) == a1[:OWNER_BYTES]  # whatever namespace it sends
+    assert owner_of(b1) not in (b"", owner_of(a1))
+    assert owner_of(Scope("").namespace(ns1)) == owner_of(ns1) == b""  # unscoped
+    assert owner_of(b"") == b""
+
+
+def _store(tmp_path: Path, host_blocks: int, disk_blocks: int) -> TieredStore:
+    host = HostTier(host_blocks * 2 * PAGE, shm_dir=tmp_path)
+    disk = DiskTier(tmp_path / "disk", disk_blocks * 3 * PAGE, sync="never")
+    return TieredStore(host, disk, io_threads=2)
+
+
+LAYOUT, LENGTH = b"L" * 32, 5000  # 2 pages in host, 3 on disk
+
+
+async def _publish(store: TieredStore, ns: bytes, keys: list[bytes]) -> None:
+    lease = await store.reserve(ns, LAYOUT, keys, LENGTH)
+    for entry in lease.entries:
+        store.host.memview(entry)[:] = entry.key[-1:] * LENGTH
+    store.commit(lease.id)
+
+
+def test_a_flood_through_the_store_keeps_the_other_tenants_blocks_in_host_and_on_disk(
+        tmp_path: Path) -> None:
+    ns_a, ns_b = Scope("alpha").namespace(b"n" * 32), Scope("bravo").namespace(b"n" * 32)
+    bravo = [b"b" + i.to_bytes(31, "big") for i in range(6)]
+    store = _store(tmp_path, host_blocks=8, disk_blocks=16)
+    try:
+        async def main() -> None:
+            await _publish(store, ns_b, bravo)  # 6 of host's 8: more than its half
+            for r in range(20):  # alpha: 80 blocks, 3x host and disk together
+                await _publish(store, ns_a, [b"a" + (4 * r + i).to_bytes(31, "big")
+                                             for i in range(4)])
+            # Host: bravo gave way to half (its deepest blocks first, to disk), no further.
+            assert store.lookup(bravo) == ["host"] * 4 + ["disk"] * 2
+            assert store.host.policy.held_by(owner_of(ns_a)) == 4 * 2 * PAGE
+            lease = await store.fetch(bravo, LAYOUT)
+            assert [bytes(store.host.memview(e)) for e in lease.entries] == [
+                k[-1:] * LENGTH for k in bravo]
+            store.release(lease.id)
+
+        asyncio.run(main())
+    finally:
+        store.close()
+
+
+def test_a_reopened_disk_tier_knows_each_blocks_owner(tmp_path: Path) -> None:
+    ns = Scope("alpha").namespace(b"n" * 32)
+    disk = DiskTier(tmp_path / "disk", 8 * 3 * PAGE, sync="always")
+    for i, n in enumerate((ns, b"u" * 32)):
+        entry = disk.prepare_store(bytes([i]) * 32, n, LAYOUT, LENGTH)
+        assert entry is not None
+        disk.write(entry, b"x" * LENGTH)
+        disk.complete_store(entry)
+    disk.close()
+    again = DiskTier(tmp_path / "disk", 8 * 3 * PAGE, sync="always")
+    try:
+        assert again.policy.owner(b"\x00" * 32) == owner_of(ns) != b""
+        assert again.policy.owner(b"\x01" * 32) == b""
+        assert again.policy.held_by(owner_of(ns)) == 3 * PAGE
+    finally:
+        again.close()
