@@ -86,6 +86,10 @@ class TierPolicy:
         """The owner of a block the tier holds (b"": unscoped)."""
         return self._owner.get(key, b"")
 
+    def owners(self) -> dict[bytes, int]:
+        """Bytes held by each owner with blocks in the tier (b"": unscoped, always there)."""
+        return dict(self._held)
+
     def held_by(self, owner: bytes) -> int:
         """Bytes of `owner`'s blocks in the tier (scratch space is no one's)."""
         return self._held.get(owner, 0)

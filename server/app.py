@@ -181,7 +181,7 @@ class Daemon:
         self.store.saved_read_bandwidth = load_rates(self._rates_file)
         if config.kv_events:
             self._start_events()
-        self.metrics = Metrics(self.store)
+        self.metrics = Metrics(self.store, self.tokens.tenants if self.tokens else ())
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
         self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect
         self.health = health.aio.HealthServicer()

@@ -3,20 +3,23 @@ keeps plain integer counters; RPC latencies are histograms observed per call."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore.server.store import TieredStore
+from kvstore.server.tenancy import owner_tag
 from kvstore.tiers.remote import RemoteStats
 
 
 class StoreCollector(Collector):
-    def __init__(self, store: TieredStore, connected: dict[str, int]) -> None:
+    def __init__(self, store: TieredStore, connected: dict[str, int],
+                 owners: dict[bytes, str]) -> None:
         self.store = store
         self.connected = connected
+        self.owners = owners  # owner tag -> tenant name (b"" -> "": unscoped)
 
     def collect(self) -> Iterator[Metric]:
         c = self.store.counters
@@ -64,7 +67,14 @@ class StoreCollector(Collector):
         cap = GaugeMetricFamily("kvstore_tier_capacity_bytes", "Capacity per tier.",
                                 labels=["tier"])
         blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held per tier.", labels=["tier"])
+        shares = GaugeMetricFamily(
+            "kvstore_tier_tenant_bytes", "Bytes of blocks held per tier and tenant (\"\": "
+            "unscoped callers); a full tier evicts from the tenant that would hold the most.",
+            labels=["tier", "tenant"])
         for tier in self.store.tiers:
+            for owner, nbytes in tier.policy.owners().items():
+                shares.add_metric([tier.name, self.owners.get(owner, f"?{owner[4:].hex()}")],
+                                  nbytes)
             s = tier.stats()
             hits.add_metric([s.name], c.tier_hits.get(s.name, 0))
             moved.add_metric([s.name, "read"], c.bytes_read.get(s.name, 0))
@@ -83,7 +93,7 @@ class StoreCollector(Collector):
             labels=["tier"])
         for name, rate in sorted(self.store.read_bandwidth().items()):
             rates.add_metric([name], rate)
-        yield from (hits, moved, evictions, used, cap, blocks, rates)
+        yield from (hits, moved, evictions, used, cap, blocks, shares, rates)
         if self.store.disk is not None:
             yield from self._disk()
         if remote is not None:
@@ -165,10 +175,11 @@ class StoreCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         self.gauges: dict[str, int] = {"inflight": 0}
-        self.registry.register(StoreCollector(store, self.gauges))
+        owners = {b"": "", **{owner_tag(t): t for t in tenants}}
+        self.registry.register(StoreCollector(store, self.gauges, owners))
         self.latency = Histogram(
             "kvstore_rpc_seconds", "RPC latency by method and outcome.", ["method", "code"],
             registry=self.registry,

@@ -44,6 +44,12 @@ def scope_of(tenant: str) -> bytes:
     return hashlib.sha256(TENANT_SCOPE_VERSION + tenant.encode()).digest()
 
 
+def owner_tag(tenant: str) -> bytes:
+    """The first bytes of `tenant`'s stored namespaces: its owner in the tiers
+    (`kvstore.tiering.owner_of`)."""
+    return TENANT_NAMESPACE_TAG + scope_of(tenant)[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
+
+
 @dataclass(frozen=True)
 class Scope:
     """Rewrites namespaces and keys of one tenant; the identity for tenant ""."""
@@ -59,9 +65,8 @@ class Scope:
         validation still reports what the client sent."""
         if not self.tenant or len(ns) != 32:
             return ns
-        scope = scope_of(self.tenant)
-        return (TENANT_NAMESPACE_TAG + scope[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
-                + hashlib.sha256(scope + ns).digest()[: 32 - OWNER_BYTES])
+        return (owner_tag(self.tenant)
+                + hashlib.sha256(scope_of(self.tenant) + ns).digest()[: 32 - OWNER_BYTES])
 
     def keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if not self.tenant:
@@ -128,6 +133,11 @@ class TokenTable:
         if not entries:
             raise ConfigError("a TCP listener needs `token` or `tenant_tokens_file`")
         self._entries = entries
+
+    @property
+    def tenants(self) -> set[str]:
+        """The tenants the table knows (the admin's "" not included)."""
+        return {tenant for _, tenant in self._entries if tenant}
 
     def tenant_for(self, presented: bytes) -> str | None:
         """The tenant of `presented` ("" for the admin token); None when it matches none.

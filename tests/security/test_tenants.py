@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -120,6 +122,14 @@ def test_unknown_token_is_unauthenticated(tenant_daemon):
     channel.close()
 
 
+def _tenant_bytes(port: int) -> dict[tuple[str, str], float]:
+    """`kvstore_tier_tenant_bytes` from the daemon's /metrics: (tier, tenant) -> bytes."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r'^kvstore_tier_tenant_bytes\{tenant="([^"]*)",tier="([^"]*)"\} (\S+)$',
+                       text, re.M)
+    return {(tier, tenant): float(v) for tenant, tier, v in found}
+
+
 def _tiers(tcp: str, token: str, client: KVClient, tokens: list[int]) -> list[str]:
     """The tier each block of `tokens` is found in, as the tenant of `token` sees it."""
     with grpc.insecure_channel(tcp) as channel:
@@ -135,10 +145,11 @@ def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, t
     host, gives way to half of it (its deepest blocks, demoted to disk) and no further: every
     block of its prompt still hits, byte for byte. Before tenants shared tiers fairly, alpha's
     flood evicted all of bravo's blocks (host, then disk)."""
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
     daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
-                   "--host-bytes", "8MiB", "--disk-bytes", "32MiB").start()
+                   "--host-bytes", "8MiB", "--disk-bytes", "32MiB",
+                   "--metrics-port", str(metrics_port)).start()
     tcp = f"127.0.0.1:{port}"
     layout = small_layout(num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB blocks
     assert layout.block_bytes == 128 << 10
@@ -159,6 +170,10 @@ def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, t
         in_host = tiers.count("host")
         assert tiers == ["host"] * in_host + ["disk"] * (48 - in_host), tiers
         assert in_host >= host_blocks // 2, tiers  # its half of host, its first blocks
+        shares = _tenant_bytes(metrics_port)  # what an operator sees, before the fetch
+        assert shares[("host", "bravo")] == in_host * layout.block_bytes
+        assert shares[("host", "alpha")] + shares[("host", "bravo")] <= 8 << 20
+        assert shares[("disk", "bravo")] == (48 - in_host) * (layout.block_bytes + 4096)  # header
         n, got = b.fetch(prompt)
         assert n == len(prompt) and same_bytes(got, kv)
 
