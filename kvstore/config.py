@@ -115,7 +115,9 @@ class ServerConfig:
                                   unit="bytes", lo=1 << 20, hi=1 << 30)
     max_concurrent_rpcs: int = _opt(256, "Concurrent calls that create work (Lookup, Fetch, "
                                     "Publish, Reserve, Clear) before RESOURCE_EXHAUSTED; "
-                                    "Release, Commit, Info, Stats and health are always served.",
+                                    "Release, Commit, Info, Stats and health are always served. "
+                                    "One tenant holds at most half of them, the tenants "
+                                    "together three quarters.",
                                     lo=1, hi=100_000)
     fetch_window_bytes: int = _opt(64 << 20, "Bytes one fetch reads from disk or the remote "
                                    "tier before it answers; the client asks for the rest at "

@@ -29,7 +29,7 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.inspect import NamespaceBook, inspect_reply
 from kvstore.server.metrics import Metrics
 from kvstore.server.store import PublishLease, TieredStore
-from kvstore.server.tenancy import Scope, current_scope
+from kvstore.server.tenancy import Scope, current_scope, current_tenant
 
 log = logging.getLogger(__name__)
 # Bytes per streamed data message. 1 MiB, not 4: a stream nobody reads holds ~4.6 MiB of the
@@ -168,34 +168,74 @@ class Admission:
         # quarter-limit times ~5 MiB.
         self.stream_limit = max(1, limit // 4) if limit else 0
         self.streams = 0
+        # Tenants (TCP callers scoped by their token) share the slots: one holds at most half
+        # of the calls and of the streams, all of them together three quarters of the calls,
+        # so a tenant flooding the daemon leaves room to the others and to same-node callers.
+        self.tenant_limit = max(1, limit // 2) if limit else 0
+        self.tenants_limit = max(1, limit - limit // 4) if limit else 0
+        self.tenant_stream_limit = max(1, self.stream_limit // 2) if limit else 0
+        self.by_tenant: dict[str, int] = {}  # calls in progress per tenant ("": all scoped)
+        self.streams_by_tenant: dict[str, int] = {}
+
+    def _shed(self, why: str) -> OverloadedError:
+        self.shed += 1
+        return OverloadedError(f"{why}; shedding load")
+
+    @staticmethod
+    def _take(counts: dict[str, int], tenant: str, n: int) -> None:
+        counts[tenant] = counts.get(tenant, 0) + n
+        if not counts[tenant]:
+            del counts[tenant]
 
     @contextlib.contextmanager
     def stream(self) -> Iterator[None]:
         """Hold one of the stream slots for the body; `OverloadedError` when none is free."""
         if self.stream_limit and self.streams >= self.stream_limit:
-            self.shed += 1
-            raise OverloadedError(f"{self.streams} streams in progress, the limit is "
-                                  f"{self.stream_limit} (max_concurrent_rpcs / 4); shedding load")
+            raise self._shed(f"{self.streams} streams in progress, the limit is "
+                             f"{self.stream_limit} (max_concurrent_rpcs / 4)")
+        tenant = current_tenant.get()
+        if tenant and self.streams_by_tenant.get(tenant, 0) >= self.tenant_stream_limit:
+            raise self._shed(f"tenant {tenant!r} has {self.streams_by_tenant[tenant]} streams "
+                             f"in progress, a tenant's limit is {self.tenant_stream_limit} "
+                             "(half the stream slots)")
         self.streams += 1
+        if tenant:
+            self._take(self.streams_by_tenant, tenant, 1)
         try:
             yield
         finally:
             self.streams -= 1
+            if tenant:
+                self._take(self.streams_by_tenant, tenant, -1)
 
     def enter(self, method: str) -> bool:
-        """Admit a call (True: call `leave` when it ends); raise `OverloadedError` past the
-        limit."""
+        """Admit a call (True: call `leave` in the same context when it ends); raise
+        `OverloadedError` past the limit, or past its tenant's."""
         if method not in self.SHED:
             return False
         if self.limit and self.working >= self.limit:
-            self.shed += 1
-            raise OverloadedError(f"{self.working} calls in progress, the limit is {self.limit}; "
-                                  "shedding load")
+            raise self._shed(f"{self.working} calls in progress, the limit is {self.limit}")
+        tenant = current_tenant.get()
+        if tenant and self.limit:
+            if self.by_tenant.get(tenant, 0) >= self.tenant_limit:
+                raise self._shed(f"tenant {tenant!r} has {self.by_tenant[tenant]} calls in "
+                                 f"progress, a tenant's limit is {self.tenant_limit} "
+                                 "(max_concurrent_rpcs / 2)")
+            if self.by_tenant.get("", 0) >= self.tenants_limit:
+                raise self._shed(f"tenants have {self.by_tenant['']} calls in progress, their "
+                                 f"limit is {self.tenants_limit} (3/4 of max_concurrent_rpcs)")
         self.working += 1
+        if tenant:
+            self._take(self.by_tenant, tenant, 1)
+            self._take(self.by_tenant, "", 1)
         return True
 
     def leave(self) -> None:
+        """End a call `enter` admitted (its tenant is the context's, as at `enter`)."""
         self.working -= 1
+        if tenant := current_tenant.get():
+            self._take(self.by_tenant, tenant, -1)
+            self._take(self.by_tenant, "", -1)
 
 
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -379,6 +380,63 @@ def test_streams_nobody_reads_end_with_their_slot_pins_and_memory(daemon_factory
     with KVClient(d.target, BIG, deadline_s=10) as c:  # still serving, byte-exact
         n, got = c.fetch(tokens)
         assert n == len(tokens) and same_bytes(got, kv)
+    channel.close()
+
+
+def test_a_tenant_holding_every_slot_it_may_leaves_the_others_admitted(daemon_factory,
+                                                                         tmp_path):
+    """Alpha opens eight fetches at once, each held for seconds by a slow disk read, against
+    a limit of eight calls: four are admitted (a tenant's half), four are shed at once with
+    RESOURCE_EXHAUSTED naming the tenant's limit, and meanwhile bravo and same-node callers
+    are served. Before tenants had a share, alpha took all eight and bravo was shed."""
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
+                       "--host-bytes", f"{8 * BIG.block_bytes}",
+                       "--disk-bytes", f"{64 * BIG.block_bytes}",
+                       "--max-concurrent-rpcs", "8", "--fault-disk-read-delay-s", "5").start()
+    tcp = f"127.0.0.1:{port}"
+    t = BIG.block_tokens
+    with KVClient(tcp, BIG, token=TOKEN_A, deadline_s=20) as a:
+        assert a.publish(list(range(t)), random_kv(BIG, t)) == t
+        for r in range(1, 4):  # 24 blocks more: the first goes to disk
+            tokens = [10**6 * r + i for i in range(8 * t)]
+            assert a.publish(tokens, random_kv(BIG, 8 * t, seed=r)) == 8 * t
+        keys, ns = a.keys(list(range(t))), a.namespace.digest()
+    channel, raw = stub(tcp)
+    lookup = raw.Lookup(pb.LookupRequest(namespace=ns, keys=keys), metadata=_md(TOKEN_A),
+                        timeout=10)
+    assert list(lookup.tiers) == ["disk"]
+    request = pb.FetchRequest(namespace=ns, layout=layout_pb(BIG), keys=keys,
+                              transfer=pb.TRANSFER_STREAM)
+
+    def fetch() -> tuple[float, int | str]:
+        """(seconds, the hits, or the status and details of a refusal), the stream read out."""
+        t0 = time.monotonic()
+        try:
+            messages = list(raw.Fetch(request, metadata=_md(TOKEN_A), timeout=30))
+        except grpc.RpcError as e:
+            return time.monotonic() - t0, f"{e.code().name}: {e.details()}"
+        return time.monotonic() - t0, messages[0].hits
+
+    with ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(fetch) for _ in range(8)]
+        time.sleep(1.0)  # every call has reached the daemon; the disk reads take 5 s
+        # Alpha holds its four slots for seconds; bravo and same-node callers get in.
+        assert raw.Lookup(pb.LookupRequest(namespace=bytes(32), keys=keys),
+                          metadata=_md(TOKEN_B), timeout=5).hits == 0
+        with KVClient(d.target, BIG, deadline_s=5) as local:
+            assert local.lookup(list(range(t))) == 0
+        assert sum(c.done() for c in calls) == 4  # the admitted four still read the disk
+        got = [c.result() for c in calls]
+    shed = [(s, why) for s, why in got if s < 3]
+    assert len(shed) == 4, got
+    assert all(str(why).startswith("RESOURCE_EXHAUSTED: tenant 'alpha' has 4 calls in progress, "
+                                   "a tenant's limit is 4") for _, why in shed), shed
+    # The admitted four held their slots through the 5 s read. They then stream: at most one
+    # of alpha's at a time (half of the 2 stream slots), so some may be shed at that point.
+    held = [why for s, why in got if s >= 3]
+    assert len(held) == 4 and 1 in held, got
     channel.close()
 
 
