@@ -1031,7 +1031,8 @@ class TieredStore:
         for entry in lease.entries:
             self.host.complete_store(entry)
             if share and self.write_queue is not None:
-                self.write_queue.put(entry.key)  # write-through; shed (counted) when full
+                # write-through; shed (counted) when full
+                self.write_queue.put(entry.key, owner=owner_of(entry.namespace))
         # The whole chain, blocks that were already present and earlier rounds' included:
         # touching only the new ones would leave their parents older than them, so LRU would
         # evict parents first and a cut-short SIGTERM flush would write children first.
@@ -1091,12 +1092,13 @@ class TieredStore:
         finally:
             for entry in claimed:
                 src.complete_load(entry)
-        for move in plan.moves:
+        for move, entry in zip(plan.moves, claimed, strict=True):
             if move.key in kept or not src.evict(move.key):
                 continue
             if self.write_queue is not None and self.placement.share_on_leave(move):
                 # The writer checks the remote tier lacks it, then reads it back from disk.
-                self.write_queue.put(move.key, check_exists=True)
+                self.write_queue.put(move.key, check_exists=True,
+                                     owner=owner_of(entry.namespace))
         return len(kept)
 
     async def _demote_to_host(self, gpu: GpuTier, src: BlockEntry) -> bool:

@@ -6,6 +6,12 @@ enqueueing never copies a payload on the event loop. A full queue sheds the new 
 instead of blocking or growing: a publishing engine never waits for the remote tier, and a slow
 or dead Cluster costs at most `capacity` keys of memory. A write that failed for a reason that
 may pass (a connection, a timeout) goes back to the front for a few more attempts.
+
+**Tenants share it** (the owners of `kvstore.tiering.owner_of`). Each owner has a FIFO of its
+own; batches take from the owners in turn, and a full queue makes room for a block by
+shedding the newest block of the owner with the most queued, unless that is the block's own
+owner. So a tenant publishing faster than the remote tier takes blocks neither delays other
+tenants' writes behind its backlog nor has their blocks shed. With one owner it is one FIFO.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class QueuedWrite:
     # writer first checks that the remote tier lacks it.
     check_exists: bool = False
     attempts: int = 0  # failed attempts so far
+    owner: bytes = b""  # its tenant's (`kvstore.tiering.owner_of`); b"": unscoped
 
 
 @dataclass
@@ -34,7 +41,7 @@ class QueueStats:
 
 
 class WriteThroughQueue:
-    """FIFO of `QueuedWrite`s, one per key, at most `capacity`."""
+    """A FIFO of `QueuedWrite`s per owner, one per key, at most `capacity` in all."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -42,57 +49,99 @@ class WriteThroughQueue:
         self.capacity = capacity
         self.queued = 0
         self.shed = 0
-        self._items: OrderedDict[bytes, QueuedWrite] = OrderedDict()
+        self._owners: dict[bytes, OrderedDict[bytes, QueuedWrite]] = {}  # in turn order
+        self._owner_of: dict[bytes, bytes] = {}  # queued key -> its owner
         self._ready = asyncio.Event()
         self._busy = 0  # batches taken and not yet marked done
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._owner_of)
 
-    def put(self, key: bytes, check_exists: bool = False) -> bool:
-        """Queue a block; False when it was shed. A key already queued is not queued twice."""
-        queued = self._items.get(key)
-        if queued is not None:
+    def _fifo(self, owner: bytes) -> OrderedDict[bytes, QueuedWrite]:
+        fifo = self._owners.get(owner)
+        if fifo is None:
+            fifo = self._owners[owner] = OrderedDict()
+        return fifo
+
+    def _pop(self, owner: bytes, last: bool) -> QueuedWrite:
+        fifo = self._owners[owner]
+        write = fifo.popitem(last=last)[1]
+        del self._owner_of[write.key]
+        if not fifo:
+            del self._owners[owner]
+        return write
+
+    def _room_for(self, owner: bytes) -> bool:
+        """Whether a block of `owner` may be queued: there is room, or the owner with the
+        most queued holds more than `owner` would and gives up its newest (shed)."""
+        if len(self._owner_of) < self.capacity:
+            return True
+        mine = len(self._owners.get(owner, ()))
+        most = max(self._owners, key=lambda o: len(self._owners[o]))
+        if most == owner or len(self._owners[most]) <= mine + 1:
+            return False
+        self._pop(most, last=True)
+        self.shed += 1
+        return True
+
+    def put(self, key: bytes, check_exists: bool = False, owner: bytes = b"") -> bool:
+        """Queue a block of `owner`; False when it was shed. A key already queued is not
+        queued twice."""
+        if key in self._owner_of:
+            queued = self._owners[self._owner_of[key]][key]
             queued.check_exists = queued.check_exists and check_exists  # one write covers both
             return True
-        if len(self._items) >= self.capacity:
+        if not self._room_for(owner):
             self.shed += 1
             return False
-        self._items[key] = QueuedWrite(key, check_exists)
+        self._fifo(owner)[key] = QueuedWrite(key, check_exists, owner=owner)
+        self._owner_of[key] = owner
         self.queued += 1
         self._ready.set()
         return True
 
     def discard(self, key: bytes) -> None:
         """Forget a queued block (it was cleared: writing it would bring it back)."""
-        self._items.pop(key, None)
+        owner = self._owner_of.get(key)
+        if owner is not None:
+            fifo = self._owners[owner]
+            del fifo[key], self._owner_of[key]
+            if not fifo:
+                del self._owners[owner]
 
     def requeue(self, writes: Iterable[QueuedWrite]) -> None:
-        """Put writes that failed back at the front, in their order, while there is room."""
-        back = [w for w in writes if w.key not in self._items]
-        room = self.capacity - len(self._items)
+        """Put writes that failed back at the front of their owners' FIFOs, in their order,
+        while there is room."""
+        back = [w for w in writes if w.key not in self._owner_of]
+        room = self.capacity - len(self._owner_of)
         self.shed += max(0, len(back) - room)
         for w in reversed(back[: max(room, 0)]):
-            self._items[w.key] = w
-            self._items.move_to_end(w.key, last=False)
-        if self._items:
+            fifo = self._fifo(w.owner)
+            fifo[w.key] = w
+            fifo.move_to_end(w.key, last=False)
+            self._owner_of[w.key] = w.owner
+        if self._owner_of:
             self._ready.set()
 
     async def take(self, max_blocks: int, max_bytes: int,
                    size_of: Callable[[bytes], int]) -> list[QueuedWrite]:
-        """The oldest entries, at least one and within both limits, waiting while the queue is
-        empty; call `done` when the batch is written (or given up)."""
-        while not self._items:
+        """The oldest entries of each owner in turn, at least one and within both limits,
+        waiting while the queue is empty; call `done` when the batch is written (or given
+        up)."""
+        while not self._owner_of:
             self._ready.clear()
             await self._ready.wait()
         batch: list[QueuedWrite] = []
         total = 0
-        while self._items and len(batch) < max_blocks:
-            key = next(iter(self._items))
+        while self._owner_of and len(batch) < max_blocks:
+            owner = next(iter(self._owners))
+            key = next(iter(self._owners[owner]))
             total += size_of(key)
             if batch and total > max_bytes:
                 break
-            batch.append(self._items.popitem(last=False)[1])
+            batch.append(self._pop(owner, last=False))
+            if owner in self._owners:  # its turn is over: to the back of the line
+                self._owners[owner] = self._owners.pop(owner)
         self._busy += 1
         return batch
 
@@ -101,7 +150,7 @@ class WriteThroughQueue:
 
     def idle(self) -> bool:
         """Nothing queued and no batch being written."""
-        return not self._items and not self._busy
+        return not self._owner_of and not self._busy
 
     def stats(self) -> QueueStats:
-        return QueueStats(len(self._items), self.capacity, self.queued, self.shed)
+        return QueueStats(len(self._owner_of), self.capacity, self.queued, self.shed)

@@ -7,6 +7,7 @@ pytest-asyncio is not a dependency: tier-level tests drive coroutines with `asyn
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 import urllib.request
@@ -17,6 +18,7 @@ import redis
 
 from kvstore.client import KVClient
 from kvstore.integrity import HEADER_BYTES
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.process import DaemonProcess
 from kvstore.tiers.remote import (
     PutResult,
@@ -244,6 +246,55 @@ def test_write_through_sheds_instead_of_blocking(redis_server: RedisServer,
                  f'tier="remote"}} {2 * layout.block_bytes}.0'):
         assert line in text, line
     assert d.stop() == 0  # SIGTERM drains the (empty) queue and closes the remote client
+
+
+def test_a_tenant_flooding_write_through_leaves_another_its_share(redis_server: RedisServer,
+                                                                   daemon_factory,
+                                                                   tmp_path) -> None:
+    """Redis stalls (SIGSTOP) while tenant alpha publishes four times what the write-through
+    queue holds on daemon A; then bravo publishes 2 blocks there. Redis resumes: bravo's
+    blocks reach daemon B, which reads them through Redis. Before the queue was shared
+    between tenants, alpha's backlog filled it and bravo's blocks were shed: B never saw them."""
+    from tests.security.test_tenants import TOKEN_A, TOKEN_B, _free_port, _tokens_file
+
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    ports = [_free_port(), _free_port()]
+    # A retry after 3 s: once the stalled Redis has failed one write, the writer waits that
+    # long before taking from the queue again, so the queue holds what it is given meanwhile.
+    daemons = [daemon_factory(*_daemon_args(redis_server.url, "--remote-queue-blocks", "8",
+                                            "--remote-retry-s", "3",
+                                            "--listen", f"127.0.0.1:{port}",
+                                            "--tenant-tokens-file", str(f)), name=name).start()
+               for name, port in zip("AB", ports, strict=True)]
+    a_tcp, b_tcp = (f"127.0.0.1:{p}" for p in ports)
+    layout = small_layout()
+    mine = list(range(2 * 16))
+    kv = random_kv(layout, len(mine), seed=9)
+    assert redis_server.proc is not None
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with KVClient(daemons[0].target, layout) as local, \
+                KVClient(a_tcp, layout, token=TOKEN_A, deadline_s=5) as alpha:
+            def remote() -> pb.RemoteStats:
+                stats = local.stats()  # unscoped: it sees the queue
+                assert stats is not None
+                return stats.remote
+
+            for r in range(4):
+                flood = [10**6 * (r + 1) + t for t in range(8 * 16)]
+                assert alpha.publish(flood, random_kv(layout, len(flood), seed=r)) == len(flood)
+                if r == 0:
+                    _wait_for(lambda: remote().breaker_opens >= 1, 5)
+            assert remote().queue_depth == 8  # full of alpha's blocks
+            with KVClient(a_tcp, layout, token=TOKEN_B, deadline_s=5) as bravo:
+                assert bravo.publish(mine, kv) == len(mine)
+            assert remote().breaker_opens == 1  # all within one wait of the writer
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    with KVClient(b_tcp, layout, token=TOKEN_B, deadline_s=5) as bravo_on_b:
+        _wait_for(lambda: bravo_on_b.lookup(mine) == len(mine), 20)
+        n, got = bravo_on_b.fetch(mine)
+        assert n == len(mine) and same_bytes(got, kv)
 
 
 def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisClusterNodes,

@@ -125,6 +125,33 @@ def test_write_queue_sheds_dedups_and_requeues_in_order() -> None:
     asyncio.run(main())
 
 
+def test_write_queue_shares_room_and_turns_between_tenants() -> None:
+    """A tenant that fills the queue gives up its newest block to another's, down to an equal
+    share, and batches take from each tenant in turn: its backlog delays no one else."""
+    alpha, bravo = b"\xa7kvTaaaa", b"\xa7kvTbbbb"
+
+    async def main() -> None:
+        q = WriteThroughQueue(6)
+        for i in range(8):
+            q.put(b"a%d" % i, owner=alpha)
+        assert (len(q), q.shed) == (6, 2)  # alone, alpha fills it; the rest is shed
+        for i in range(3):
+            assert q.put(b"b%d" % i, owner=bravo)  # each sheds alpha's newest
+        assert not q.put(b"b3", owner=bravo)  # 3 and 3: an equal share, its own is shed
+        assert not q.put(b"a9", owner=alpha)  # and alpha takes nothing back
+        assert (len(q), q.shed) == (6, 7)
+        batch = await q.take(10, 10**9, lambda k: 0)
+        assert [w.key for w in batch] == [b"a0", b"b0", b"a1", b"b1", b"a2", b"b2"]
+        assert {w.key: w.owner for w in batch}[b"b2"] == bravo
+        q.requeue(batch[:2])
+        assert sorted(w.key for w in await q.take(10, 10**9, lambda k: 0)) == [b"a0", b"b0"]
+        q.requeue(batch[2:3])
+        q.discard(b"a1")
+        assert len(q) == 0 and q.stats().depth == 0 and q._owners == {}
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("hiredis", [True, False])
 def test_the_tier_warns_when_hiredis_would_copy_every_value(hiredis: bool, monkeypatch,
                                                             caplog) -> None:
