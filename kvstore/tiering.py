@@ -13,8 +13,9 @@ the trace simulator run the same code.
   tier down; hits in a lower tier are copied up by the caller.
 - **Tenants share a tier fairly.** Each block has an owner: the tenant whose scoped namespace it
   is in (`owner_of`; b"" for unscoped callers). Each owner's blocks have an eviction policy of
-  their own, and the owner holding the most bytes gives way first, its own policy naming which
-  of its blocks. So a tenant publishing without end evicts only its own blocks once it holds
+  their own, and the owner that would hold the most bytes, counting the block coming in, gives
+  way first (on a tie, the block's own owner), its own policy naming which of its blocks.
+  So a tenant publishing without end evicts only its own blocks once it holds
   as much as the others, and a tenant holding at most 1/N of a full tier (N owners) keeps
   everything against any other's flood. With one owner (no tenants) this is the policy alone.
 """

@@ -194,3 +194,18 @@ def test_a_reopened_disk_tier_knows_each_blocks_owner(tmp_path: Path) -> None:
         assert again.policy.held_by(owner_of(ns)) == 3 * PAGE
     finally:
         again.close()
+
+
+def test_the_flood_benchmark_keeps_bravos_hits_with_shares_and_not_without() -> None:
+    """`benchmarks.tenant_flood` on a synthetic trace: bravo repeats 5 conversations of 4
+    blocks; in a 48-block LRU tier alpha's fresh blocks push them all out in one order, and
+    with shares bravo keeps them (20 blocks: within its half)."""
+    from benchmarks.simulate import make_request
+    from benchmarks.tenant_flood import bravo_hit_rate
+
+    convs = [[c * 10 + i for i in range(4)] for c in range(5)]
+    requests = [make_request(ids) for _ in range(5) for ids in convs]
+    alone = bravo_hit_rate(requests, 48, 0, shares=False, eviction="lru")
+    assert alone == pytest.approx(4 / 5)  # every round after the first hits
+    assert bravo_hit_rate(requests, 48, 4, shares=True, eviction="lru") == pytest.approx(4 / 5)
+    assert bravo_hit_rate(requests, 48, 4, shares=False, eviction="lru") == 0.0
