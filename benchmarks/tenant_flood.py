@@ -81,6 +81,27 @@ def bravo_hit_rate(requests: Sequence[Request], capacity: int, flood: int, share
     return hits / max(total, 1)
 
 
+def plot(rows: list[dict[str, Any]], eviction: str, path: Path) -> None:
+    """Bravo's hit rate against the flood, per capacity: shares, one order, alone at half."""
+    fig, ax = figure()
+    floods = sorted({r["flood"] for r in rows})
+    for c in sorted({r["capacity"] for r in rows}):
+        mine = [r for r in rows if r["capacity"] == c]
+        xs = [r["flood"] for r in mine]
+        line = ax.plot(xs, [r["shares"] for r in mine], marker="o",
+                       label=f"{c} blocks, shares")[0]
+        ax.plot(xs, [r["one order"] for r in mine], marker="x", linestyle="--",
+                color=line.get_color(), label=f"{c} blocks, one order")
+        ax.axhline(mine[0]["alone at half"], color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(floods, [str(f) for f in floods])
+    ax.set_xlabel("alpha's fresh requests per one of bravo's")
+    ax.set_ylabel("bravo's prefix hit rate")
+    ax.set_title(f"A tenant flooding the host tier ({eviction}; dotted: bravo alone in half)")
+    ax.legend(fontsize=7)
+    save(fig, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -106,21 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(rows, ["capacity", "flood", "shares", "one order", "alone at half"]))
     path = write_results(args.name, {"trace": str(args.trace), "requests": len(requests),
                                      "eviction": args.eviction, "rows": rows})
-    fig, ax = figure()
-    for c in capacities:
-        mine = [r for r in rows if r["capacity"] == c]
-        xs = [r["flood"] for r in mine]
-        line = ax.plot(xs, [r["shares"] for r in mine], marker="o",
-                       label=f"{c} blocks, shares")[0]
-        ax.plot(xs, [r["one order"] for r in mine], marker="x", linestyle="--",
-                color=line.get_color(), label=f"{c} blocks, one order")
-        ax.axhline(mine[0]["alone at half"], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.set_xscale("symlog", linthresh=1)
-    ax.set_xlabel("alpha's fresh requests per one of bravo's")
-    ax.set_ylabel("bravo's prefix hit rate")
-    ax.set_title(f"A tenant flooding the host tier ({args.eviction}; dotted: bravo alone in half)")
-    ax.legend(fontsize=7)
-    save(fig, RESULTS / f"{args.name}.png")
+    plot(rows, args.eviction, RESULTS / f"{args.name}.png")
     print(f"results: {path}, plot: {RESULTS / (args.name + '.png')}")
     return 0
 
