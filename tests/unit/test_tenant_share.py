@@ -35,6 +35,15 @@ def put(p: TierPolicy, key: str, owner: bytes = b"") -> list[str]:
     return [v.decode() for v in gone]
 
 
+def filled(capacity: int, *runs: tuple[str, bytes, int]) -> TierPolicy:
+    """An LRU tier of `capacity` blocks, given `n` blocks named `prefix0..` of each owner."""
+    p = TierPolicy("host", capacity * SIZE, "lru")
+    for prefix, owner, n in runs:
+        for i in range(n):
+            put(p, f"{prefix}{i}", owner)
+    return p
+
+
 def held(p: TierPolicy, prefix: str) -> list[str]:
     return sorted(k.decode() for k in p._sizes if k.decode().startswith(prefix))
 
@@ -52,11 +61,7 @@ def test_a_flood_never_evicts_a_tenant_holding_less_than_its_share(eviction: str
 
 
 def test_a_tenant_over_its_share_keeps_half_against_one_flooder() -> None:
-    p = TierPolicy("host", 10 * SIZE, "lru")
-    for i in range(8):
-        put(p, f"b{i}", B)
-    for i in range(50):
-        put(p, f"a{i:02}", A)
+    p = filled(10, ("b", B, 8), ("a", A, 50))
     # Bravo gave way down to an equal share, its least recent first; then alpha evicted its own.
     assert held(p, "b") == ["b3", "b4", "b5", "b6", "b7"]
     assert p.held_by(A) == p.held_by(B) == 5 * SIZE
@@ -92,11 +97,7 @@ def test_pinned_blocks_of_the_largest_owner_make_the_next_one_give_way() -> None
 
 
 def test_one_plan_shares_out_its_victims_by_what_each_owner_holds_after_the_last() -> None:
-    p = TierPolicy("host", 8 * SIZE, "lru")
-    for i in range(5):
-        put(p, f"a{i}", A)
-    for i in range(3):
-        put(p, f"b{i}", B)
+    p = filled(8, ("a", A, 5), ("b", B, 3))
     # 4 blocks of room: alpha 5 -> 3, then they alternate (ties go to the owner seen first).
     got = [v.decode() for v in p.victims(4 * SIZE)]
     assert got[:2] == ["a0", "a1"] and sorted(got[2:]) == ["a2", "b0"]
