@@ -183,7 +183,8 @@ class Daemon:
             self._start_events()
         self.metrics = Metrics(self.store, self.tokens.tenants if self.tokens else ())
         self.admission = Admission(config.max_concurrent_rpcs)  # shared by both listeners
-        self.namespaces = NamespaceBook()  # shared by both listeners, for Inspect
+        self.namespaces = NamespaceBook(  # shared by both listeners, for Inspect
+            tenants=self.tokens.tenants if self.tokens else ())
         self.health = health.aio.HealthServicer()
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()

@@ -2,19 +2,30 @@
 
 A block carries only its namespace digest; the layout behind a digest is learnt from the calls
 that name it (Fetch, Publish, Reserve carry one), so after a restart a namespace read back from
-disk shows without a layout until a client names it again.
+disk shows without a layout until a client names it again. Its tenant is known all along: a
+tenant's stored namespace starts with its tag (`kvstore.tiering.owner_of`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import Scope
+from kvstore.server.tenancy import Scope, owner_tag
+from kvstore.tiering import owner_of
 
 MAX_NAMESPACES = 4096  # layouts remembered; the oldest is forgotten past it (blocks stay)
+
+
+def unknown_tenant(namespace: bytes) -> str:
+    """How a namespace no call has named since start shows its tenant: "" when unscoped,
+    else "?" and the hex of the 4 bytes that name its tenant (as `kvstore_tier_tenant_bytes`
+    shows a tenant the tokens file no longer lists)."""
+    owner = owner_of(namespace)
+    return f"?{owner[4:].hex()}" if owner else ""
 
 
 @dataclass(frozen=True)
@@ -27,9 +38,17 @@ class Seen:
 class NamespaceBook:
     """Layout and tenant of each namespace (by stored digest) seen since start."""
 
-    def __init__(self, limit: int = MAX_NAMESPACES) -> None:
+    def __init__(self, limit: int = MAX_NAMESPACES, tenants: Iterable[str] = ()) -> None:
         self.limit = limit
         self._seen: dict[bytes, Seen] = {}
+        self._names = {owner_tag(t): t for t in tenants}  # the tokens file's tenants
+
+    def tenant_of(self, stored_ns: bytes) -> str:
+        """The tenant of a stored namespace, named or seen since start or not: by its tag."""
+        seen = self._seen.get(stored_ns)
+        if seen is not None:
+            return seen.tenant
+        return self._names.get(owner_of(stored_ns)) or unknown_tenant(stored_ns)
 
     def note(self, stored_ns: bytes, layout: pb.Layout, scope: Scope, client_ns: bytes) -> None:
         if stored_ns in self._seen:
@@ -53,10 +72,12 @@ def inspect_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.I
     out = []
     for ns, per_tier in sorted(counts.items(), key=lambda kv: -sum(c[1] for c in
                                                                     kv[1].values())):
-        seen = book.get(ns)
-        tenant = seen.tenant if seen else ""
-        if scope.scoped and (seen is None or tenant != scope.tenant):
+        # The tenant is the namespace's own tag (`owner_of`), so a tenant finds its blocks
+        # after a restart, or once the book has forgotten the namespace, too.
+        if scope.scoped and owner_of(ns) != owner_tag(scope.tenant):
             continue
+        seen = book.get(ns)
+        tenant = scope.tenant or book.tenant_of(ns)
         out.append(pb.NamespaceStats(
             namespace=seen.client_namespace if scope.scoped and seen else ns,
             layout=seen.layout if seen else None, tenant=tenant,

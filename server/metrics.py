@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.server.inspect import unknown_tenant
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import owner_tag
 from kvstore.tiers.remote import RemoteStats
@@ -73,7 +74,7 @@ class StoreCollector(Collector):
             labels=["tier", "tenant"])
         for tier in self.store.tiers:
             for owner, nbytes in tier.policy.owners().items():
-                shares.add_metric([tier.name, self.owners.get(owner, f"?{owner[4:].hex()}")],
+                shares.add_metric([tier.name, self.owners.get(owner) or unknown_tenant(owner)],
                                   nbytes)
             s = tier.stats()
             hits.add_metric([s.name], c.tier_hits.get(s.name, 0))

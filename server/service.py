@@ -29,7 +29,8 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.inspect import NamespaceBook, inspect_reply
 from kvstore.server.metrics import Metrics
 from kvstore.server.store import PublishLease, TieredStore
-from kvstore.server.tenancy import Scope, current_scope, current_tenant
+from kvstore.server.tenancy import Scope, current_scope, current_tenant, owner_tag
+from kvstore.tiering import owner_of
 
 log = logging.getLogger(__name__)
 # Bytes per streamed data message. 1 MiB, not 4: a stream nobody reads holds ~4.6 MiB of the
@@ -551,7 +552,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsReply:
         scope = current_scope()
         if scope.scoped:  # a tenant sees its own blocks, not the daemon's traffic
-            return tenant_stats_reply(self.store, self.namespaces, scope)
+            return tenant_stats_reply(self.store, scope)
         # In flight: every call but this one.
         return stats_reply(self.store, self.metrics.gauges["inflight"] - 1, self.admission.shed)
 
@@ -609,16 +610,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 _STARTED = time.monotonic()
 
 
-def tenant_stats_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.StatsReply:
+def tenant_stats_reply(store: TieredStore, scope: Scope) -> pb.StatsReply:
     """Stats as a tenant may see them: capacity, and the blocks and bytes of its own
     namespaces per tier. The daemon's counters (lookups, hits, leases, traffic) are every
     tenant's together, so they would tell one tenant what the others do: left at 0."""
     tiers = []
+    mine = owner_tag(scope.tenant)  # the tag of its namespaces: known after a restart too
     for tier in store.tiers:
         blocks = nbytes = 0
         for ns, (n, b) in tier.by_namespace.items():
-            seen = book.get(ns)
-            if seen is not None and seen.tenant == scope.tenant:
+            if owner_of(ns) == mine:
                 blocks, nbytes = blocks + n, nbytes + b
         tiers.append(pb.TierStats(name=tier.name, blocks=blocks, used_bytes=nbytes,
                                   capacity_bytes=tier.capacity_bytes))

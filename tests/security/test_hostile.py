@@ -465,6 +465,41 @@ def test_tenant_stats_show_only_its_own_blocks(tenant_daemon):
     channel.close()
 
 
+def test_a_tenant_finds_its_blocks_in_stats_and_inspect_after_a_restart(daemon_factory,
+                                                                         tmp_path):
+    """The daemon forgets which namespaces it has seen when it restarts, but a tenant's
+    stored namespace names the tenant: alpha's Stats and Inspect still count the blocks it
+    published before (flushed to disk at SIGTERM), bravo's count none of them, and the
+    admin's Inspect names their tenant."""
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    args = ("--listen", f"127.0.0.1:{port}", "--token", ADMIN, "--tenant-tokens-file", str(f),
+            "--host-bytes", "4MiB", "--disk-bytes", "16MiB")
+    d = daemon_factory(*args).start()
+    tcp, layout = f"127.0.0.1:{port}", small_layout()
+    kv = random_kv(layout, 64)
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        assert a.publish(list(range(64)), kv) == 64
+    assert d.stop() == 0
+    d.start()
+    channel = grpc.insecure_channel(tcp)
+    raw = pb_grpc.KVStoreStub(channel)
+    mine = raw.Stats(pb.StatsRequest(), metadata=_md(TOKEN_A), timeout=5)
+    assert sum(t.blocks for t in mine.tiers) == 4
+    theirs = raw.Stats(pb.StatsRequest(), metadata=_md(TOKEN_B), timeout=5)
+    assert sum(t.blocks for t in theirs.tiers) == 0
+    listed = raw.Inspect(pb.InspectRequest(), metadata=_md(TOKEN_A), timeout=5).namespaces
+    assert [n.tenant for n in listed] == ["alpha"]
+    assert sum(t.blocks for t in listed[0].tiers) == 4
+    assert not raw.Inspect(pb.InspectRequest(), metadata=_md(TOKEN_B), timeout=5).namespaces
+    admin = raw.Inspect(pb.InspectRequest(), metadata=_md(ADMIN), timeout=5).namespaces
+    assert [n.tenant for n in admin] == ["alpha"]
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:  # and still its blocks
+        n, got = a.fetch(list(range(64)))
+        assert n == 64 and same_bytes(got, kv)
+    channel.close()
+
+
 # ---- item 10
 def test_fetch_internal_error_reaches_log_and_metrics(tmp_path, caplog):
     import asyncio
