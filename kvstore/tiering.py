@@ -15,6 +15,7 @@ the trace simulator run the same code.
   is in (`owner_of`; b"" for unscoped callers). Each owner's blocks have an eviction policy of
   their own, and the owner that would hold the most bytes, counting the block coming in, gives
   way first (on a tie, the block's own owner), its own policy naming which of its blocks.
+  Each owner's policy is sized by an equal share of the tier (its ghosts and queues).
   So a tenant publishing without end evicts only its own blocks once it holds
   as much as the others, and a tenant holding at most 1/N of a full tier (N owners) keeps
   everything against any other's flood. With one owner (no tenants) this is the policy alone.
@@ -30,16 +31,17 @@ from dataclasses import dataclass
 from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.eviction import Clock, EvictionPolicy, make_policy
 
-# A tenant's stored namespace (`server.tenancy`) starts with this tag and 4 bytes naming the
+# A tenant's stored namespace (`server.tenancy`) ends with this tag and 4 bytes naming the
 # tenant, so every tier can tell a block's owner from its namespace, a reopened disk tier's too.
+# At the end: the namespace's first bytes stay its own hash, which names it in Redis keys.
 TENANT_NAMESPACE_TAG = b"\xa7kvT"
 OWNER_BYTES = 8  # the tag and the tenant's 4 bytes
 
 
 def owner_of(namespace: bytes) -> bytes:
     """The owner of a block in `namespace`: its tenant's 8 bytes, or b"" (unscoped)."""
-    if len(namespace) == 32 and namespace.startswith(TENANT_NAMESPACE_TAG):
-        return namespace[:OWNER_BYTES]
+    if len(namespace) == 32 and namespace[-OWNER_BYTES:].startswith(TENANT_NAMESPACE_TAG):
+        return namespace[-OWNER_BYTES:]
     return b""
 
 
@@ -66,14 +68,23 @@ class TierPolicy:
         self._sizes: dict[bytes, int] = {}  # key -> bytes
         self._pins: dict[bytes, int] = {}
         self._kind, self._clock = eviction, clock
-        # One eviction policy per owner, and the bytes each owner's blocks hold. b"" always
+        # One eviction policy per owner, and the bytes and blocks each owner holds. b"" always
         # exists (`eviction`); a tenant's is made at its first block, dropped with its last.
         self._policies: dict[bytes, EvictionPolicy] = {b"": self._new_policy()}
         self._held: dict[bytes, int] = {b"": 0}
+        self._blocks: dict[bytes, int] = {b"": 0}
         self._owner: dict[bytes, bytes] = {}  # key -> owner, for owners other than b""
 
     def _new_policy(self) -> EvictionPolicy:
         return make_policy(self._kind, self.capacity_bytes, self._pins, self._clock)
+
+    def _share_out(self) -> None:
+        """Size each owner's policy by an equal share of the tier (its small queue, ghost
+        lists and bounds are fractions of its capacity), once the owners holding blocks
+        change. With one owner: the whole tier, as without tenants."""
+        share = self.capacity_bytes // max(1, sum(1 for n in self._blocks.values() if n))
+        for policy in self._policies.values():
+            policy.capacity_bytes = share
 
     @property
     def eviction(self) -> EvictionPolicy:
@@ -90,6 +101,10 @@ class TierPolicy:
     def owners(self) -> dict[bytes, int]:
         """Bytes held by each owner with blocks in the tier (b"": unscoped, always there)."""
         return dict(self._held)
+
+    def share_of(self, owner: bytes) -> int:
+        """The capacity `owner`'s eviction policy is sized by (its equal share)."""
+        return self._policies[owner].capacity_bytes if owner in self._policies else 0
 
     def held_by(self, owner: bytes) -> int:
         """Bytes of `owner`'s blocks in the tier (scratch space is no one's)."""
@@ -134,9 +149,12 @@ class TierPolicy:
             self._owner[key] = owner
             if owner not in self._policies:
                 self._policies[owner] = self._new_policy()
-                self._held[owner] = 0
+                self._held[owner] = self._blocks[owner] = 0
         self._held[owner] += nbytes
+        self._blocks[owner] += 1
         self._policies[owner].insert(key, nbytes)
+        if self._blocks[owner] == 1 and len(self._policies) > 1:
+            self._share_out()
 
     def remove(self, key: bytes) -> int:
         """Forget a block (evicted, deleted or corrupt); returns its size, 0 if absent."""
@@ -148,8 +166,11 @@ class TierPolicy:
         owner = self._owner.pop(key, b"")
         self._policies[owner].remove(key)
         self._held[owner] -= nbytes
-        if owner and not self._held[owner]:  # its last block: a tenant gone costs nothing
-            del self._policies[owner], self._held[owner]
+        self._blocks[owner] -= 1
+        if not self._blocks[owner] and len(self._policies) > 1:
+            if owner:  # its last block: a tenant gone costs nothing
+                del self._policies[owner], self._held[owner], self._blocks[owner]
+            self._share_out()
         return nbytes
 
     def _owners_in(self, keys: Sequence[bytes]) -> list[EvictionPolicy]:

@@ -3,7 +3,7 @@
 A block carries only its namespace digest; the layout behind a digest is learnt from the calls
 that name it (Fetch, Publish, Reserve carry one), so after a restart a namespace read back from
 disk shows without a layout until a client names it again. Its tenant is known all along: a
-tenant's stored namespace starts with its tag (`kvstore.tiering.owner_of`).
+tenant's stored namespace ends with its tag (`kvstore.tiering.owner_of`).
 """
 
 from __future__ import annotations

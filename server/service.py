@@ -195,7 +195,8 @@ class Admission:
             raise self._shed(f"{self.streams} streams in progress, the limit is "
                              f"{self.stream_limit} (max_concurrent_rpcs / 4)")
         tenant = current_tenant.get()
-        if tenant and self.streams_by_tenant.get(tenant, 0) >= self.tenant_stream_limit:
+        if (tenant and self.tenant_stream_limit
+                and self.streams_by_tenant.get(tenant, 0) >= self.tenant_stream_limit):
             raise self._shed(f"tenant {tenant!r} has {self.streams_by_tenant[tenant]} streams "
                              f"in progress, a tenant's limit is {self.tenant_stream_limit} "
                              "(half the stream slots)")
@@ -209,11 +210,12 @@ class Admission:
             if tenant:
                 self._take(self.streams_by_tenant, tenant, -1)
 
-    def enter(self, method: str) -> bool:
-        """Admit a call (True: call `leave` in the same context when it ends); raise
-        `OverloadedError` past the limit, or past its tenant's."""
+    def enter(self, method: str) -> str | None:
+        """Admit a call: its tenant ("" unscoped; pass it to `leave` when the call ends), or
+        None for calls that are never shed nor counted. `OverloadedError` past the limit, or
+        past its tenant's."""
         if method not in self.SHED:
-            return False
+            return None
         if self.limit and self.working >= self.limit:
             raise self._shed(f"{self.working} calls in progress, the limit is {self.limit}")
         tenant = current_tenant.get()
@@ -229,12 +231,12 @@ class Admission:
         if tenant:
             self._take(self.by_tenant, tenant, 1)
             self._take(self.by_tenant, "", 1)
-        return True
+        return tenant
 
-    def leave(self) -> None:
-        """End a call `enter` admitted (its tenant is the context's, as at `enter`)."""
+    def leave(self, tenant: str = "") -> None:
+        """End a call `enter` admitted; `tenant`: what `enter` returned."""
         self.working -= 1
-        if tenant := current_tenant.get():
+        if tenant:
             self._take(self.by_tenant, tenant, -1)
             self._take(self.by_tenant, "", -1)
 
@@ -248,7 +250,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
                     context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         start, code = time.perf_counter(), "OK"
         self.metrics.gauges["inflight"] += 1
-        admitted = False
+        admitted: str | None = None
         status: tuple[grpc.StatusCode, str] | None = None
         try:
             admitted = self.admission.enter(fn.__name__)
@@ -262,8 +264,8 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             log.exception("%s failed", fn.__name__)
             status = (grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error")
         finally:
-            if admitted:
-                self.admission.leave()
+            if admitted is not None:
+                self.admission.leave(admitted)
             self.metrics.gauges["inflight"] -= 1
             self.metrics.latency.labels(fn.__name__, code).observe(time.perf_counter() - start)
         if status is not None:

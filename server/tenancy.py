@@ -5,11 +5,12 @@ field: a client can put anything in its namespace, so isolation cannot rest on i
 rewrites a tenant's namespace and keys before they reach the store:
 
     scope   = SHA256("kvstore-tenant-v1\\0" || tenant)
-    ns'     = TAG || scope[:4] || SHA256(scope || ns)[:24]       key' = SHA256(scope || key)
+    ns'     = SHA256(scope || ns)[:24] || TAG || scope[:4]       key' = SHA256(scope || key)
 
-(`TAG`: `kvstore.tiering.TENANT_NAMESPACE_TAG`.) A stored namespace so names its tenant's 8
-bytes, and the tiers share their space between tenants by it (`kvstore.tiering`), a reopened
-disk tier's blocks included.
+(`TAG`: `kvstore.tiering.TENANT_NAMESPACE_TAG`.) A stored namespace so names its tenant in its
+last 8 bytes, and the tiers share their space between tenants by it (`kvstore.tiering`), a
+reopened disk tier's blocks included. Its first bytes stay a hash of its own: they name it in
+the remote tier's keys (`tiers.remote.redis_key`), so `Clear` of one namespace clears that one.
 
 Two tenants sending identical keys therefore address different blocks: neither can read, probe
 (by timing a hit) or overwrite the other's. Callers on the Unix socket and those presenting the
@@ -45,7 +46,7 @@ def scope_of(tenant: str) -> bytes:
 
 
 def owner_tag(tenant: str) -> bytes:
-    """The first bytes of `tenant`'s stored namespaces: its owner in the tiers
+    """The last bytes of `tenant`'s stored namespaces: its owner in the tiers
     (`kvstore.tiering.owner_of`)."""
     return TENANT_NAMESPACE_TAG + scope_of(tenant)[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
 
@@ -65,8 +66,8 @@ class Scope:
         validation still reports what the client sent."""
         if not self.tenant or len(ns) != 32:
             return ns
-        return (owner_tag(self.tenant)
-                + hashlib.sha256(scope_of(self.tenant) + ns).digest()[: 32 - OWNER_BYTES])
+        return (hashlib.sha256(scope_of(self.tenant) + ns).digest()[: 32 - OWNER_BYTES]
+                + owner_tag(self.tenant))
 
     def keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if not self.tenant:
@@ -117,6 +118,12 @@ def load_tenant_tokens(path: str | Path) -> dict[str, str]:
         tokens[token] = tenant
     if not tokens:
         raise ConfigError(f"{opt}: {p} names no tenants")
+    tags: dict[bytes, str] = {}
+    for tenant in sorted(set(tokens.values())):
+        other = tags.setdefault(owner_tag(tenant), tenant)
+        if other != tenant:  # 1 in 2^32 a pair: they would share one eviction share
+            raise ConfigError(f"{opt}: tenants {other!r} and {tenant!r} have the same 4-byte "
+                              "tag; rename one")
     return tokens
 
 

@@ -111,15 +111,23 @@ class WriteThroughQueue:
 
     def requeue(self, writes: Iterable[QueuedWrite]) -> None:
         """Put writes that failed back at the front of their owners' FIFOs, in their order,
-        while there is room."""
-        back = [w for w in writes if w.key not in self._owner_of]
-        room = self.capacity - len(self._owner_of)
-        self.shed += max(0, len(back) - room)
-        for w in reversed(back[: max(room, 0)]):
-            fifo = self._fifo(w.owner)
-            fifo[w.key] = w
-            fifo.move_to_end(w.key, last=False)
+        while there is room, shared as `put` shares it: while a batch was out, another
+        owner may have filled the queue, and it gives way to these as to new blocks."""
+        back: dict[bytes, list[QueuedWrite]] = {}
+        for w in writes:
+            if w.key in self._owner_of:
+                continue
+            if not self._room_for(w.owner):
+                self.shed += 1
+                continue
+            self._fifo(w.owner)[w.key] = w  # at the back for now: counted in the shares
             self._owner_of[w.key] = w.owner
+            back.setdefault(w.owner, []).append(w)
+        for owner, ws in back.items():
+            fifo = self._owners.get(owner)
+            for w in reversed(ws):  # then to the front, in their order
+                if fifo is not None and w.key in fifo:  # (not shed by a later one meanwhile)
+                    fifo.move_to_end(w.key, last=False)
         if self._owner_of:
             self._ready.set()
 

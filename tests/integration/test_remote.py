@@ -297,6 +297,37 @@ def test_a_tenant_flooding_write_through_leaves_another_its_share(redis_server: 
         assert n == len(mine) and same_bytes(got, kv)
 
 
+def test_a_tenants_clear_of_one_namespace_leaves_its_others_in_redis(
+        redis_server: RedisServer, daemon_factory, tmp_path) -> None:
+    """Alpha publishes one prompt under two salts (two namespaces) through daemon A, clears
+    the first; daemon B still reads the second through Redis, not the first. Every stored
+    namespace of a tenant shares its tag: had the tag led the namespace, Redis keys (named by
+    the namespace's first bytes) would have put both in one, and the Clear would take both."""
+    from tests.security.test_tenants import TOKEN_A, _free_port, _tokens_file
+
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    ports = [_free_port(), _free_port()]
+    for name, port in zip("AB", ports, strict=True):
+        daemon_factory(*_daemon_args(redis_server.url, "--listen", f"127.0.0.1:{port}",
+                                     "--tenant-tokens-file", str(f)), name=name).start()
+    a_tcp, b_tcp = (f"127.0.0.1:{p}" for p in ports)
+    layout, tokens = small_layout(), list(range(4 * 16))
+    kvs = {salt: random_kv(layout, len(tokens), seed=i) for i, salt in enumerate(("one", "two"))}
+    for salt, kv in kvs.items():
+        with KVClient(a_tcp, layout, token=TOKEN_A, salt=salt, deadline_s=5) as a:
+            assert a.publish(tokens, kv) == len(tokens)
+    for salt in kvs:
+        with KVClient(b_tcp, layout, token=TOKEN_A, salt=salt, deadline_s=5) as b:
+            _wait_for(lambda b=b: b.lookup(tokens) == len(tokens), 10)  # written through
+    with KVClient(a_tcp, layout, token=TOKEN_A, salt="one", deadline_s=5) as a:
+        assert a.clear() == 8  # its 4 local blocks and their 4 values in Redis, no more
+    with KVClient(b_tcp, layout, token=TOKEN_A, salt="two", deadline_s=5) as b:
+        n, got = b.fetch(tokens)  # B holds nothing local of it: read through Redis
+        assert n == len(tokens) and same_bytes(got, kvs["two"])
+    with KVClient(b_tcp, layout, token=TOKEN_A, salt="one", deadline_s=5) as b:
+        assert b.lookup(tokens) == 0
+
+
 def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisClusterNodes,
                                                            daemon_factory) -> None:
     args = _daemon_args(redis_cluster.url)

@@ -172,7 +172,7 @@ def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, t
         assert in_host >= host_blocks // 2, tiers  # its half of host, its first blocks
         shares = _tenant_bytes(metrics_port)  # what an operator sees, before the fetch
         assert shares[("host", "bravo")] == in_host * layout.block_bytes
-        assert shares[("host", "alpha")] + shares[("host", "bravo")] <= 8 << 20
+        assert shares[("host", "alpha")] == (host_blocks - in_host) * layout.block_bytes  # full
         assert shares[("disk", "bravo")] == (48 - in_host) * (layout.block_bytes + 4096)  # header
         n, got = b.fetch(prompt)
         assert n == len(prompt) and same_bytes(got, kv)
@@ -206,6 +206,16 @@ def test_print_config_takes_tenants_without_admin_token(tmp_path):
 def test_tokens_file_errors_name_the_problem(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         load_tenant_tokens(_tokens_file(tmp_path, text))
+
+
+def test_tenants_whose_tags_collide_are_refused(tmp_path, monkeypatch):
+    """Two tenants whose 4-byte tags match (1 in 2^32 a pair: forced here) would share one
+    eviction share and see each other's Stats: the tokens file is refused, naming both."""
+    import kvstore.server.tenancy as tenancy
+
+    monkeypatch.setattr(tenancy, "owner_tag", lambda tenant: b"\xa7kvTsame")
+    with pytest.raises(ConfigError, match="'alpha' and 'bravo' have the same 4-byte tag"):
+        load_tenant_tokens(_tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n"))
 
 
 def test_missing_tokens_file(tmp_path):

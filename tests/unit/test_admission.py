@@ -38,15 +38,15 @@ def test_one_tenant_holds_half_the_calls_and_the_tenants_three_quarters() -> Non
     assert as_tenant("bravo", lambda: a.enter("Lookup"))
     with pytest.raises(OverloadedError, match=r"tenants have 6 calls.*3/4"):
         as_tenant("bravo", lambda: a.enter("Lookup"))
-    assert a.enter("Fetch") and a.enter("Fetch")  # same-node callers: the last quarter
+    assert a.enter("Fetch") == a.enter("Fetch") == ""  # same-node callers: the last quarter
     with pytest.raises(OverloadedError, match="8 calls in progress, the limit is 8"):
         a.enter("Fetch")
     assert a.shed == 3
     a.leave()  # a same-node call ends
-    as_tenant("alpha", a.leave)  # and one of alpha's
+    a.leave("alpha")  # and one of alpha's
     assert a.by_tenant == {"alpha": 3, "bravo": 2, "": 5} and a.working == 6
-    assert as_tenant("alpha", lambda: a.enter("Fetch"))  # alpha may take its slot again
-    assert not as_tenant("alpha", lambda: a.enter("Release"))  # never shed, never counted
+    assert as_tenant("alpha", lambda: a.enter("Fetch")) == "alpha"  # its slot again
+    assert as_tenant("alpha", lambda: a.enter("Release")) is None  # never shed nor counted
     assert a.by_tenant["alpha"] == 4
 
 
@@ -73,6 +73,9 @@ def test_one_tenant_holds_half_the_stream_slots() -> None:
 
 def test_no_limit_admits_every_tenant() -> None:
     a = Admission(0)
-    for _ in range(100):
-        assert as_tenant("alpha", lambda: a.enter("Fetch"))
-    assert a.shed == 0
+    with contextlib.ExitStack() as held:
+        for _ in range(100):
+            assert as_tenant("alpha", lambda: a.enter("Fetch")) == "alpha"
+            as_tenant("alpha", lambda: held.enter_context(a.stream()))
+        assert a.streams == 100
+    assert a.shed == 0 and a.streams == 0

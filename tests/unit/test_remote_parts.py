@@ -148,6 +148,17 @@ def test_write_queue_shares_room_and_turns_between_tenants() -> None:
         q.requeue(batch[2:3])
         q.discard(b"a1")
         assert len(q) == 0 and q.stats().depth == 0 and q._owners == {}
+        # A batch of bravo's fails while alpha fills the queue: its retries get their share.
+        for i in range(2):
+            q.put(b"b%d" % i, owner=bravo)
+        out = await q.take(10, 10**9, lambda k: 0)
+        for i in range(10):
+            q.put(b"x%d" % i, owner=alpha)
+        assert len(q) == 6 and q.shed == 11
+        q.requeue(out)
+        assert len(q) == 6 and q.shed == 13  # two of alpha's newest gave way
+        assert [w.key for w in await q.take(10, 10**9, lambda k: 0)] == [
+            b"x0", b"b0", b"x1", b"b1", b"x2", b"x3"]
 
     asyncio.run(main())
 

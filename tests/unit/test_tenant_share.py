@@ -21,6 +21,7 @@ from kvstore.tiering import OWNER_BYTES, TierPolicy, owner_of
 from kvstore.tiers.base import PAGE
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.remote import namespace_pattern, redis_key
 
 A, B = b"\xa7kvTaaaa", b"\xa7kvTbbbb"
 SIZE = 10
@@ -65,6 +66,37 @@ def test_a_tenant_over_its_share_keeps_half_against_one_flooder() -> None:
     # Bravo gave way down to an equal share, its least recent first; then alpha evicted its own.
     assert held(p, "b") == ["b3", "b4", "b5", "b6", "b7"]
     assert p.held_by(A) == p.held_by(B) == 5 * SIZE
+
+
+@pytest.mark.parametrize("eviction", sorted(POLICIES))
+def test_a_tenant_alone_is_evicted_as_without_tenants(eviction: str) -> None:
+    """One owner, a tenant or the unscoped callers: the same victims under every policy."""
+    now = [0.0]
+    tiers = [TierPolicy("host", 12 * SIZE, eviction, clock=lambda: now[0]) for _ in range(2)]
+    gone: list[list[str]] = [[], []]
+    for i in range(60):
+        now[0] = i * 3.0
+        for t, owner, out in zip(tiers, (b"", A), gone, strict=True):
+            chain = [f"c{i % 7}-{j}".encode() for j in range(3)]
+            t.touch_chain(chain)
+            for key in chain:
+                if key not in t:
+                    out += put(t, key.decode(), owner)
+            t.touch_chain(chain)
+    assert gone[0] == gone[1] and gone[0]
+    assert tiers[1].share_of(A) == 12 * SIZE  # alone: the whole tier
+
+
+def test_each_owners_policy_is_sized_by_an_equal_share() -> None:
+    p = TierPolicy("host", 12 * SIZE, "s3fifo")
+    put(p, "u0")
+    assert p.share_of(b"") == 12 * SIZE
+    put(p, "a0", A)
+    put(p, "b0", B)
+    assert p.share_of(b"") == p.share_of(A) == p.share_of(B) == 4 * SIZE
+    p.remove(b"b0")
+    p.remove(b"u0")
+    assert p.share_of(A) == p.share_of(b"") == 12 * SIZE and p.share_of(B) == 0
 
 
 def test_without_tenants_the_order_is_the_policys_own() -> None:
@@ -132,8 +164,11 @@ def test_stored_tenant_namespaces_name_their_tenant_and_no_other() -> None:
     alpha, bravo = Scope("alpha"), Scope("bravo")
     ns1, ns2 = b"\x01" * 32, b"\x02" * 32
     a1, a2, b1 = alpha.namespace(ns1), alpha.namespace(ns2), bravo.namespace(ns1)
-    assert len(a1) == 32 and a1 != a2 != b1
-    assert owner_of(a1) == owner_of(a2) == a1[:OWNER_BYTES]  # whatever namespace it sends
+    assert len(a1) == 32 and len({a1, a2, b1}) == 3
+    assert owner_of(a1) == owner_of(a2) == a1[-OWNER_BYTES:]  # whatever namespace it sends
+    # Its first bytes are its own: they name it in the remote tier's keys and Clear's pattern.
+    assert len({redis_key(n, b"k")[:24] for n in (a1, a2, b1)}) == 3
+    assert namespace_pattern(a1) != namespace_pattern(a2)
     assert owner_of(b1) not in (b"", owner_of(a1))
     assert owner_of(Scope("").namespace(ns1)) == owner_of(ns1) == b""  # unscoped
     assert owner_of(b"") == b""
