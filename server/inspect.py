@@ -14,18 +14,10 @@ from dataclasses import dataclass
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import Scope, owner_tag
+from kvstore.server.tenancy import OwnerNames, Scope, owner_tag
 from kvstore.tiering import owner_of
 
 MAX_NAMESPACES = 4096  # layouts remembered; the oldest is forgotten past it (blocks stay)
-
-
-def unknown_tenant(namespace: bytes) -> str:
-    """How a namespace no call has named since start shows its tenant: "" when unscoped,
-    else "?" and the hex of the 4 bytes that name its tenant (as `kvstore_tier_tenant_bytes`
-    shows a tenant the tokens file no longer lists)."""
-    owner = owner_of(namespace)
-    return f"?{owner[4:].hex()}" if owner else ""
 
 
 @dataclass(frozen=True)
@@ -41,14 +33,12 @@ class NamespaceBook:
     def __init__(self, limit: int = MAX_NAMESPACES, tenants: Iterable[str] = ()) -> None:
         self.limit = limit
         self._seen: dict[bytes, Seen] = {}
-        self._names = {owner_tag(t): t for t in tenants}  # the tokens file's tenants
+        self._names = OwnerNames(tenants)  # the tokens file's tenants
 
     def tenant_of(self, stored_ns: bytes) -> str:
         """The tenant of a stored namespace, named or seen since start or not: by its tag."""
         seen = self._seen.get(stored_ns)
-        if seen is not None:
-            return seen.tenant
-        return self._names.get(owner_of(stored_ns)) or unknown_tenant(stored_ns)
+        return seen.tenant if seen is not None else self._names(owner_of(stored_ns))
 
     def note(self, stored_ns: bytes, layout: pb.Layout, scope: Scope, client_ns: bytes) -> None:
         if stored_ns in self._seen:

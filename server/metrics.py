@@ -9,18 +9,17 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.server.inspect import unknown_tenant
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import owner_tag
+from kvstore.server.tenancy import OwnerNames
 from kvstore.tiers.remote import RemoteStats
 
 
 class StoreCollector(Collector):
     def __init__(self, store: TieredStore, connected: dict[str, int],
-                 owners: dict[bytes, str]) -> None:
+                 names: OwnerNames) -> None:
         self.store = store
         self.connected = connected
-        self.owners = owners  # owner tag -> tenant name (b"" -> "": unscoped)
+        self.names = names  # owner tag -> tenant name ("": unscoped)
 
     def collect(self) -> Iterator[Metric]:
         c = self.store.counters
@@ -74,8 +73,7 @@ class StoreCollector(Collector):
             labels=["tier", "tenant"])
         for tier in self.store.tiers:
             for owner, nbytes in tier.policy.owners().items():
-                shares.add_metric([tier.name, self.owners.get(owner) or unknown_tenant(owner)],
-                                  nbytes)
+                shares.add_metric([tier.name, self.names(owner)], nbytes)
             s = tier.stats()
             hits.add_metric([s.name], c.tier_hits.get(s.name, 0))
             moved.add_metric([s.name, "read"], c.bytes_read.get(s.name, 0))
@@ -179,8 +177,7 @@ class Metrics:
     def __init__(self, store: TieredStore, tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         self.gauges: dict[str, int] = {"inflight": 0}
-        owners = {b"": "", **{owner_tag(t): t for t in tenants}}
-        self.registry.register(StoreCollector(store, self.gauges, owners))
+        self.registry.register(StoreCollector(store, self.gauges, OwnerNames(tenants)))
         self.latency = Histogram(
             "kvstore_rpc_seconds", "RPC latency by method and outcome.", ["method", "code"],
             registry=self.registry,

@@ -24,7 +24,7 @@ import hashlib
 import hmac
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,20 @@ def owner_tag(tenant: str) -> bytes:
     """The last bytes of `tenant`'s stored namespaces: its owner in the tiers
     (`kvstore.tiering.owner_of`)."""
     return TENANT_NAMESPACE_TAG + scope_of(tenant)[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
+
+
+class OwnerNames:
+    """The tenant an owner tag (`owner_tag`, `kvstore.tiering.owner_of`) stands for: "" for
+    the unscoped callers, the tokens file's name, or "?" and the hex of the tag's 4 bytes for
+    a tenant the file does not list (any more)."""
+
+    def __init__(self, tenants: Iterable[str] = ()) -> None:
+        self._names = {owner_tag(t): t for t in tenants}
+
+    def __call__(self, owner: bytes) -> str:
+        if not owner:
+            return ""
+        return self._names.get(owner) or f"?{owner[len(TENANT_NAMESPACE_TAG):].hex()}"
 
 
 @dataclass(frozen=True)

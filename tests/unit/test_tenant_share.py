@@ -245,3 +245,27 @@ def test_the_flood_benchmark_keeps_bravos_hits_with_shares_and_not_without() -> 
     assert alone == pytest.approx(4 / 5)  # every round after the first hits
     assert bravo_hit_rate(requests, 48, 4, shares=True, eviction="lru") == pytest.approx(4 / 5)
     assert bravo_hit_rate(requests, 48, 4, shares=False, eviction="lru") == 0.0
+
+
+def test_the_tenant_bytes_metric_names_listed_unlisted_and_unscoped_owners(
+        tmp_path: Path) -> None:
+    """`kvstore_tier_tenant_bytes`: a tenant of the tokens file by its name, one it no longer
+    lists (blocks read back from disk, say) by "?" and its tag's hex, unscoped blocks as ""."""
+    from kvstore.server.metrics import Metrics
+    from kvstore.server.tenancy import owner_tag
+
+    store = _store(tmp_path, host_blocks=8, disk_blocks=4)
+    try:
+        async def main() -> None:
+            for i, ns in enumerate((Scope("alpha").namespace(b"n" * 32),
+                                    Scope("gone").namespace(b"n" * 32), b"u" * 32)):
+                await _publish(store, ns, [bytes([i]) * 32])
+
+        asyncio.run(main())
+        metrics = Metrics(store, tenants=["alpha"])
+        gone = f"?{owner_tag('gone')[4:].hex()}"
+        for tenant in ("alpha", gone, ""):
+            assert metrics.registry.get_sample_value(
+                "kvstore_tier_tenant_bytes", {"tier": "host", "tenant": tenant}) == 2 * PAGE
+    finally:
+        store.close()
