@@ -41,7 +41,9 @@ class DaemonProcess:
         return [sys.executable, "-m", "kvstore.server", "--data-dir", str(self.data_dir),
                 *self.args]
 
-    def start(self, timeout: float = 20.0) -> DaemonProcess:
+    # 60 s: where a GPU driver exists the daemon pins its arena through CUDA, and a dozen daemons
+    # initialising CUDA at once took over 20 s on an H200 machine (docs/GPU.md section 8).
+    def start(self, timeout: float = 60.0) -> DaemonProcess:
         cmd = self.command()
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
