@@ -106,6 +106,12 @@ class TierPolicy:
         """The capacity `owner`'s eviction policy is sized by (its equal share)."""
         return self._policies[owner].capacity_bytes if owner in self._policies else 0
 
+    def fair_share(self, owner: bytes = b"") -> int:
+        """An equal share of the tier between the owners holding blocks in it and `owner`
+        (the whole tier without tenants)."""
+        owners = {o for o, n in self._held.items() if n > 0} | {owner}
+        return self.capacity_bytes // len(owners)
+
     def held_by(self, owner: bytes) -> int:
         """Bytes of `owner`'s blocks in the tier (scratch space is no one's)."""
         return self._held.get(owner, 0)
@@ -232,11 +238,20 @@ class TierPolicy:
 
     def _victim(self, held: dict[bytes, int], owner: bytes) -> bytes | None:
         """The next victim: the owner holding the most (by `held`) that has an unpinned
-        block gives up its policy's victim; on a tie, `owner` (whose block needs the room)."""
+        block gives up its policy's victim; on a tie, `owner` (whose block needs the room).
+
+        Only `owner` itself and owners holding more than an equal share may give way. The
+        owner holding the most always does, unless every block of it is pinned: then without
+        this bound its pins would pass the eviction on to an owner within its share (a tenant
+        fetching its own blocks to keep them pinned while it publishes would evict another's).
+        """
         if len(self._policies) == 1:
             return self.eviction.victim()
+        fair = self.capacity_bytes // max(1, sum(1 for n in held.values() if n > 0))
         for o in sorted(self._policies, key=lambda o: (held.get(o, 0), o == owner),
                         reverse=True):
+            if o != owner and held.get(o, 0) <= fair:
+                continue
             if (key := self._policies[o].victim()) is not None:
                 return key
         return None

@@ -168,7 +168,8 @@ class _Room:
     """How one fetch makes host room for the blocks it reads from disk or the remote tier.
 
     The prompt is `prior` (served by earlier calls of the same client fetch) and `keys`. Its
-    share of the host tier is the placement engine's call (`PromptShare`): promoted whole when
+    share of the host tier (of its owner's equal share, under tenants) is the placement
+    engine's call (`PromptShare`): promoted whole when
     it fits, else its first blocks, the rest read into scratch space, served like any hit and
     freed at release (no promotion, no eviction, no write). Room is made by evicting other
     blocks, never the prompt's own: they are pinned while the call runs (`held`). A prompt
@@ -182,6 +183,7 @@ class _Room:
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
     slab_ok: bool = False  # the client reads gpu-only blocks in the slab: no host room for them
     promote_only: bool = False  # a prefetch: no scratch space (freed at release, read for nothing)
+    owner: bytes = b""  # the prompt's (`owner_of` its namespace): its share is this owner's
     share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
     wait_until: float = 0.0  # monotonic: the call waits for others' promotions until then
@@ -466,6 +468,7 @@ class TieredStore:
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
                      slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch,
+                     owner=owner_of(namespace),
                      wait_until=time.monotonic() + (PROMOTION_WAIT_S if answer_within is None
                                                     else answer_within))
         window = 0 if whole else self.fetch_window_bytes
@@ -781,8 +784,10 @@ class TieredStore:
                 local = False
                 break
             rest += size
+        # Sized within its owner's equal share of host: a tenant reading a prompt larger than
+        # that makes room from its own blocks, never from another tenant's within its share.
         room.share = PromptShare.size(
-            host.capacity_bytes, self.fetch_window_bytes, size,
+            host.policy.fair_share(room.owner), self.fetch_window_bytes, size,
             used=sum(e.units * PAGE for e in room.held), rest=rest,
             open_ended=room.open_ended, local=local)
         return room.share

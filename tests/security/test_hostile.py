@@ -45,7 +45,14 @@ from tests.reliability import (
     wait_quiescent,
     wait_until,
 )
-from tests.security.test_tenants import ADMIN, TOKEN_A, TOKEN_B, _free_port, _tokens_file
+from tests.security.test_tenants import (
+    ADMIN,
+    TOKEN_A,
+    TOKEN_B,
+    _free_port,
+    _tiers,
+    _tokens_file,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 LEASE_S = 1.0
@@ -381,6 +388,48 @@ def test_streams_nobody_reads_end_with_their_slot_pins_and_memory(daemon_factory
         n, got = c.fetch(tokens)
         assert n == len(tokens) and same_bytes(got, kv)
     channel.close()
+
+
+def test_a_tenant_pinning_its_blocks_cannot_evict_another_within_its_share(daemon_factory,
+                                                                          tmp_path):
+    """Alpha fills 3/4 of host beside bravo's 1/4, holds all of its blocks pinned with a
+    streaming fetch it stops reading, and publishes more. Bravo, within its half, keeps every
+    block in host. Before, with every block of alpha's pinned, its next block evicted one of
+    bravo's (here its deepest, to disk): a new stream pinning each batch would repeat that."""
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
+                       "--host-bytes", "8MiB", "--disk-bytes", "32MiB",
+                       "--lease-timeout-s", "30").start()
+    tcp = f"127.0.0.1:{port}"
+    layout = small_layout(num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB: 64 in host
+    bravo_prompt, alpha_prompt = list(range(16 * 16)), [10**6 + i for i in range(48 * 16)]
+    bravo_kv = random_kv(layout, len(bravo_prompt), seed=1)
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=10) as b:
+        assert b.publish(bravo_prompt, bravo_kv) == len(bravo_prompt)
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=10) as a:
+        assert a.publish(alpha_prompt, random_kv(layout, len(alpha_prompt))) == len(alpha_prompt)
+        keys, ns = a.keys(alpha_prompt), a.namespace.digest()
+    assert tier(stats(d.target), "host").blocks == 64  # full
+    channel = grpc.insecure_channel(tcp)
+    chunks = pb_grpc.KVStoreStub(channel).Fetch(
+        pb.FetchRequest(namespace=ns, layout=layout_pb(layout), keys=keys,
+                        transfer=pb.TRANSFER_STREAM), metadata=_md(TOKEN_A), timeout=60)
+    assert next(chunks).hits == 48
+    next(chunks)  # then alpha stops reading: its 48 blocks stay pinned
+    assert tier(stats(d.target), "host").pinned_blocks == 48  # the attack's premise
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=10) as a:
+        for r in range(4):  # 64 more blocks: host's size
+            more = [2 * 10**6 + r * 256 + i for i in range(256)]
+            a.publish(more, random_kv(layout, len(more), seed=r))
+    assert tier(stats(d.target), "host").pinned_blocks == 48  # still held throughout
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=10) as b:
+        assert _tiers(tcp, TOKEN_B, b, bravo_prompt) == ["host"] * 16
+        n, got = b.fetch(bravo_prompt)
+        assert n == len(bravo_prompt) and same_bytes(got, bravo_kv)
+    chunks.cancel()
+    channel.close()
+    wait_quiescent(d.target, 10)
 
 
 def test_a_tenant_holding_every_slot_it_may_leaves_the_others_admitted(daemon_factory,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.errors import CapacityError
 from kvstore.eviction import POLICIES
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import Scope
@@ -23,7 +24,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.remote import namespace_pattern, redis_key
 
-A, B = b"\xa7kvTaaaa", b"\xa7kvTbbbb"
+A, B, C = b"\xa7kvTaaaa", b"\xa7kvTbbbb", b"\xa7kvTcccc"
 SIZE = 10
 
 
@@ -128,6 +129,28 @@ def test_pinned_blocks_of_the_largest_owner_make_the_next_one_give_way() -> None
     assert put(p, "b3", B) == ["a0"]
 
 
+def test_an_owner_pinning_its_blocks_cannot_pass_its_evictions_to_one_within_its_share(
+) -> None:
+    """Alpha holds 6 of 8 blocks, every one pinned (a tenant fetching its own blocks to keep
+    them), and publishes more: bravo, within its half, keeps both blocks; alpha's publish
+    finds no room instead. Before, the pins passed the eviction on to bravo."""
+    p = filled(8, ("b", B, 2), ("a", A, 6))
+    for i in range(6):
+        p.pin(f"a{i}".encode())
+    with pytest.raises(CapacityError):
+        p.victims(SIZE, A)
+    assert p.next_victim(A, SIZE) is None
+    assert put(p, "b2", B) == ["b0"]  # bravo's own publish makes room from its own
+    p.unpin(b"a3")
+    assert put(p, "a6", A) == ["a3"]
+    # An owner over its share that is not the largest still gives way past pinned ones.
+    q = filled(9, ("a", A, 5), ("b", B, 4))
+    for i in range(5):
+        q.pin(f"a{i}".encode())
+    assert put(q, "c0", C) == ["b0"]  # bravo holds 4 of 9, over a third
+    assert put(q, "c1", C) == ["c0"]  # bravo at 3 of 9 is within its third: carol's own
+
+
 def test_one_plan_shares_out_its_victims_by_what_each_owner_holds_after_the_last() -> None:
     p = filled(8, ("a", A, 5), ("b", B, 3))
     # 4 blocks of room: alpha 5 -> 3, then they alternate (ties go to the owner seen first).
@@ -204,10 +227,19 @@ def test_a_flood_through_the_store_keeps_the_other_tenants_blocks_in_host_and_on
             # Host: bravo gave way to half (its deepest blocks first, to disk), no further.
             assert store.lookup(bravo) == ["host"] * 4 + ["disk"] * 2
             assert store.host.policy.held_by(owner_of(ns_a)) == 4 * 2 * PAGE
-            lease = await store.fetch(bravo, LAYOUT)
-            assert [bytes(store.host.memview(e)) for e in lease.entries] == [
-                k[-1:] * LENGTH for k in bravo]
-            store.release(lease.id)
+            # Bravo reads its prompt back. Its host blocks are pinned by the read and alpha
+            # holds its half, so the read stops short (`more`: the client copies and asks
+            # again); then bravo's own blocks, copied already, give way for scratch space.
+            got = []
+            for keys, prior in ((bravo, []), (bravo[4:], bravo[:4])):
+                lease = await store.fetch(keys, LAYOUT, ns_b, prior=prior)
+                got += [bytes(store.host.memview(e)) for e in lease.entries]
+                assert lease.more == (not prior)
+                assert store.host.policy.held_by(owner_of(ns_a)) == 4 * 2 * PAGE
+                store.release(lease.id)
+            assert got == [k[-1:] * LENGTH for k in bravo]
+            assert store.lookup(bravo) == ["host"] * 2 + ["disk"] * 4
+            assert store.host.policy.held_by(owner_of(ns_a)) == 4 * 2 * PAGE
 
         asyncio.run(main())
     finally:
