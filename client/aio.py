@@ -421,7 +421,8 @@ class AsyncKVClient:
         `prefetch`: the daemon also starts promoting the prefix's blocks that its host tier
         lacks (remote or disk hits) into host in the background, for a caller that will fetch
         the prompt a little later (after waiting for more of it): the fetch then finds them in
-        host. A hint: one prefetch runs per daemon at a time, and a fetch never depends on it.
+        host. A hint: one prefetch runs at a time per tenant (the same-node callers as one),
+        and a fetch never depends on it.
         """
         keys = self.keys(tokens)
         if not keys:

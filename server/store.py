@@ -311,7 +311,8 @@ class TieredStore:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
         self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
         self._lifting: _Lift | None = None  # the promotion into gpu running now (`_lift`)
-        self._prefetching: _Prefetch | None = None  # the prefetch running now (`prefetch`)
+        # The prefetch running now per owner (`prefetch`; `owner_of` its namespace).
+        self._prefetching: dict[bytes, _Prefetch] = {}
         # Host reservations fetches are reading into (disk and remote hits), each done when it
         # lands: another fetch of the block waits for it instead of missing it.
         self._promoting: dict[bytes, asyncio.Future[None]] = {}
@@ -384,15 +385,17 @@ class TieredStore:
         decode instance waiting for the rest of its producer's blocks reads the first ones
         while the producer's daemon still writes the last ones through. A fetch of any of
         these keys waits for the prefetch rather than read them a second time. One prefetch
-        runs at a time: False (none started) while one runs; the caller's next lookup asks
-        again."""
-        run = self._prefetching
+        per owner (each tenant, and the unscoped callers together) runs at a time: False (none
+        started) while the caller's owner has one running; its next lookup asks again. Per
+        owner, so a tenant looking up without end cannot keep the others' from starting."""
+        tag = owner_of(namespace)
+        run = self._prefetching.get(tag)
         if not keys or (run is not None and not run.task.done()):
             return False
         self.counters.prefetches += 1
         task = asyncio.get_running_loop().create_task(
             self._prefetch(list(keys), layout_digest, namespace, block_bytes, owner))
-        self._prefetching = _Prefetch(frozenset(keys), task)
+        self._prefetching[tag] = _Prefetch(frozenset(keys), task)
         return True
 
     async def _prefetch(self, keys: list[bytes], layout_digest: bytes, namespace: bytes,
@@ -411,15 +414,18 @@ class TieredStore:
         reaching a block it is promoting would wait for that block anyway (`_stage`), and one
         reaching a block it has not reserved yet would read it itself, beside the prefetch's
         reads (the prefetch then waits for it): the same bytes, read in two calls at once."""
-        run = self._prefetching
-        if run is not None and not run.task.done() and not run.keys.isdisjoint(keys):
-            await asyncio.wait([run.task], timeout=within)
+        running = [run.task for run in self._prefetching.values()
+                   if not run.task.done() and not run.keys.isdisjoint(keys)]
+        if running:
+            await asyncio.wait(running, timeout=within)
 
     async def stop_prefetch(self) -> None:
-        """Cancel the running prefetch and wait for it to unwind (shutdown)."""
-        if (run := self._prefetching) is not None and not run.task.done():
-            run.task.cancel()
-            await asyncio.wait([run.task])
+        """Cancel the running prefetches and wait for them to unwind (shutdown)."""
+        running = [run.task for run in self._prefetching.values() if not run.task.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
 
     # ---- fetch
     async def fetch(self, keys: Sequence[bytes], layout_digest: bytes, namespace: bytes = b"",
@@ -1323,7 +1329,7 @@ class TieredStore:
         return len(removed)
 
     def close(self) -> None:
-        if (run := self._prefetching) is not None:
+        for run in self._prefetching.values():
             run.task.cancel()  # as a lift's: its read in flight ends in the pool shutdown
         if (lift := self._lifting) is not None and self.gpu is not None:
             # Not awaited (close is synchronous): its copy in flight ends in the pool shutdown

@@ -19,6 +19,8 @@ from kvstore.integrity import HEADER_BYTES, decode_header
 from kvstore.server import remote_writer
 from kvstore.server.remote_writer import REMOTE_WRITE_ATTEMPTS
 from kvstore.server.store import TieredStore
+from kvstore.server.tenancy import Scope
+from kvstore.tiering import owner_of
 from kvstore.tiers.base import PAGE
 from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.disk import DiskTier
@@ -359,9 +361,7 @@ def test_remote_read_bandwidth_is_measured_from_the_gets(pair, remote) -> None:
 # ---- prefetch: a lookup's hit promoted into host in the background (`TieredStore.prefetch`)
 async def _prefetched(store: TieredStore, keys: list[bytes]) -> None:
     assert store.prefetch(keys, LAYOUT, NS_A, LENGTH)
-    run = store._prefetching
-    assert run is not None
-    await asyncio.wait([run.task])
+    await asyncio.wait([store._prefetching[b""].task])  # NS_A is unscoped
 
 
 def test_prefetch_promotes_the_hit_into_host_and_counts_no_hit(pair, remote) -> None:
@@ -417,11 +417,35 @@ def test_one_prefetch_at_a_time_and_none_for_nothing(pair, remote) -> None:
         assert b.prefetch(keys[:2], LAYOUT, NS_A, LENGTH)
         assert not b.prefetch(keys[2:], LAYOUT, NS_A, LENGTH)  # one runs: none started
         assert not b.prefetch([], LAYOUT, NS_A, LENGTH)
-        first = b._prefetching
-        assert first is not None
-        await asyncio.wait([first.task])
+        await asyncio.wait([b._prefetching[b""].task])
         await _prefetched(b, keys[2:])  # the first is over: this one starts
         assert b.lookup(keys) == ["host"] * 4
+
+    asyncio.run(main())
+    assert b.counters.prefetches == 2 and b.counters.prefetched_blocks == 4
+
+
+def test_one_prefetch_per_tenant_so_one_looking_up_without_end_leaves_the_others_theirs(
+        pair, remote) -> None:
+    """Alpha's prefetch runs (a slow remote read), and alpha's next is refused; bravo's starts
+    beside it and promotes bravo's blocks. With one slot for the daemon, a tenant whose
+    lookups kept a prefetch running would leave the others none."""
+    a, b = pair
+    ns_alpha, ns_bravo = Scope("alpha").namespace(NS_A), Scope("bravo").namespace(NS_A)
+    alpha, bravo = [key(i) for i in range(2)], [key(10 + i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(a, alpha, ns_alpha)
+        await publish(a, bravo, ns_bravo)
+        await settle(a)
+        remote.get_delay_s = 0.2
+        assert b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH)
+        assert not b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH)  # alpha's own: one at a time
+        assert b.prefetch(bravo, LAYOUT, ns_bravo, LENGTH)  # beside alpha's
+        runs = [b._prefetching[owner_of(ns)].task for ns in (ns_alpha, ns_bravo)]
+        assert not any(t.done() for t in runs)
+        await asyncio.wait(runs)
+        assert b.lookup(alpha + bravo) == ["host"] * 4
 
     asyncio.run(main())
     assert b.counters.prefetches == 2 and b.counters.prefetched_blocks == 4
