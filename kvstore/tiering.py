@@ -15,6 +15,8 @@ the trace simulator run the same code.
   is in (`owner_of`; b"" for unscoped callers). Each owner's blocks have an eviction policy of
   their own, and the owner that would hold the most bytes, counting the block coming in, gives
   way first (on a tie, the block's own owner), its own policy naming which of its blocks.
+  Only the owner needing the room and owners over an equal share may give way, so pins
+  (an owner all of whose blocks are pinned) never pass the turn to an owner within its share.
   Each owner's policy is sized by an equal share of the tier (its ghosts and queues).
   So a tenant publishing without end evicts only its own blocks once it holds
   as much as the others, and a tenant holding at most 1/N of a full tier (N owners) keeps
@@ -74,6 +76,9 @@ class TierPolicy:
         self._held: dict[bytes, int] = {b"": 0}
         self._blocks: dict[bytes, int] = {b"": 0}
         self._owner: dict[bytes, bytes] = {}  # key -> owner, for owners other than b""
+        # Scratch space (`Tier.prepare_scratch`: under no key, never a victim) per owner: the
+        # caller it was taken for holds it, so it counts in that owner's share.
+        self._scratch: dict[bytes, int] = {}
 
     def _new_policy(self) -> EvictionPolicy:
         return make_policy(self._kind, self.capacity_bytes, self._pins, self._clock)
@@ -107,13 +112,27 @@ class TierPolicy:
         return self._policies[owner].capacity_bytes if owner in self._policies else 0
 
     def fair_share(self, owner: bytes = b"") -> int:
-        """An equal share of the tier between the owners holding blocks in it and `owner`
-        (the whole tier without tenants)."""
-        owners = {o for o, n in self._held.items() if n > 0} | {owner}
+        """An equal share of the tier between the owners holding space in it (blocks or
+        scratch) and `owner` (the whole tier without tenants)."""
+        owners = {o for o, n in self._holding().items() if n > 0} | {owner}
         return self.capacity_bytes // len(owners)
 
+    def take_scratch(self, nbytes: int, owner: bytes = b"") -> None:
+        """Count `nbytes` of scratch space taken for `owner` (under no key, never a victim)."""
+        self.used_bytes += nbytes
+        self._scratch[owner] = self._scratch.get(owner, 0) + nbytes
+
+    def give_scratch(self, nbytes: int, owner: bytes = b"") -> None:
+        """Count back scratch space taken by `take_scratch`."""
+        self.used_bytes -= nbytes
+        left = self._scratch.get(owner, 0) - nbytes
+        if left > 0:
+            self._scratch[owner] = left
+        else:
+            self._scratch.pop(owner, None)
+
     def held_by(self, owner: bytes) -> int:
-        """Bytes of `owner`'s blocks in the tier (scratch space is no one's)."""
+        """Bytes of `owner`'s blocks in the tier (its scratch space not counted)."""
         return self._held.get(owner, 0)
 
     def with_eviction(self, eviction: str) -> TierPolicy:
@@ -126,6 +145,7 @@ class TierPolicy:
         other._pins.update(self._pins)
         other.evictions = self.evictions
         other.used_bytes = self.used_bytes  # scratch space too (`Tier.prepare_scratch`)
+        other._scratch = dict(self._scratch)
         return other
 
     def __contains__(self, key: bytes) -> bool:
@@ -217,7 +237,9 @@ class TierPolicy:
         return self._pins.get(key, 0)
 
     def eviction_order(self) -> Iterator[bytes]:
-        """Unpinned keys, the next victim first (O(n) or more: not for the hot path)."""
+        """Unpinned keys, least valuable first: with one owner the next victim first; with
+        several, each owner's order interleaved by what each holds, without the bound of a
+        share that `victims` keeps (O(n) or more: not for the hot path)."""
         if len(self._policies) == 1:
             return self.eviction.order()
         return self._fair_order()
@@ -240,25 +262,35 @@ class TierPolicy:
         """The next victim: the owner holding the most (by `held`) that has an unpinned
         block gives up its policy's victim; on a tie, `owner` (whose block needs the room).
 
-        Only `owner` itself and owners holding more than an equal share may give way. The
-        owner holding the most always does, unless every block of it is pinned: then without
-        this bound its pins would pass the eviction on to an owner within its share (a tenant
-        fetching its own blocks to keep them pinned while it publishes would evict another's).
+        While the tier is full by its byte count, only `owner` itself and owners holding more
+        than an equal share (blocks and scratch space) may give way; one of them always does
+        unless all its blocks are pinned. Without this bound an owner's pins would pass its
+        eviction on to an owner within its share (a tenant fetching its own blocks to keep
+        them pinned while it publishes would evict another's). With room by the count (an
+        allocator short of contiguous space) any owner may give way, as before.
         """
         if len(self._policies) == 1:
             return self.eviction.victim()
+        full = sum(held.values()) > self.capacity_bytes  # every used byte is someone's
         fair = self.capacity_bytes // max(1, sum(1 for n in held.values() if n > 0))
         for o in sorted(self._policies, key=lambda o: (held.get(o, 0), o == owner),
                         reverse=True):
-            if o != owner and held.get(o, 0) <= fair:
+            if full and o != owner and held.get(o, 0) <= fair:
                 continue
             if (key := self._policies[o].victim()) is not None:
                 return key
         return None
 
+    def _holding(self) -> dict[bytes, int]:
+        """What each owner holds: its blocks and its scratch space."""
+        held = dict(self._held)
+        for o, n in self._scratch.items():
+            held[o] = held.get(o, 0) + n
+        return held
+
     def _held_with(self, owner: bytes, nbytes: int) -> dict[bytes, int]:
         """What each owner holds once `owner`'s `nbytes` more are in."""
-        held = dict(self._held)
+        held = self._holding()
         held[owner] = held.get(owner, 0) + nbytes
         return held
 

@@ -43,6 +43,7 @@ from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from kvstore.server.fences import Fences
 from kvstore.server.remote_writer import RemoteWriter
+from kvstore.server.tenancy import owner_tag
 from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains, owner_of
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
@@ -183,7 +184,7 @@ class _Room:
     open_ended: bool  # the remote tier may extend the prompt past its local blocks
     slab_ok: bool = False  # the client reads gpu-only blocks in the slab: no host room for them
     promote_only: bool = False  # a prefetch: no scratch space (freed at release, read for nothing)
-    owner: bytes = b""  # the prompt's (`owner_of` its namespace): its share is this owner's
+    owner: bytes = b""  # its tenant's tag (`tenancy.owner_tag`; b"" unscoped): its share's owner
     share: PromptShare | None = None  # sized at the call's first disk, gpu or remote hit
     held: list[BlockEntry] = field(default_factory=list)  # its host blocks, chain order
     wait_until: float = 0.0  # monotonic: the call waits for others' promotions until then
@@ -311,7 +312,7 @@ class TieredStore:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-io")
         self.events: EventTracker | None = None  # KV events (`kv_events`), set by the daemon
         self._lifting: _Lift | None = None  # the promotion into gpu running now (`_lift`)
-        # The prefetch running now per owner (`prefetch`; `owner_of` its namespace).
+        # The prefetch running now per owner (`prefetch`; the caller's tenant's tag).
         self._prefetching: dict[bytes, _Prefetch] = {}
         # Host reservations fetches are reading into (disk and remote hits), each done when it
         # lands: another fetch of the block waits for it instead of missing it.
@@ -388,7 +389,9 @@ class TieredStore:
         per owner (each tenant, and the unscoped callers together) runs at a time: False (none
         started) while the caller's owner has one running; its next lookup asks again. Per
         owner, so a tenant looking up without end cannot keep the others' from starting."""
-        tag = owner_of(namespace)
+        # By the caller's tenant, not the namespace it sent (a Lookup's need not be 32 bytes,
+        # and one that is not passes unscoped: keyed by it, a tenant took the unscoped slot).
+        tag = owner_tag(owner) if owner else b""
         run = self._prefetching.get(tag)
         if not keys or (run is not None and not run.task.done()):
             return False
@@ -474,7 +477,7 @@ class TieredStore:
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
                      slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch,
-                     owner=owner_of(namespace),
+                     owner=owner_tag(owner) if owner else b"",
                      wait_until=time.monotonic() + (PROMOTION_WAIT_S if answer_within is None
                                                     else answer_within))
         window = 0 if whole else self.fetch_window_bytes
@@ -815,8 +818,8 @@ class TieredStore:
                 self._promoting_into(key)
             return dst, False
         level = self.host_level
-        while (space := self.host.prepare_scratch(length)) is None:
-            plan = self.placement.room(level, size, partial=True, owner=owner_of(namespace))
+        while (space := self.host.prepare_scratch(length, room.owner)) is None:
+            plan = self.placement.room(level, size, partial=True, owner=room.owner)
             if plan.short:  # never another of its own, unless it holds more than its share
                 victim = self._give_way(room, share)
                 if victim is None:

@@ -32,6 +32,7 @@ class BlockEntry:
     units: int  # allocation units held
     committed: bool = False
     checksum: bytes = b""  # xxh3-128 of the payload, where the tier keeps one
+    scratch_owner: bytes = b""  # scratch space only: the owner whose share counts it
 
     @property
     def offset(self) -> int:
@@ -165,9 +166,11 @@ class Tier(ABC):
             return None
         del self.entries[entry.key]
         self.policy.remove(entry.key)
-        self.policy.used_bytes += entry.units * PAGE
+        owner = owner_of(entry.namespace)
+        self.policy.take_scratch(entry.units * PAGE, owner)
         self._landed(entry.key)
-        return BlockEntry(b"", b"", b"", entry.length, entry.unit, entry.units)
+        return BlockEntry(b"", b"", b"", entry.length, entry.unit, entry.units,
+                          scratch_owner=owner)
 
     def _allocate(self, length: int, what: str) -> tuple[int, int] | None:
         """(first unit, units) for `length` bytes; None when the policy or the allocator has
@@ -183,20 +186,22 @@ class Tier(ABC):
         return None if unit is None else (unit, units)
 
     # ---- scratch: space for bytes passing through, owned by the caller until it frees it
-    def prepare_scratch(self, length: int) -> BlockEntry | None:
+    def prepare_scratch(self, length: int, owner: bytes = b"") -> BlockEntry | None:
         """Space for `length` bytes that hold no block: allocated and counted as used, but
-        under no key, so never visible, never a victim. None when the caller must evict first
-        (`next_victim`); `CapacityError` when it could never fit. Free with `free_scratch`."""
+        under no key, so never visible, never a victim; counted in `owner`'s share (the
+        reader's it is taken for, `kvstore.tiering.owner_of`). None when the caller must evict
+        first (`next_victim`); `CapacityError` when it could never fit. Free with
+        `free_scratch`."""
         got = self._allocate(length, f"{length} bytes exceed")
         if got is None:
             return None
-        self.policy.used_bytes += got[1] * PAGE
-        return BlockEntry(b"", b"", b"", length, *got)
+        self.policy.take_scratch(got[1] * PAGE, owner)
+        return BlockEntry(b"", b"", b"", length, *got, scratch_owner=owner)
 
     def free_scratch(self, entry: BlockEntry) -> None:
-        """Give back space from `prepare_scratch` (once)."""
+        """Give back space from `prepare_scratch` or `detach` (once)."""
         self.alloc.free(entry.unit, entry.units)
-        self.policy.used_bytes -= entry.units * PAGE
+        self.policy.give_scratch(entry.units * PAGE, entry.scratch_owner)
 
     # ---- load
     def prepare_load(self, key: bytes) -> BlockEntry:

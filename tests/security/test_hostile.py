@@ -411,7 +411,9 @@ def test_a_tenant_pinning_its_blocks_cannot_evict_another_within_its_share(daemo
         assert a.publish(alpha_prompt, random_kv(layout, len(alpha_prompt))) == len(alpha_prompt)
         keys, ns = a.keys(alpha_prompt), a.namespace.digest()
     assert tier(stats(d.target), "host").blocks == 64  # full
-    channel = grpc.insecure_channel(tcp)
+    # Without BDP probing the HTTP/2 window stays at 64 KiB: with it, gRPC grows the window
+    # until the unread 6 MiB may all arrive, and the stream ends and unpins.
+    channel = grpc.insecure_channel(tcp, options=[("grpc.http2.bdp_probe", 0)])
     chunks = pb_grpc.KVStoreStub(channel).Fetch(
         pb.FetchRequest(namespace=ns, layout=layout_pb(layout), keys=keys,
                         transfer=pb.TRANSFER_STREAM), metadata=_md(TOKEN_A), timeout=60)

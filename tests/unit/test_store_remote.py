@@ -19,8 +19,7 @@ from kvstore.integrity import HEADER_BYTES, decode_header
 from kvstore.server import remote_writer
 from kvstore.server.remote_writer import REMOTE_WRITE_ATTEMPTS
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import Scope
-from kvstore.tiering import owner_of
+from kvstore.server.tenancy import Scope, owner_tag
 from kvstore.tiers.base import PAGE
 from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.disk import DiskTier
@@ -439,10 +438,14 @@ def test_one_prefetch_per_tenant_so_one_looking_up_without_end_leaves_the_others
         await publish(a, bravo, ns_bravo)
         await settle(a)
         remote.get_delay_s = 0.2
-        assert b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH)
-        assert not b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH)  # alpha's own: one at a time
-        assert b.prefetch(bravo, LAYOUT, ns_bravo, LENGTH)  # beside alpha's
-        runs = [b._prefetching[owner_of(ns)].task for ns in (ns_alpha, ns_bravo)]
+        assert b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH, owner="alpha")
+        assert not b.prefetch(alpha, LAYOUT, ns_alpha, LENGTH, owner="alpha")  # one at a time
+        # Keyed by the tenant, not the namespace sent: alpha's with an unscoped namespace
+        # (a Lookup's need not be 32 bytes) is still alpha's, and leaves the unscoped slot.
+        assert not b.prefetch(alpha, LAYOUT, NS_A, LENGTH, owner="alpha")
+        assert b.prefetch(bravo, LAYOUT, ns_bravo, LENGTH, owner="bravo")  # beside alpha's
+        runs = [b._prefetching[owner_tag(t)].task for t in ("alpha", "bravo")]
+        assert b"" not in b._prefetching
         assert not any(t.done() for t in runs)
         await asyncio.wait(runs)
         assert b.lookup(alpha + bravo) == ["host"] * 4

@@ -151,6 +151,30 @@ def test_an_owner_pinning_its_blocks_cannot_pass_its_evictions_to_one_within_its
     assert put(q, "c1", C) == ["c0"]  # bravo at 3 of 9 is within its third: carol's own
 
 
+def test_scratch_space_counts_for_its_reader_and_room_by_the_count_may_come_from_anyone(
+) -> None:
+    """Scratch space (a fetch's, under no key, never a victim) counts in the share of the
+    reader it was taken for: the unscoped callers' scratch makes alpha, holding half, the one
+    over its third; bravo's own makes bravo give way for its next, not alpha within its half.
+    And where the count says a block fits but the allocator has no contiguous room, any owner
+    may give way, as without the bound."""
+    p = filled(8, ("a", A, 4))
+    p.take_scratch(4 * SIZE, b"")  # a same-node reader's
+    assert p.victims(SIZE, B) == [b"a0"]
+    assert p.next_victim(B, SIZE) == b"a0"
+    p.give_scratch(4 * SIZE, b"")
+    assert p.used_bytes == 4 * SIZE
+    p = filled(8, ("a", A, 4), ("b", B, 3))
+    p.take_scratch(SIZE, B)  # bravo reads past its half
+    assert p.victims(SIZE, B) == [b"b0"]
+    p.give_scratch(SIZE, B)
+    q = filled(8, ("a", A, 2), ("b", B, 2))
+    for i in range(2):
+        q.pin(f"b{i}".encode())
+    assert q.victims(SIZE, B) == []  # it fits by the count
+    assert q.next_victim(B, SIZE) == b"a0"  # the allocator's fallback: within share or not
+
+
 def test_one_plan_shares_out_its_victims_by_what_each_owner_holds_after_the_last() -> None:
     p = filled(8, ("a", A, 5), ("b", B, 3))
     # 4 blocks of room: alpha 5 -> 3, then they alternate (ties go to the owner seen first).
@@ -232,7 +256,7 @@ def test_a_flood_through_the_store_keeps_the_other_tenants_blocks_in_host_and_on
             # again); then bravo's own blocks, copied already, give way for scratch space.
             got = []
             for keys, prior in ((bravo, []), (bravo[4:], bravo[:4])):
-                lease = await store.fetch(keys, LAYOUT, ns_b, prior=prior)
+                lease = await store.fetch(keys, LAYOUT, ns_b, owner="bravo", prior=prior)
                 got += [bytes(store.host.memview(e)) for e in lease.entries]
                 assert lease.more == (not prior)
                 assert store.host.policy.held_by(owner_of(ns_a)) == 4 * 2 * PAGE
