@@ -119,6 +119,13 @@ class ServerConfig:
                                     "One tenant holds at most half of them, the tenants "
                                     "together three quarters.",
                                     lo=1, hi=100_000)
+    max_tcp_connections: int = _opt(1024, "TCP connections the `listen` port holds at once; "
+                                    "more are closed as they arrive, before any token is "
+                                    "read. Bounds the file descriptors a flood of connections "
+                                    "can take, so same-node engines (the Unix socket) and the "
+                                    "disk tier keep theirs. At most half the open-file limit, "
+                                    "which the daemon raises to its hard limit at start.",
+                                    lo=1, hi=1_000_000)
     fetch_window_bytes: int = _opt(64 << 20, "Bytes one fetch reads from disk or the remote "
                                    "tier before it answers; the client asks for the rest at "
                                    "once and copies meanwhile, so reads overlap copies. Of a "

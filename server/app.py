@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import stat
@@ -43,6 +44,9 @@ from kvstore.tiers.remote import RemoteOptions, RemoteTier
 log = logging.getLogger("kvstore.server")
 KEEPER = Path(arena_keeper.__file__)  # run by path: it needs no package on its path
 SERVICE_NAME = "kvstore.v1.KVStore"
+# A TCP connection that has not completed gRPC's handshake within this is closed, so silent
+# ones (a flood) give their slot of `max_tcp_connections` back soon (gRPC's default: 120 s).
+HANDSHAKE_MS = 10_000
 
 
 def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -55,6 +59,33 @@ def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
     ]
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one (as a server should: systemd's
+    default soft limit is 1024) and return it: descriptors bound how many TCP connections the
+    daemon can hold beside its disk tier and the Unix socket's engines."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.info("open files: soft limit raised from %d to %d", soft, want)
+            soft = want
+        except (OSError, ValueError) as e:
+            log.warning("open files: cannot raise the soft limit %d to %d: %s", soft, want, e)
+    return soft
+
+
+def tcp_connection_limit(configured: int, open_files: int) -> int:
+    """`max_tcp_connections`, at most half the open-file limit: the rest stays for the disk
+    tier, the arena, the Unix socket's engines and the daemon's own threads."""
+    limit = min(configured, max(1, open_files // 2))
+    if limit < configured:
+        log.warning("max_tcp_connections %d is more than half the open-file limit %d; the TCP "
+                    "listener holds at most %d connections (raise `ulimit -n`)",
+                    configured, open_files, limit)
+    return limit
 
 
 def _lock_data_dir(data_dir: Path) -> int:
@@ -207,11 +238,12 @@ class Daemon:
         log.info("KV events on %s%s", publisher.endpoint,
                  f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
 
-    def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor]) -> grpc.aio.Server:
+    def _make_server(self, interceptors: list[grpc.aio.ServerInterceptor],
+                     options: list[tuple[str, int]] | None = None) -> grpc.aio.Server:
         # The limit that matters is the service's own (`Admission`: work is shed, lease ends
         # never are); gRPC's counts every call alike, so it is only a loose backstop here.
         server = grpc.aio.server(
-            interceptors=interceptors, options=_grpc_options(self.config),
+            interceptors=interceptors, options=_grpc_options(self.config) + (options or []),
             maximum_concurrent_rpcs=4 * self.config.max_concurrent_rpcs + 64)
         service = KVStoreService(self.store, self.metrics, self.config.max_blocks_per_call,
                                  self.config.max_message_bytes, self.admission,
@@ -222,6 +254,7 @@ class Daemon:
         return server
 
     async def start(self) -> None:
+        open_files = raise_open_file_limit()
         sock = self.config.socket_path
         sock.unlink(missing_ok=True)  # stale: `_check_socket` found nobody answering
         unix = self._make_server([])
@@ -235,7 +268,12 @@ class Daemon:
         if self.config.listen:
             if self.tokens is None:  # read in __init__ whenever `listen` is set
                 raise ConfigError("listen: a TCP listener needs `token` or `tenant_tokens_file`")
-            tcp = self._make_server([TokenInterceptor(self.tokens)])
+            # gRPC closes connections past the limit as it accepts them (its connection
+            # quota), before the token is read: a flood cannot take the daemon's descriptors.
+            conns = tcp_connection_limit(self.config.max_tcp_connections, open_files)
+            tcp = self._make_server([TokenInterceptor(self.tokens)],
+                                    [("grpc.max_allowed_incoming_connections", conns),
+                                     ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS)])
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
         if self.config.metrics_port:

@@ -17,7 +17,9 @@ miss, whatever a client does with its leases and streams.
 
 from __future__ import annotations
 
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -432,6 +434,40 @@ def test_a_tenant_pinning_its_blocks_cannot_evict_another_within_its_share(daemo
     chunks.cancel()
     channel.close()
     wait_quiescent(d.target, 10)
+
+
+def test_a_connection_flood_leaves_same_node_engines_their_daemon(daemon_factory, tmp_path):
+    """300 TCP connections that never speak (no token needed to open one) against a daemon
+    held to 256 open files, as a service under a low limit: the daemon keeps its descriptors,
+    a same-node engine publishes and finds 20 blocks, and the silent connections are closed
+    after the handshake timeout. Before, they took every descriptor: gRPC could accept nothing
+    more, the engine's publish stored 0 blocks and its lookup found 0."""
+    port = _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
+                       "--host-bytes", "8MiB", "--disk-bytes", "64MiB",
+                       "--max-tcp-connections", "32").start()
+    assert d.proc is not None
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    baseline = len(list(fds.iterdir()))
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (256, 256))
+    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    try:
+        time.sleep(1)  # accepted (32) or closed at once (the rest)
+        assert len(list(fds.iterdir())) <= baseline + 32 + 8
+        layout = small_layout()
+        tokens = list(range(20 * layout.block_tokens))
+        with KVClient(d.target, layout, deadline_s=10) as engine:
+            assert engine.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)
+            assert engine.lookup(tokens) == len(tokens)
+        # Silent connections are closed once the handshake times out (gRPC's default: 120 s).
+        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 4, 30,
+                   "the silent connections were not closed")
+    finally:
+        for s in flood:
+            s.close()
+    with KVClient(f"127.0.0.1:{port}", layout, token=TOKEN_A, deadline_s=10) as a:
+        assert a.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)  # TCP serves
 
 
 def test_a_tenant_holding_every_slot_it_may_leaves_the_others_admitted(daemon_factory,
