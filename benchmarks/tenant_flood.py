@@ -12,7 +12,7 @@ trace's, as in `benchmarks.simulate`. The figure is bravo's
 prefix hit rate (blocks found, of its requests' full blocks); "alone at half" is bravo alone
 in half the tier, the least fair sharing promises it.
 
-    python -m benchmarks.tenant_flood [--capacity 2048,8192] [--flood 0,1,4,16] [--eviction prefix]
+    python -m benchmarks.tenant_flood [--capacity 4096,16384] [--flood 0,1,4,16] [--eviction prefix]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--limit", type=int, default=None, help="bravo's first N requests")
-    p.add_argument("--capacity", default="2048,8192", help="host tier sizes, in blocks")
+    p.add_argument("--capacity", default="4096,16384", help="host tier sizes, in blocks")
     p.add_argument("--flood", default="0,1,4,16", help="alpha's requests per one of bravo's")
     p.add_argument("--eviction", default=DEFAULT_POLICY)
     p.add_argument("--name", default="tenant_flood")
