@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.server.metrics_http import serve_metrics
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import OwnerNames
 from kvstore.tiers.remote import RemoteStats
@@ -184,5 +185,6 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Expose /metrics on `host:port` (loopback unless configured otherwise)."""
-        start_http_server(port, addr=host, registry=self.registry)
+        """Expose /metrics on `host:port` (loopback unless configured otherwise), bounded
+        against clients that connect and never finish (`metrics_http`)."""
+        serve_metrics(self.registry, port, host)

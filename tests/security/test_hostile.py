@@ -17,6 +17,7 @@ miss, whatever a client does with its leases and streams.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -468,6 +470,40 @@ def test_a_connection_flood_leaves_same_node_engines_their_daemon(daemon_factory
             s.close()
     with KVClient(f"127.0.0.1:{port}", layout, token=TOKEN_A, deadline_s=10) as a:
         assert a.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)  # TCP serves
+
+
+def test_clients_that_never_finish_a_metrics_request_leave_the_daemon_its_descriptors(
+        daemon_factory):
+    """80 connections to the metrics port that never send a request, against a daemon held
+    to 64 open files: at most 16 are served at once (the rest closed as they arrive) and each
+    is closed after 10 s of silence, so a same-node engine still publishes and Prometheus still
+    scrapes once they are gone. Before, each held a thread and a descriptor for good: they
+    took every descriptor, and the engine's publish stored 0 blocks."""
+    mport = _free_port()
+    d = daemon_factory("--host-bytes", "8MiB", "--disk-bytes", "64MiB",
+                       "--metrics-port", str(mport)).start()
+    assert d.proc is not None
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    baseline = len(list(fds.iterdir()))
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (64, 64))
+    flood = []
+    for _ in range(80):
+        with contextlib.suppress(OSError):  # a connection the server closed or did not take
+            flood.append(socket.create_connection(("127.0.0.1", mport), timeout=2))
+    try:
+        time.sleep(1)
+        assert len(list(fds.iterdir())) <= baseline + 16 + 8
+        layout = small_layout()
+        tokens = list(range(20 * layout.block_tokens))
+        with KVClient(d.target, layout, deadline_s=10) as engine:
+            assert engine.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)
+        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 4, 30,
+                   "the silent metrics connections were not closed")
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10)
+        assert b"kvstore_tier_used_bytes" in scrape.read()
+    finally:
+        for s in flood:
+            s.close()
 
 
 def test_a_tenant_holding_every_slot_it_may_leaves_the_others_admitted(daemon_factory,
