@@ -104,8 +104,9 @@ class TierPolicy:
         return self._owner.get(key, b"")
 
     def owners(self) -> dict[bytes, int]:
-        """Bytes held by each owner with blocks in the tier (b"": unscoped, always there)."""
-        return dict(self._held)
+        """Bytes each owner holds in the tier, blocks and scratch space, as evictions count
+        them (b"": unscoped, always there)."""
+        return self._holding()
 
     def share_of(self, owner: bytes) -> int:
         """The capacity `owner`'s eviction policy is sized by (its equal share)."""
@@ -124,12 +125,15 @@ class TierPolicy:
 
     def give_scratch(self, nbytes: int, owner: bytes = b"") -> None:
         """Count back scratch space taken by `take_scratch`."""
-        self.used_bytes -= nbytes
         left = self._scratch.get(owner, 0) - nbytes
-        if left > 0:
+        if left < 0:
+            raise InvalidArgumentError(f"{self.name}: {nbytes} bytes of scratch space given "
+                                       f"back, {left + nbytes} taken")
+        self.used_bytes -= nbytes
+        if left:
             self._scratch[owner] = left
         else:
-            self._scratch.pop(owner, None)
+            del self._scratch[owner]
 
     def held_by(self, owner: bytes) -> int:
         """Bytes of `owner`'s blocks in the tier (its scratch space not counted)."""
@@ -269,8 +273,8 @@ class TierPolicy:
         them pinned while it publishes would evict another's). With room by the count (an
         allocator short of contiguous space) any owner may give way, as before.
         """
-        if len(self._policies) == 1:
-            return self.eviction.victim()
+        if len(self._policies) == 1 and self._scratch.keys() <= {b""}:
+            return self.eviction.victim()  # one owner: the policy's order alone
         full = sum(held.values()) > self.capacity_bytes  # every used byte is someone's
         fair = self.capacity_bytes // max(1, sum(1 for n in held.values() if n > 0))
         for o in sorted(self._policies, key=lambda o: (held.get(o, 0), o == owner),

@@ -47,6 +47,10 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 # A TCP connection that has not completed gRPC's handshake within this is closed, so silent
 # ones (a flood) give their slot of `max_tcp_connections` back soon (gRPC's default: 120 s).
 HANDSHAKE_MS = 10_000
+# One with no call for this long is closed too (GOAWAY: a client reconnects at its next
+# call), so connections that are abandoned, or held open without a call (no token needed),
+# give their slot back.
+IDLE_MS = 300_000
 
 
 def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -65,16 +69,17 @@ def raise_open_file_limit() -> int:
     """Raise the soft limit on open files to the hard one (as a server should: systemd's
     default soft limit is 1024) and return it: descriptors bound how many TCP connections the
     daemon can hold beside its disk tier and the Unix socket's engines."""
+    inf = resource.RLIM_INFINITY  # -1 in Python: compare, never order
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != inf and (hard == inf or soft < hard):
+        want = hard if hard != inf else max(soft, 1 << 20)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             log.info("open files: soft limit raised from %d to %d", soft, want)
             soft = want
         except (OSError, ValueError) as e:
             log.warning("open files: cannot raise the soft limit %d to %d: %s", soft, want, e)
-    return soft
+    return soft if soft != inf else 1 << 30
 
 
 def tcp_connection_limit(configured: int, open_files: int) -> int:
@@ -273,7 +278,8 @@ class Daemon:
             conns = tcp_connection_limit(self.config.max_tcp_connections, open_files)
             tcp = self._make_server([TokenInterceptor(self.tokens)],
                                     [("grpc.max_allowed_incoming_connections", conns),
-                                     ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS)])
+                                     ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS),
+                                     ("grpc.max_connection_idle_ms", IDLE_MS)])
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
         if self.config.metrics_port:

@@ -69,8 +69,9 @@ class StoreCollector(Collector):
                                 labels=["tier"])
         blocks = GaugeMetricFamily("kvstore_tier_blocks", "Blocks held per tier.", labels=["tier"])
         shares = GaugeMetricFamily(
-            "kvstore_tier_tenant_bytes", "Bytes of blocks held per tier and tenant (\"\": "
-            "unscoped callers); a full tier evicts from the tenant that would hold the most.",
+            "kvstore_tier_tenant_bytes", "Bytes held per tier and tenant, blocks and a read's "
+            "scratch space (\"\": unscoped callers); a full tier evicts from the tenant that "
+            "would hold the most.",
             labels=["tier", "tenant"])
         for tier in self.store.tiers:
             for owner, nbytes in tier.policy.owners().items():

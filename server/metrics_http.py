@@ -3,13 +3,14 @@
 prometheus_client's own server gives every connection a thread that waits for its request
 without a timeout: connections that never send one each held a thread and a file descriptor
 for good, until the daemon had none left for its disk tier and its same-node engines
-(docs/RELIABILITY.md, "Hostile clients"). Here a request must arrive within
-`REQUEST_TIMEOUT_S` and at most `MAX_CONNECTIONS` are served at once; more are closed as they
-arrive. A scrape is one short request, so neither limit touches Prometheus.
+(docs/RELIABILITY.md, "Hostile clients"). Here a connection is closed `REQUEST_TIMEOUT_S`
+after it was accepted, answered or not, and at most `MAX_CONNECTIONS` are served at once; more
+are closed as they arrive. A scrape is one short request, so neither limit touches Prometheus.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -23,7 +24,24 @@ REQUEST_TIMEOUT_S = 10.0
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_S  # a socket timeout on every read: a silent client is closed
+    """A connection lives at most `REQUEST_TIMEOUT_S`, its request and the answer: a client
+    trickling a byte at a time keeps its slot no longer than a silent one."""
+
+    timeout = REQUEST_TIMEOUT_S  # each read, too
+
+    def setup(self) -> None:
+        super().setup()
+        self._deadline = threading.Timer(REQUEST_TIMEOUT_S, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _expire(self) -> None:
+        with contextlib.suppress(OSError):  # already closed
+            self.connection.shutdown(socket.SHUT_RDWR)  # the handler's reads and writes end
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # no line per scrape

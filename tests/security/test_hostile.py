@@ -38,6 +38,7 @@ from kvstore import KVLayout
 from kvstore.client import KVClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.server.process import DaemonProcess
 from tests.conftest import random_kv, same_bytes, small_layout
 from tests.reliability import (
     Worker,
@@ -438,38 +439,53 @@ def test_a_tenant_pinning_its_blocks_cannot_evict_another_within_its_share(daemo
     wait_quiescent(d.target, 10)
 
 
-def test_a_connection_flood_leaves_same_node_engines_their_daemon(daemon_factory, tmp_path):
+class _UnderFileLimit(DaemonProcess):
+    """A daemon started under an open-file limit of 256, soft and hard (`prlimit` execs it:
+    the same pid), as a service under a low limit."""
+
+    def command(self) -> list[str]:
+        return ["prlimit", "--nofile=256:256", "--", *super().command()]
+
+
+def test_a_connection_flood_leaves_same_node_engines_their_daemon(tmp_path):
     """300 TCP connections that never speak (no token needed to open one) against a daemon
-    held to 256 open files, as a service under a low limit: the daemon keeps its descriptors,
-    a same-node engine publishes and finds 20 blocks, and the silent connections are closed
-    after the handshake timeout. Before, they took every descriptor: gRPC could accept nothing
-    more, the engine's publish stored 0 blocks and its lookup found 0."""
+    started under 256 open files, with the default `max_tcp_connections`: the daemon holds at
+    most half its limit (128) and closes the rest as they arrive, a same-node engine publishes
+    and finds 20 blocks, and the silent connections are closed after the handshake timeout.
+    Before, they took every descriptor: gRPC could accept nothing more, the engine's publish
+    stored 0 blocks and its lookup found 0."""
     port = _free_port()
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
-    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
-                       "--host-bytes", "8MiB", "--disk-bytes", "64MiB",
-                       "--max-tcp-connections", "32").start()
-    assert d.proc is not None
-    fds = Path(f"/proc/{d.proc.pid}/fd")
-    baseline = len(list(fds.iterdir()))
-    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (256, 256))
-    flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
+    d = _UnderFileLimit(tmp_path / "d", "--listen", f"127.0.0.1:{port}", "--tenant-tokens-file",
+                        str(f), "--host-bytes", "8MiB", "--disk-bytes", "64MiB")
+    flood: list[socket.socket] = []
     try:
-        time.sleep(1)  # accepted (32) or closed at once (the rest)
-        assert len(list(fds.iterdir())) <= baseline + 32 + 8
+        d.start()
+        assert d.proc is not None
+        assert "the TCP listener holds at most 128 connections" in d.log.read_text()
+        fds = Path(f"/proc/{d.proc.pid}/fd")
+        baseline = len(list(fds.iterdir()))
+        for _ in range(300):
+            with contextlib.suppress(OSError):  # refused or reset once the listener is full
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(1)  # accepted (128) or closed at once (the rest)
+        assert len(list(fds.iterdir())) <= baseline + 128 + 8
         layout = small_layout()
         tokens = list(range(20 * layout.block_tokens))
         with KVClient(d.target, layout, deadline_s=10) as engine:
             assert engine.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)
             assert engine.lookup(tokens) == len(tokens)
         # Silent connections are closed once the handshake times out (gRPC's default: 120 s).
-        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 4, 30,
+        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 8, 30,
                    "the silent connections were not closed")
+        for s in flood:
+            s.close()
+        with KVClient(f"127.0.0.1:{port}", layout, token=TOKEN_A, deadline_s=10) as a:
+            assert a.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)  # TCP serves
     finally:
         for s in flood:
             s.close()
-    with KVClient(f"127.0.0.1:{port}", layout, token=TOKEN_A, deadline_s=10) as a:
-        assert a.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)  # TCP serves
+        d.kill()
 
 
 def test_clients_that_never_finish_a_metrics_request_leave_the_daemon_its_descriptors(
@@ -497,7 +513,7 @@ def test_clients_that_never_finish_a_metrics_request_leave_the_daemon_its_descri
         tokens = list(range(20 * layout.block_tokens))
         with KVClient(d.target, layout, deadline_s=10) as engine:
             assert engine.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)
-        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 4, 30,
+        wait_until(lambda: len(list(fds.iterdir())) <= baseline + 8, 30,
                    "the silent metrics connections were not closed")
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10)
         assert b"kvstore_tier_used_bytes" in scrape.read()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.eviction import POLICIES
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import Scope
@@ -173,6 +173,22 @@ def test_scratch_space_counts_for_its_reader_and_room_by_the_count_may_come_from
         q.pin(f"b{i}".encode())
     assert q.victims(SIZE, B) == []  # it fits by the count
     assert q.next_victim(B, SIZE) == b"a0"  # the allocator's fallback: within share or not
+
+
+def test_a_tenant_holding_only_scratch_space_is_an_owner_too() -> None:
+    """Alpha's read holds 6 of 10 blocks' worth of scratch space and alpha has no block here
+    (one eviction policy: the unscoped callers'). Its next block cannot push the unscoped
+    callers, holding 4, under half: before, one owner's policy decided alone. The metric's
+    view (`owners`) counts the scratch space too; giving back more than was taken is refused."""
+    p = filled(10, ("u", b"", 4))
+    p.take_scratch(6 * SIZE, A)
+    with pytest.raises(CapacityError):
+        p.victims(SIZE, A)
+    assert p.owners() == {b"": 4 * SIZE, A: 6 * SIZE}
+    with pytest.raises(InvalidArgumentError):
+        p.give_scratch(7 * SIZE, A)
+    p.give_scratch(6 * SIZE, A)
+    assert p.owners() == {b"": 4 * SIZE} and p.used_bytes == 4 * SIZE
 
 
 def test_one_plan_shares_out_its_victims_by_what_each_owner_holds_after_the_last() -> None:
