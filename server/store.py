@@ -391,7 +391,7 @@ class TieredStore:
         owner, so a tenant looking up without end cannot keep the others' from starting."""
         # By the caller's tenant, not the namespace it sent (a Lookup's need not be 32 bytes,
         # and one that is not passes unscoped: keyed by it, a tenant took the unscoped slot).
-        tag = owner_tag(owner) if owner else b""
+        tag = owner_tag(owner)
         run = self._prefetching.get(tag)
         if not keys or (run is not None and not run.task.done()):
             return False
@@ -477,7 +477,7 @@ class TieredStore:
             remote = _RemoteReads(tier, namespace, keys, layout_digest, batch, block_bytes)
         room = _Room(prior, keys, layout_digest, open_ended=remote is not None,
                      slab_ok=slab_ok and self.gpu is not None, promote_only=prefetch,
-                     owner=owner_tag(owner) if owner else b"",
+                     owner=owner_tag(owner),
                      wait_until=time.monotonic() + (PROMOTION_WAIT_S if answer_within is None
                                                     else answer_within))
         window = 0 if whole else self.fetch_window_bytes

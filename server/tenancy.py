@@ -47,7 +47,9 @@ def scope_of(tenant: str) -> bytes:
 
 def owner_tag(tenant: str) -> bytes:
     """The last bytes of `tenant`'s stored namespaces: its owner in the tiers
-    (`kvstore.tiering.owner_of`)."""
+    (`kvstore.tiering.owner_of`); b"" for the unscoped callers (tenant "")."""
+    if not tenant:
+        return b""
     return TENANT_NAMESPACE_TAG + scope_of(tenant)[: OWNER_BYTES - len(TENANT_NAMESPACE_TAG)]
 
 

@@ -17,7 +17,7 @@ import pytest
 from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.eviction import POLICIES
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import Scope
+from kvstore.server.tenancy import Scope, owner_tag
 from kvstore.tiering import OWNER_BYTES, TierPolicy, owner_of
 from kvstore.tiers.base import PAGE
 from kvstore.tiers.disk import DiskTier
@@ -235,6 +235,7 @@ def test_stored_tenant_namespaces_name_their_tenant_and_no_other() -> None:
     assert owner_of(b1) not in (b"", owner_of(a1))
     assert owner_of(Scope("").namespace(ns1)) == owner_of(ns1) == b""  # unscoped
     assert owner_of(b"") == b""
+    assert owner_tag("alpha") == owner_of(a1) and owner_tag("") == b""  # the caller's tag
 
 
 def _store(tmp_path: Path, host_blocks: int, disk_blocks: int) -> TieredStore:
@@ -324,7 +325,6 @@ def test_the_tenant_bytes_metric_names_listed_unlisted_and_unscoped_owners(
     """`kvstore_tier_tenant_bytes`: a tenant of the tokens file by its name, one it no longer
     lists (blocks read back from disk, say) by "?" and its tag's hex, unscoped blocks as ""."""
     from kvstore.server.metrics import Metrics
-    from kvstore.server.tenancy import owner_tag
 
     store = _store(tmp_path, host_blocks=8, disk_blocks=4)
     try:
