@@ -46,6 +46,34 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+UNSCOPED_WEIGHT_NAME = "-"  # in `tenant_weights`: the unscoped callers (no tenant name starts so)
+MAX_TENANT_WEIGHT = 1e6
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """Tenant -> weight from `tenant_weights` (`alpha=3,bravo=0.5,-=2`; "" for the unscoped
+    callers, named `-`); raises `ConfigError` naming the pair that is wrong."""
+    out: dict[str, float] = {}
+    for pair in text.split(","):
+        if not pair.strip():
+            continue
+        name, eq, value = (part.strip() for part in pair.partition("="))
+        if not eq or not name:
+            raise ConfigError(f"tenant_weights: expected TENANT=WEIGHT, got {pair.strip()!r}")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not 0 < weight <= MAX_TENANT_WEIGHT:  # nan and inf fail it too
+            raise ConfigError(f"tenant_weights: the weight of {name!r} must be a number above 0 "
+                              f"and at most {MAX_TENANT_WEIGHT:g}, got {value!r}")
+        tenant = "" if name == UNSCOPED_WEIGHT_NAME else name
+        if tenant in out:
+            raise ConfigError(f"tenant_weights: {name!r} is given twice")
+        out[tenant] = weight
+    return out
+
+
 def _opt(default: Any, doc: str, *, unit: str = "", lo: float | None = None,
          hi: float | None = None, choices: tuple[str, ...] = (), secret: bool = False) -> Any:
     meta = {"doc": doc, "unit": unit, "min": lo, "max": hi, "choices": choices, "secret": secret}
@@ -69,6 +97,13 @@ class ServerConfig:
     tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
                                    "presenting a tenant's token is confined to that tenant's "
                                    "blocks, whatever its requests say. Empty: no tenants.")
+    tenant_weights: str = _opt("", "Each tenant's weight in the tiers, as `TENANT=WEIGHT` "
+                               "pairs separated by commas (`alpha=3,bravo=1`); `-` names the "
+                               "unscoped callers (the Unix socket, the admin token). A tenant's "
+                               "share of a full tier, which no other tenant's blocks can evict "
+                               "it from, is the tier's capacity times its weight over the "
+                               "weights of the tenants holding blocks there. Unnamed: 1, so "
+                               "equal shares by default. Needs `tenant_tokens_file`.")
     host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
                            lo=0, hi=1 << 44)
     gpu_bytes: int = _opt(0, "GPU HBM tier capacity: a device slab above the host tier (victims "
@@ -202,6 +237,11 @@ class ServerConfig:
             if not self.token and not self.token_file and not self.tenant_tokens_file:
                 raise ConfigError("listen: a TCP listener requires `token`, `token_file` or "
                                   "`tenant_tokens_file` (clients authenticate)")
+        if self.tenant_weights:
+            parse_tenant_weights(self.tenant_weights)  # raises a ConfigError naming the pair
+            if not self.tenant_tokens_file:
+                raise ConfigError("tenant_weights: needs `tenant_tokens_file` (the tenants "
+                                  "they weigh)")
         if self.token and self.token_file:
             raise ConfigError("token_file: `token` is set as well; give the admin token one "
                               "way, not both")

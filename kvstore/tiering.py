@@ -12,22 +12,24 @@ the trace simulator run the same code.
 - **Demotion, promotion.** Victims are handed back to the caller, which moves them to the next
   tier down; hits in a lower tier are copied up by the caller.
 - **Tenants share a tier fairly.** Each block has an owner: the tenant whose scoped namespace it
-  is in (`owner_of`; b"" for unscoped callers). Each owner's blocks have an eviction policy of
-  their own, and the owner that would hold the most bytes, counting the block coming in, gives
-  way first (on a tie, the block's own owner), its own policy naming which of its blocks.
-  Only the owner needing the room and owners over an equal share may give way, so pins
-  (an owner all of whose blocks are pinned) never pass the turn to an owner within its share.
-  Each owner's policy is sized by an equal share of the tier (its ghosts and queues).
-  So a tenant publishing without end evicts only its own blocks once it holds
-  as much as the others, and a tenant holding at most 1/N of a full tier (N owners) keeps
-  everything against any other's flood. With one owner (no tenants) this is the policy alone.
+  is in (`owner_of`; b"" for unscoped callers). An owner's share of a tier is the tier's
+  capacity times its weight over the weights of the owners holding space there (`set_weights`;
+  1 each unless the operator says otherwise, so equal shares by default). Each owner's blocks
+  have an eviction policy of their own, and the owner that would hold the most bytes per unit
+  of weight, counting the block coming in, gives way first (on a tie, the block's own owner),
+  its own policy naming which of its blocks. Only the owner needing the room and owners over
+  their share may give way, so pins (an owner all of whose blocks are pinned) never pass the
+  turn to an owner within its share. Each owner's policy is sized by its share (its ghosts
+  and queues). So a tenant publishing without end evicts only its own blocks once it holds
+  its share, and a tenant holding at most its share of a full tier keeps everything against
+  any other's flood. With one owner (no tenants) this is the policy alone.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgumentError
@@ -79,17 +81,39 @@ class TierPolicy:
         # Scratch space (`Tier.prepare_scratch`: under no key, never a victim) per owner: the
         # caller it was taken for holds it, so it counts in that owner's share.
         self._scratch: dict[bytes, int] = {}
+        self._weights: dict[bytes, float] = {}  # owner -> weight, for owners other than 1
 
     def _new_policy(self) -> EvictionPolicy:
         return make_policy(self._kind, self.capacity_bytes, self._pins, self._clock)
 
+    def set_weights(self, weights: Mapping[bytes, float]) -> None:
+        """Each owner's weight (`owner_of` tags; b"": the unscoped callers); 1 for owners
+        not named. An owner's share of the tier is proportional to its weight."""
+        for owner, w in weights.items():
+            if not (w > 0 and w < float("inf")):
+                raise InvalidArgumentError(f"{self.name}: weight of owner {owner.hex()!r} "
+                                           f"must be a positive number, got {w!r}")
+        self._weights = {o: float(w) for o, w in weights.items() if w != 1}
+        self._share_out()
+
+    def weight(self, owner: bytes) -> float:
+        return self._weights.get(owner, 1.0)
+
+    def _share(self, owner: bytes, owners: set[bytes]) -> int:
+        """`owner`'s share of the tier between `owners` (which it joins if absent)."""
+        owners = owners | {owner}
+        if not self._weights:  # equal shares, in integers as before weights
+            return self.capacity_bytes // len(owners)
+        total = sum(self.weight(o) for o in owners)
+        return int(self.capacity_bytes * self.weight(owner) / total)
+
     def _share_out(self) -> None:
-        """Size each owner's policy by an equal share of the tier (its small queue, ghost
-        lists and bounds are fractions of its capacity), once the owners holding blocks
-        change. With one owner: the whole tier, as without tenants."""
-        share = self.capacity_bytes // max(1, sum(1 for n in self._blocks.values() if n))
-        for policy in self._policies.values():
-            policy.capacity_bytes = share
+        """Size each owner's policy by its share of the tier (its small queue, ghost lists
+        and bounds are fractions of its capacity), once the owners holding blocks change.
+        With one owner: the whole tier, as without tenants."""
+        present = {o for o, n in self._blocks.items() if n}
+        for owner, policy in self._policies.items():
+            policy.capacity_bytes = self._share(owner, present)
 
     @property
     def eviction(self) -> EvictionPolicy:
@@ -109,14 +133,13 @@ class TierPolicy:
         return self._holding()
 
     def share_of(self, owner: bytes) -> int:
-        """The capacity `owner`'s eviction policy is sized by (its equal share)."""
+        """The capacity `owner`'s eviction policy is sized by (its share)."""
         return self._policies[owner].capacity_bytes if owner in self._policies else 0
 
     def fair_share(self, owner: bytes = b"") -> int:
-        """An equal share of the tier between the owners holding space in it (blocks or
-        scratch) and `owner` (the whole tier without tenants)."""
-        owners = {o for o, n in self._holding().items() if n > 0} | {owner}
-        return self.capacity_bytes // len(owners)
+        """`owner`'s share of the tier between the owners holding space in it (blocks or
+        scratch) and itself, by their weights (the whole tier without tenants)."""
+        return self._share(owner, {o for o, n in self._holding().items() if n > 0})
 
     def take_scratch(self, nbytes: int, owner: bytes = b"") -> None:
         """Count `nbytes` of scratch space taken for `owner` (under no key, never a victim)."""
@@ -143,6 +166,7 @@ class TierPolicy:
         """A copy of this tier's state under another eviction policy: blocks enter it in this
         policy's eviction order (pinned ones last), as if used in that order."""
         other = TierPolicy(self.name, self.capacity_bytes, eviction, self._clock)
+        other._weights = dict(self._weights)
         first = list(self.eviction_order())
         for key in first + [k for k in self._sizes if k in self._pins]:
             other.add(key, self._sizes[key], self.owner(key))
@@ -242,8 +266,8 @@ class TierPolicy:
 
     def eviction_order(self) -> Iterator[bytes]:
         """Unpinned keys, least valuable first: with one owner the next victim first; with
-        several, each owner's order interleaved by what each holds, without the bound of a
-        share that `victims` keeps (O(n) or more: not for the hot path)."""
+        several, each owner's order interleaved by what each holds per unit of weight, without
+        the bound of a share that `victims` keeps (O(n) or more: not for the hot path)."""
         if len(self._policies) == 1:
             return self.eviction.order()
         return self._fair_order()
@@ -252,7 +276,7 @@ class TierPolicy:
         orders = {o: p.order() for o, p in self._policies.items()}
         held = dict(self._held)
         while orders:
-            owner = max(orders, key=held.__getitem__)
+            owner = max(orders, key=lambda o: held[o] / self.weight(o))
             key = next(orders[owner], None)
             if key is None:
                 del orders[owner]
@@ -263,12 +287,14 @@ class TierPolicy:
     lru_order = eviction_order  # the name callers used when LRU was the only policy
 
     def _victim(self, held: dict[bytes, int], owner: bytes) -> bytes | None:
-        """The next victim: the owner holding the most (by `held`) that has an unpinned
-        block gives up its policy's victim; on a tie, `owner` (whose block needs the room).
+        """The next victim: the owner holding the most per unit of weight (by `held`) that
+        has an unpinned block gives up its policy's victim; on a tie, `owner` (whose block
+        needs the room).
 
         While the tier is full by its byte count, only `owner` itself and owners holding more
-        than an equal share (blocks and scratch space) may give way; one of them always does
-        unless all its blocks are pinned. Without this bound an owner's pins would pass its
+        than their share (blocks and scratch space) may give way; one of them always does
+        unless all its blocks are pinned (the shares add up to the capacity, so a full tier
+        has an owner over its share). Without this bound an owner's pins would pass its
         eviction on to an owner within its share (a tenant fetching its own blocks to keep
         them pinned while it publishes would evict another's). With room by the count (an
         allocator short of contiguous space) any owner may give way, as before.
@@ -276,10 +302,11 @@ class TierPolicy:
         if len(self._policies) == 1 and self._scratch.keys() <= {b""}:
             return self.eviction.victim()  # one owner: the policy's order alone
         full = sum(held.values()) > self.capacity_bytes  # every used byte is someone's
-        fair = self.capacity_bytes // max(1, sum(1 for n in held.values() if n > 0))
-        for o in sorted(self._policies, key=lambda o: (held.get(o, 0), o == owner),
+        present = {o for o, n in held.items() if n > 0}
+        for o in sorted(self._policies,
+                        key=lambda o: (held.get(o, 0) / self.weight(o), o == owner),
                         reverse=True):
-            if full and o != owner and held.get(o, 0) <= fair:
+            if full and o != owner and held.get(o, 0) <= self._share(o, present):
                 continue
             if (key := self._policies[o].victim()) is not None:
                 return key
@@ -305,7 +332,8 @@ class TierPolicy:
 
     def victims(self, nbytes: int, owner: bytes = b"") -> list[bytes]:
         """The unpinned blocks to evict, in order, to make room for `nbytes` more of `owner`:
-        each from the owner that would hold the most, counting those bytes in.
+        each from the owner that would hold the most per unit of weight, counting those bytes
+        in.
 
         Raises `CapacityError` when even evicting every unpinned block would not be enough.
         Does not remove them: the caller demotes each, then calls `remove`.

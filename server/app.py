@@ -28,14 +28,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore import arena_keeper
-from kvstore.config import ServerConfig, admin_token
+from kvstore.config import ServerConfig, admin_token, parse_tenant_weights
 from kvstore.errors import ConfigError
 from kvstore.server.auth import TokenInterceptor
 from kvstore.server.inspect import NamespaceBook
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Admission, KVStoreService, add_service
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import TokenTable, load_tenant_tokens
+from kvstore.server.tenancy import TokenTable, load_tenant_tokens, owner_tag
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier  # imports torch only when one is built
 from kvstore.tiers.host import HostTier
@@ -173,6 +173,19 @@ def _open_gpu(config: ServerConfig) -> GpuTier:
                           f"{config.gpu_device!r} (gpu_device): {e}") from None
 
 
+def _owner_weights(config: ServerConfig, tokens: TokenTable | None) -> dict[bytes, float]:
+    """`tenant_weights` by owner tag (`kvstore.tiering.owner_of`), each tenant named checked
+    against the tokens file: a misspelt name would otherwise weigh nothing, silently."""
+    weights = parse_tenant_weights(config.tenant_weights)
+    listed = tokens.tenants if tokens is not None else set()
+    unknown = sorted(t for t in weights if t and t not in listed)
+    if unknown:
+        where = ("`tenant_tokens_file` does not list" if tokens is not None else
+                 "there are no tenants without `listen` (they connect over TCP):")
+        raise ConfigError(f"tenant_weights: {where} {', '.join(map(repr, unknown))}")
+    return {owner_tag(t): w for t, w in weights.items()}
+
+
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -182,6 +195,7 @@ class Daemon:
                                   load_tenant_tokens(config.tenant_tokens_file)
                                   if config.tenant_tokens_file else None)
                        if config.listen else None)
+        weights = _owner_weights(config, self.tokens)
         self._lock_fd = _lock_data_dir(self.data_dir)
         host: HostTier | None = None
         gpu: GpuTier | None = None
@@ -196,6 +210,7 @@ class Daemon:
             for tier in (gpu, host, disk):
                 if tier is not None:
                     tier.use_eviction(config.eviction_policy)
+                    tier.policy.set_weights(weights)
             remote = None
             if config.remote:
                 remote = RemoteTier(config.remote, RemoteOptions(

@@ -73,9 +73,15 @@ class StoreCollector(Collector):
             "scratch space (\"\": unscoped callers); a full tier evicts from the tenant that "
             "would hold the most.",
             labels=["tier", "tenant"])
+        fair = GaugeMetricFamily(
+            "kvstore_tier_tenant_share_bytes", "Each tenant's share of a tier: the capacity "
+            "times its weight (tenant_weights) over those of the tenants holding space there; "
+            "what it holds up to this, no other tenant's blocks evict.",
+            labels=["tier", "tenant"])
         for tier in self.store.tiers:
             for owner, nbytes in tier.policy.owners().items():
                 shares.add_metric([tier.name, self.names(owner)], nbytes)
+                fair.add_metric([tier.name, self.names(owner)], tier.policy.fair_share(owner))
             s = tier.stats()
             hits.add_metric([s.name], c.tier_hits.get(s.name, 0))
             moved.add_metric([s.name, "read"], c.bytes_read.get(s.name, 0))
@@ -94,7 +100,7 @@ class StoreCollector(Collector):
             labels=["tier"])
         for name, rate in sorted(self.store.read_bandwidth().items()):
             rates.add_metric([name], rate)
-        yield from (hits, moved, evictions, used, cap, blocks, shares, rates)
+        yield from (hits, moved, evictions, used, cap, blocks, shares, fair, rates)
         if self.store.disk is not None:
             yield from self._disk()
         if remote is not None:

@@ -122,11 +122,11 @@ def test_unknown_token_is_unauthenticated(tenant_daemon):
     channel.close()
 
 
-def _tenant_bytes(port: int) -> dict[tuple[str, str], float]:
-    """`kvstore_tier_tenant_bytes` from the daemon's /metrics: (tier, tenant) -> bytes."""
+def _tenant_bytes(port: int, metric: str = "kvstore_tier_tenant_bytes",
+                  ) -> dict[tuple[str, str], float]:
+    """`metric` (per tier and tenant) from the daemon's /metrics: (tier, tenant) -> bytes."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.findall(r'^kvstore_tier_tenant_bytes\{tenant="([^"]*)",tier="([^"]*)"\} (\S+)$',
-                       text, re.M)
+    found = re.findall(rf'^{metric}\{{tenant="([^"]*)",tier="([^"]*)"\}} (\S+)$', text, re.M)
     return {(tier, tenant): float(v) for tenant, tier, v in found}
 
 
@@ -140,16 +140,20 @@ def _tiers(tcp: str, token: str, client: KVClient, tokens: list[int]) -> list[st
 
 
 @pytest.mark.integration
-def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, tmp_path):
+@pytest.mark.parametrize("weights", ["", "bravo=3"])
+def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, tmp_path,
+                                                               weights):
     """Alpha publishes three times what host and disk hold together; bravo, holding 3/4 of
     host, gives way to half of it (its deepest blocks, demoted to disk) and no further: every
     block of its prompt still hits, byte for byte. Before tenants shared tiers fairly, alpha's
-    flood evicted all of bravo's blocks (host, then disk)."""
+    flood evicted all of bravo's blocks (host, then disk). With `--tenant-weights bravo=3`
+    3/4 of host is bravo's share: it keeps every block there."""
     port, metrics_port = _free_port(), _free_port()
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
     daemon_factory("--listen", f"127.0.0.1:{port}", "--tenant-tokens-file", str(f),
                    "--host-bytes", "8MiB", "--disk-bytes", "32MiB",
-                   "--metrics-port", str(metrics_port)).start()
+                   "--metrics-port", str(metrics_port),
+                   *(("--tenant-weights", weights) if weights else ())).start()
     tcp = f"127.0.0.1:{port}"
     layout = small_layout(num_layers=4, num_kv_heads=4, head_dim=64)  # 128 KiB blocks
     assert layout.block_bytes == 128 << 10
@@ -169,13 +173,32 @@ def test_a_tenant_flooding_the_daemon_leaves_another_its_share(daemon_factory, t
         tiers = _tiers(tcp, TOKEN_B, b, prompt)
         in_host = tiers.count("host")
         assert tiers == ["host"] * in_host + ["disk"] * (48 - in_host), tiers
-        assert in_host >= host_blocks // 2, tiers  # its half of host, its first blocks
+        if weights:
+            assert in_host == 48, tiers  # within its 3/4 of host: all of it
+        else:
+            assert in_host >= host_blocks // 2, tiers  # its half of host, its first blocks
         shares = _tenant_bytes(metrics_port)  # what an operator sees, before the fetch
         assert shares[("host", "bravo")] == in_host * layout.block_bytes
         assert shares[("host", "alpha")] == (host_blocks - in_host) * layout.block_bytes  # full
-        assert shares[("disk", "bravo")] == (48 - in_host) * (layout.block_bytes + 4096)  # header
+        on_disk = (48 - in_host) * (layout.block_bytes + 4096)  # a header page each
+        assert shares.get(("disk", "bravo"), 0) == on_disk
+        fair = _tenant_bytes(metrics_port, "kvstore_tier_tenant_share_bytes")
+        # Host's owners: alpha, bravo and the unscoped callers (holding nothing: not counted).
+        assert fair[("host", "bravo")] == (6 if weights else 4) << 20
+        assert fair[("host", "alpha")] == (2 if weights else 4) << 20
         n, got = b.fetch(prompt)
         assert n == len(prompt) and same_bytes(got, kv)
+
+
+@pytest.mark.integration
+def test_weights_of_tenants_the_tokens_file_does_not_list_stop_startup(daemon_factory,
+                                                                       tmp_path):
+    """A misspelt tenant in `tenant_weights` would weigh nothing, silently: refused."""
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{_free_port()}", "--tenant-tokens-file", str(f),
+                       "--tenant-weights", "alpha=2,aplha=3")
+    with pytest.raises(RuntimeError, match=r"tenant_weights: .*does not list 'aplha'"):
+        d.start(timeout=15)
 
 
 @pytest.mark.integration

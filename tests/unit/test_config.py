@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import OTHER_ENV, ServerConfig, load_config, parse_size
+from kvstore.config import OTHER_ENV, ServerConfig, load_config, parse_size, parse_tenant_weights
 from kvstore.errors import ConfigError, InvalidArgumentError
 
 
@@ -226,3 +226,31 @@ def test_every_option_is_documented() -> None:
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         ServerConfig().token = "x"  # type: ignore[misc]
+
+
+def test_tenant_weights_parse() -> None:
+    assert parse_tenant_weights("alpha=3, bravo=0.5,-=2,") == {"alpha": 3, "bravo": 0.5, "": 2}
+    assert parse_tenant_weights("") == {}
+    assert load_config(overrides={"tenant_weights": "alpha=3",
+                                  "tenant_tokens_file": "t"}).tenant_weights == "alpha=3"
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("alpha", "expected TENANT=WEIGHT, got 'alpha'"),
+    ("=3", "expected TENANT=WEIGHT"),
+    ("alpha=0", "weight of 'alpha' must be a number above 0"),
+    ("alpha=-1", "must be a number above 0"),
+    ("alpha=heavy", "got 'heavy'"),
+    ("alpha=nan", "got 'nan'"),
+    ("alpha=inf", "got 'inf'"),
+    ("alpha=1e7", "at most 1e\\+06"),
+    ("alpha=2,alpha=3", "'alpha' is given twice"),
+])
+def test_bad_tenant_weights_name_the_pair(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ServerConfig(tenant_weights=text, tenant_tokens_file="t")
+
+
+def test_tenant_weights_need_tenants() -> None:
+    with pytest.raises(ConfigError, match="tenant_weights: needs `tenant_tokens_file`"):
+        ServerConfig(tenant_weights="alpha=2")

@@ -1,4 +1,5 @@
-"""Tenants share a tier fairly (`kvstore.tiering`): the owner holding the most gives way.
+"""Tenants share a tier fairly (`kvstore.tiering`): the owner holding the most gives way
+(per unit of weight, where the operator gave tenants weights).
 
 A tenant that publishes without end must not push another tenant's blocks out of a tier once
 it holds as much as that tenant: each owner's blocks have their own eviction policy, and the
@@ -97,7 +98,64 @@ def test_each_owners_policy_is_sized_by_an_equal_share() -> None:
     assert p.share_of(b"") == p.share_of(A) == p.share_of(B) == 4 * SIZE
     p.remove(b"b0")
     p.remove(b"u0")
-    assert p.share_of(A) == p.share_of(b"") == 12 * SIZE and p.share_of(B) == 0
+    assert p.share_of(A) == 12 * SIZE and p.share_of(B) == 0
+    assert p.share_of(b"") == 6 * SIZE  # holding nothing: sized as it would be on joining
+
+
+@pytest.mark.parametrize("eviction", sorted(POLICIES))
+def test_a_weighted_tenant_keeps_its_larger_share_against_a_flood(eviction: str) -> None:
+    """Bravo weighs 3 against alpha's 1: holding 3/4 of a full tier, it keeps all of it
+    while alpha publishes 20 tiers' worth; with equal weights it would give way to half."""
+    p = TierPolicy("host", 12 * SIZE, eviction)
+    p.set_weights({B: 3})
+    for i in range(9):
+        put(p, f"b{i}", B)
+    for i in range(240):
+        gone = put(p, f"a{i:03}", A)
+        assert not [v for v in gone if v.startswith("b")], (i, gone)
+    assert p.held_by(B) == 9 * SIZE and p.held_by(A) == 3 * SIZE
+    assert p.fair_share(B) == 9 * SIZE and p.fair_share(A) == 3 * SIZE
+    assert p.share_of(B) == 9 * SIZE and p.share_of(A) == 3 * SIZE  # its policy's size
+    equal = filled(12, ("b", B, 9), ("a", A, 240))  # the control: weights of 1
+    assert equal.held_by(B) == equal.held_by(A) == 6 * SIZE
+
+
+def test_weights_decide_who_gives_way_past_the_shares() -> None:
+    """Over their shares, the owner holding the most per unit of weight gives way first, and
+    an owner within its weighted share never does: alpha (weight 3) holds 6 of 10, bravo 4;
+    a third tenant's blocks come from bravo (4 per unit against alpha's 2) down to bravo's
+    share, then from nobody. With equal weights alpha would give way first."""
+    p = TierPolicy("host", 10 * SIZE, "lru")
+    p.set_weights({A: 3})
+    for i in range(6):
+        put(p, f"a{i}", A)
+    for i in range(4):
+        put(p, f"b{i}", B)
+    assert p.victims(SIZE, C) == [b"b0"]
+    assert p.victims(2 * SIZE, C) == [b"b0", b"b1"]
+    with pytest.raises(CapacityError):  # alpha at 6 of its 6, bravo at 2 of its 2
+        p.victims(3 * SIZE, C)
+    p.set_weights({})  # the control: equal weights
+    assert p.victims(2 * SIZE, C) == [b"a0", b"a1"]
+    # Unscoped callers weigh 1 unless named (b""), as any tenant not named.
+    p.set_weights({b"": 4})
+    assert p.weight(A) == 1 and p.weight(b"") == 4
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("inf"), float("nan")])
+def test_a_weight_that_is_not_a_positive_number_is_refused(weight: float) -> None:
+    p = TierPolicy("host", 10 * SIZE, "lru")
+    with pytest.raises(InvalidArgumentError, match="must be a positive number"):
+        p.set_weights({A: weight})
+    assert p.weight(A) == 1  # unchanged
+
+
+def test_weights_carry_over_a_change_of_eviction_policy() -> None:
+    p = TierPolicy("host", 12 * SIZE, "lru")
+    p.set_weights({B: 3})
+    put(p, "a0", A)
+    q = p.with_eviction("s3fifo")
+    assert q.weight(B) == 3 and q.fair_share(B) == 9 * SIZE and q.share_of(A) == 12 * SIZE
 
 
 def test_without_tenants_the_order_is_the_policys_own() -> None:
