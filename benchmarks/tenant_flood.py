@@ -10,9 +10,12 @@ owner, as a daemon with `tenant_tokens_file` gives them (docs/RELIABILITY.md, "T
 pinned while it runs, as the daemon pins a fetch's and a publish's; the policies' clock is the
 trace's, as in `benchmarks.simulate`. The figure is bravo's
 prefix hit rate (blocks found, of its requests' full blocks); "alone at half" is bravo alone
-in half the tier, the least fair sharing promises it.
+in half the tier, the least fair sharing promises it. `--weight W` gives bravo that weight
+against alpha's 1 (`tenant_weights`): its share is then W/(W+1) of the tier, and the last
+column is bravo alone in that.
 
     python -m benchmarks.tenant_flood [--capacity 4096,16384] [--flood 0,1,4,16] [--eviction prefix]
+                                      [--weight 1]
 """
 
 from __future__ import annotations
@@ -62,11 +65,15 @@ def _run_request(tier: TierPolicy, keys: Sequence[bytes], owner: bytes) -> int:
 
 
 def bravo_hit_rate(requests: Sequence[Request], capacity: int, flood: int, shares: bool,
-                   eviction: str = DEFAULT_POLICY, progress: Any = None) -> float:
-    """Bravo's prefix hit rate with alpha sending `flood` fresh requests after each of its."""
+                   eviction: str = DEFAULT_POLICY, progress: Any = None,
+                   weight: float = 1.0) -> float:
+    """Bravo's prefix hit rate with alpha sending `flood` fresh requests after each of its;
+    with `shares`, bravo weighs `weight` against alpha's 1."""
     now = [0.0]  # the trace's clock, as the simulator's: `prefix` learns reuse gaps by it
     tier = TierPolicy("host", capacity, eviction, clock=lambda: now[0])
     bravo, alpha = (BRAVO, ALPHA) if shares else (b"", b"")
+    if shares and weight != 1:
+        tier.set_weights({BRAVO: weight})
     fresh = itertools.count()
     hits = total = 0
     for r in requests:
@@ -81,8 +88,10 @@ def bravo_hit_rate(requests: Sequence[Request], capacity: int, flood: int, share
     return hits / max(total, 1)
 
 
-def plot(rows: list[dict[str, Any]], eviction: str, path: Path) -> None:
-    """Bravo's hit rate against the flood, per capacity: shares, one order, alone at half."""
+def plot(rows: list[dict[str, Any]], eviction: str, path: Path, alone: str = "alone at half",
+         ) -> None:
+    """Bravo's hit rate against the flood, per capacity: shares, one order, alone in its
+    share (column `alone`)."""
     fig, ax = figure()
     floods = sorted({r["flood"] for r in rows})
     for c in sorted({r["capacity"] for r in rows}):
@@ -92,12 +101,12 @@ def plot(rows: list[dict[str, Any]], eviction: str, path: Path) -> None:
                        label=f"{c} blocks, shares")[0]
         ax.plot(xs, [r["one order"] for r in mine], marker="x", linestyle="--",
                 color=line.get_color(), label=f"{c} blocks, one order")
-        ax.axhline(mine[0]["alone at half"], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(mine[0][alone], color=line.get_color(), linestyle=":", linewidth=1)
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(floods, [str(f) for f in floods])
     ax.set_xlabel("alpha's fresh requests per one of bravo's")
     ax.set_ylabel("bravo's prefix hit rate")
-    ax.set_title(f"A tenant flooding the host tier ({eviction}; dotted: bravo alone in half)")
+    ax.set_title(f"A tenant flooding the host tier ({eviction}; dotted: bravo {alone})")
     ax.legend(fontsize=7)
     save(fig, path)
 
@@ -109,8 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capacity", default="4096,16384", help="host tier sizes, in blocks")
     p.add_argument("--flood", default="0,1,4,16", help="alpha's requests per one of bravo's")
     p.add_argument("--eviction", default=DEFAULT_POLICY)
+    p.add_argument("--weight", type=float, default=1.0,
+                   help="bravo's weight against alpha's 1 (tenant_weights)")
     p.add_argument("--name", default="tenant_flood")
     args = p.parse_args(argv)
+    if not args.weight > 0:
+        p.error(f"--weight must be above 0, got {args.weight}")
+    w = args.weight
+    alone = "alone at half" if w == 1 else f"alone at {w:g}/{w + 1:g}"
     requests = load_trace(args.trace, args.limit)
     capacities = [int(c) for c in args.capacity.split(",")]
     floods = [int(f) for f in args.flood.split(",")]
@@ -118,16 +133,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(requests) * (len(runs) + len(capacities)), unit="req") as bar:
         for c in capacities:
-            half = bravo_hit_rate(requests, c // 2, 0, False, args.eviction, bar)
+            # Bravo's share, as `TierPolicy` sizes it (in whole blocks: these are 1 byte).
+            share = c // 2 if w == 1 else int(c * w / (w + 1))
+            half = bravo_hit_rate(requests, share, 0, False, args.eviction, bar)
             for f in floods:
-                rates = {s: bravo_hit_rate(requests, c, f, s, args.eviction, bar)
+                rates = {s: bravo_hit_rate(requests, c, f, s, args.eviction, bar, w)
                          for s in (True, False)}
                 rows.append({"capacity": c, "flood": f, "shares": rates[True],
-                             "one order": rates[False], "alone at half": half})
-    print(table(rows, ["capacity", "flood", "shares", "one order", "alone at half"]))
-    path = write_results(args.name, {"trace": str(args.trace), "requests": len(requests),
-                                     "eviction": args.eviction, "rows": rows})
-    plot(rows, args.eviction, RESULTS / f"{args.name}.png")
+                             "one order": rates[False], alone: half})
+    print(table(rows, ["capacity", "flood", "shares", "one order", alone]))
+    meta = {"trace": str(args.trace), "requests": len(requests), "eviction": args.eviction}
+    if w != 1:
+        meta["bravo_weight"] = w
+    path = write_results(args.name, {**meta, "rows": rows})
+    plot(rows, args.eviction, RESULTS / f"{args.name}.png", alone)
     print(f"results: {path}, plot: {RESULTS / (args.name + '.png')}")
     return 0
 

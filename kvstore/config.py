@@ -46,13 +46,15 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-UNSCOPED_WEIGHT_NAME = "-"  # in `tenant_weights`: the unscoped callers (no tenant name starts so)
-MAX_TENANT_WEIGHT = 1e6
+# In `tenant_weights`, the unscoped callers: no tenant is named so (`@` is outside tenant names),
+# and unlike `-` a command line takes it as a value.
+UNSCOPED_WEIGHT_NAME = "@unscoped"
+MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 1e-6, 1e6
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
-    """Tenant -> weight from `tenant_weights` (`alpha=3,bravo=0.5,-=2`; "" for the unscoped
-    callers, named `-`); raises `ConfigError` naming the pair that is wrong."""
+    """Tenant -> weight from `tenant_weights` (`alpha=3,bravo=0.5,@unscoped=2`; "" for the
+    unscoped callers); raises `ConfigError` naming the pair that is wrong."""
     out: dict[str, float] = {}
     for pair in text.split(","):
         if not pair.strip():
@@ -64,9 +66,9 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             weight = math.nan
-        if not 0 < weight <= MAX_TENANT_WEIGHT:  # nan and inf fail it too
-            raise ConfigError(f"tenant_weights: the weight of {name!r} must be a number above 0 "
-                              f"and at most {MAX_TENANT_WEIGHT:g}, got {value!r}")
+        if not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:  # nan and inf fail it too
+            raise ConfigError(f"tenant_weights: the weight of {name!r} must be a number from "
+                              f"{MIN_TENANT_WEIGHT:g} to {MAX_TENANT_WEIGHT:g}, got {value!r}")
         tenant = "" if name == UNSCOPED_WEIGHT_NAME else name
         if tenant in out:
             raise ConfigError(f"tenant_weights: {name!r} is given twice")
@@ -98,12 +100,16 @@ class ServerConfig:
                                    "presenting a tenant's token is confined to that tenant's "
                                    "blocks, whatever its requests say. Empty: no tenants.")
     tenant_weights: str = _opt("", "Each tenant's weight in the tiers, as `TENANT=WEIGHT` "
-                               "pairs separated by commas (`alpha=3,bravo=1`); `-` names the "
-                               "unscoped callers (the Unix socket, the admin token). A tenant's "
-                               "share of a full tier, which no other tenant's blocks can evict "
-                               "it from, is the tier's capacity times its weight over the "
-                               "weights of the tenants holding blocks there. Unnamed: 1, so "
-                               "equal shares by default. Needs `tenant_tokens_file`.")
+                               "pairs separated by commas (`alpha=3,bravo=1`); `@unscoped` "
+                               "names the unscoped callers (the Unix socket, the admin token). "
+                               "A tenant's share of a full tier, which no other tenant's blocks "
+                               "can evict it from, is the tier's capacity times its weight over "
+                               "the weights of the tenants holding space there (blocks, a "
+                               "read's scratch space) and its own. Unnamed: 1, so equal shares "
+                               "by default. A tenant whose share is smaller than one of its "
+                               "blocks stores none in that tier while the others hold no more "
+                               "than theirs. Needs `listen` and `tenant_tokens_file`, which "
+                               "must list every tenant named.")
     host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
                            lo=0, hi=1 << 44)
     gpu_bytes: int = _opt(0, "GPU HBM tier capacity: a device slab above the host tier (victims "

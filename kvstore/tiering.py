@@ -292,15 +292,18 @@ class TierPolicy:
         needs the room).
 
         While the tier is full by its byte count, only `owner` itself and owners holding more
-        than their share (blocks and scratch space) may give way; one of them always does
-        unless all its blocks are pinned (the shares add up to the capacity, so a full tier
-        has an owner over its share). Without this bound an owner's pins would pass its
+        than their share (blocks and scratch space) may give way. The shares add up to at
+        most the capacity, so a full tier has an owner over its share; if that is only
+        `owner` and it has no unpinned block (a newcomer whose weighted share is smaller than
+        its block), nobody gives way. Without this bound an owner's pins would pass its
         eviction on to an owner within its share (a tenant fetching its own blocks to keep
         them pinned while it publishes would evict another's). With room by the count (an
         allocator short of contiguous space) any owner may give way, as before.
         """
-        if len(self._policies) == 1 and self._scratch.keys() <= {b""}:
-            return self.eviction.victim()  # one owner: the policy's order alone
+        if len(self._policies) == 1 and self._scratch.keys() <= {b""} and not self._weights:
+            # One owner: the policy's order alone. (With weights the unscoped callers' share
+            # may exceed a newcomer's due, so the bound below applies even to them alone.)
+            return self.eviction.victim()
         full = sum(held.values()) > self.capacity_bytes  # every used byte is someone's
         present = {o for o, n in held.items() if n > 0}
         for o in sorted(self._policies,

@@ -186,6 +186,17 @@ def _owner_weights(config: ServerConfig, tokens: TokenTable | None) -> dict[byte
     return {owner_tag(t): w for t, w in weights.items()}
 
 
+def _log_shares(tiers: list[HostTier | GpuTier | DiskTier], tenants: set[str]) -> None:
+    """Each tenant's share of each tier when all of them, and the unscoped callers, hold blocks
+    there: the least it keeps (`tenant_weights`), so a share smaller than a block shows."""
+    owners = {"(unscoped)": b"", **{t: owner_tag(t) for t in sorted(tenants)}}
+    for tier in tiers:
+        total = sum(tier.policy.weight(o) for o in owners.values())
+        log.info("%s tier shares with every tenant holding blocks: %s", tier.name, ", ".join(
+            f"{name} {tier.capacity_bytes * tier.policy.weight(o) / total / 2**20:.1f} MiB"
+            for name, o in owners.items()))
+
+
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -222,6 +233,9 @@ class Daemon:
                     tier.close()
             os.close(self._lock_fd)
             raise
+        if weights:
+            _log_shares([t for t in (gpu, host, disk) if t is not None],
+                        self.tokens.tenants if self.tokens else set())
         self.store = TieredStore(host, disk, config.lease_timeout_s, remote=remote,
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes, gpu=gpu,

@@ -71,7 +71,7 @@ class StoreCollector(Collector):
         shares = GaugeMetricFamily(
             "kvstore_tier_tenant_bytes", "Bytes held per tier and tenant, blocks and a read's "
             "scratch space (\"\": unscoped callers); a full tier evicts from the tenant that "
-            "would hold the most.",
+            "would hold the most per unit of weight.",
             labels=["tier", "tenant"])
         fair = GaugeMetricFamily(
             "kvstore_tier_tenant_share_bytes", "Each tenant's share of a tier: the capacity "

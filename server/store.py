@@ -169,7 +169,7 @@ class _Room:
     """How one fetch makes host room for the blocks it reads from disk or the remote tier.
 
     The prompt is `prior` (served by earlier calls of the same client fetch) and `keys`. Its
-    share of the host tier (of its owner's equal share, under tenants) is the placement
+    share of the host tier (of its owner's share, under tenants) is the placement
     engine's call (`PromptShare`): promoted whole when
     it fits, else its first blocks, the rest read into scratch space, served like any hit and
     freed at release (no promotion, no eviction, no write). Room is made by evicting other
@@ -793,7 +793,7 @@ class TieredStore:
                 local = False
                 break
             rest += size
-        # Sized within its owner's equal share of host: a tenant reading a prompt larger than
+        # Sized within its owner's share of host: a tenant reading a prompt larger than
         # that makes room from its own blocks, never from another tenant's within its share.
         room.share = PromptShare.size(
             host.policy.fair_share(room.owner), self.fetch_window_bytes, size,

@@ -142,6 +142,35 @@ def test_weights_decide_who_gives_way_past_the_shares() -> None:
     assert p.weight(A) == 1 and p.weight(b"") == 4
 
 
+def test_weighted_unscoped_callers_alone_keep_their_share_against_a_newcomer() -> None:
+    """The unscoped callers (weight 3) alone fill the tier: a tenant's blocks take its own
+    quarter from them, and no more."""
+    p = TierPolicy("host", 12 * SIZE, "lru")
+    p.set_weights({b"": 3})
+    for i in range(12):
+        put(p, f"u{i:02}")
+    for i in range(20):
+        put(p, f"a{i:02}", A)
+    assert p.held_by(b"") == 9 * SIZE and p.held_by(A) == 3 * SIZE
+    assert held(p, "u") == [f"u{i:02}" for i in range(3, 12)]  # its least recent gave way
+
+
+@pytest.mark.parametrize("heavy", [B, b""], ids=["tenant", "unscoped"])
+def test_a_tenant_whose_weighted_share_is_under_one_block_gets_no_room(heavy: bytes) -> None:
+    """An owner of weight 20 within its share of a full tier (100 of its 105 bytes' 100):
+    alpha's share (5) is under one of its blocks, so nobody gives way (the guarantee to the
+    heavy owner first), as documented. The unscoped callers alone too: the one-owner shortcut
+    used to give their block up."""
+    p = TierPolicy("host", 10 * SIZE + SIZE // 2, "lru")
+    p.set_weights({heavy: 20})
+    for i in range(10):
+        put(p, f"h{i}", heavy)
+    assert p.fair_share(A) < SIZE
+    with pytest.raises(CapacityError):
+        p.victims(SIZE, A)
+    assert p.held_by(heavy) == 10 * SIZE
+
+
 @pytest.mark.parametrize("weight", [0, -1, float("inf"), float("nan")])
 def test_a_weight_that_is_not_a_positive_number_is_refused(weight: float) -> None:
     p = TierPolicy("host", 10 * SIZE, "lru")
