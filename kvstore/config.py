@@ -167,6 +167,12 @@ class ServerConfig:
                                     "disk tier keep theirs. At most half the open-file limit, "
                                     "which the daemon raises to its hard limit at start.",
                                     lo=1, hi=1_000_000)
+    tcp_idle_timeout_s: float = _opt(300.0, "A TCP connection with no call for this long is "
+                                     "closed (GOAWAY; a client reconnects at its next call), "
+                                     "so connections abandoned or held open without a call (no "
+                                     "token is needed to open one) give their slot of "
+                                     "`max_tcp_connections` back.", unit="seconds", lo=1,
+                                     hi=86400)
     fetch_window_bytes: int = _opt(64 << 20, "Bytes one fetch reads from disk or the remote "
                                    "tier before it answers; the client asks for the rest at "
                                    "once and copies meanwhile, so reads overlap copies. Of a "

@@ -47,10 +47,6 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 # A TCP connection that has not completed gRPC's handshake within this is closed, so silent
 # ones (a flood) give their slot of `max_tcp_connections` back soon (gRPC's default: 120 s).
 HANDSHAKE_MS = 10_000
-# One with no call for this long is closed too (GOAWAY: a client reconnects at its next
-# call), so connections that are abandoned, or held open without a call (no token needed),
-# give their slot back.
-IDLE_MS = 300_000
 
 
 def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -308,7 +304,9 @@ class Daemon:
             tcp = self._make_server([TokenInterceptor(self.tokens)],
                                     [("grpc.max_allowed_incoming_connections", conns),
                                      ("grpc.server_handshake_timeout_ms", HANDSHAKE_MS),
-                                     ("grpc.max_connection_idle_ms", IDLE_MS)])
+                                     # GOAWAY: a client reconnects at its next call.
+                                     ("grpc.max_connection_idle_ms",
+                                      int(self.config.tcp_idle_timeout_s * 1000))])
             tcp.add_insecure_port(self.config.listen)
             await tcp.start()
         if self.config.metrics_port:

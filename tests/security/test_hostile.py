@@ -488,6 +488,53 @@ def test_a_connection_flood_leaves_same_node_engines_their_daemon(tmp_path):
         d.kill()
 
 
+def _established(port: int) -> int:
+    """TCP connections established to local port `port` (the daemon's ends), from the kernel
+    (tcp6 too: gRPC's listener takes IPv4 connections as IPv6-mapped)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                n += 1
+    return n
+
+
+def test_idle_tcp_connections_are_closed_and_their_clients_reconnect(daemon_factory, tmp_path):
+    """Three TCP clients make calls and then hold their connections without one: with
+    `tcp_idle_timeout_s` 2 the daemon closes every one within seconds (abandoned connections
+    give their slot of `max_tcp_connections` back), and each client's next call reconnects
+    and is served. The control: a daemon with the default (300 s) keeps its three open."""
+    port, idle_port = _free_port(), _free_port()
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    common = ("--tenant-tokens-file", str(f), "--host-bytes", "8MiB", "--disk-bytes", "64MiB")
+    daemon_factory("--listen", f"127.0.0.1:{idle_port}", "--tcp-idle-timeout-s", "2",
+                   *common).start()
+    daemon_factory("--listen", f"127.0.0.1:{port}", *common, name="d1").start()
+    layout = small_layout()
+    tokens = list(range(4 * layout.block_tokens))
+    kv = random_kv(layout, len(tokens))
+    kept, idle = ([KVClient(f"127.0.0.1:{p}", layout, token=TOKEN_A, deadline_s=10)
+                   for _ in range(3)] for p in (port, idle_port))
+    try:
+        for c in kept + idle:
+            assert c.publish(tokens, kv) == len(tokens) and c.lookup(tokens) == len(tokens)
+            if c in idle:  # seen open at once (closing takes 2 s without a call)
+                assert _established(idle_port) >= 1
+        assert _established(port) >= 3
+        wait_until(lambda: _established(idle_port) == 0, 20,
+                   "idle connections were not closed")
+        assert _established(port) >= 3  # the default keeps them
+        for c in idle + kept:  # reconnected at the next call
+            n, got = c.fetch(tokens)
+            assert n == len(tokens) and same_bytes(got, kv)
+            if c in idle:
+                assert _established(idle_port) >= 1
+    finally:
+        for c in kept + idle:
+            c.close()
+
+
 def test_clients_that_never_finish_a_metrics_request_leave_the_daemon_its_descriptors(
         daemon_factory):
     """80 connections to the metrics port that never send a request, against a daemon held
