@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m benchmarks.demo
+	$(PY) -m benchmarks.demo $(DEMO_ARGS)
 
 # The tests, the lint and the type check (CI runs this): ruff and mypy first, seconds each.
 test: setup
