@@ -12,6 +12,7 @@ import sys
 
 from kvstore.config import ServerConfig, load_config
 from kvstore.errors import ConfigError
+from kvstore.server.logsetup import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,20 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
                        help=f"{meta['doc']}{unit} (default: {f.default!r})")
     return p
-
-
-def setup_logging(level: str, fmt: str) -> None:
-    if fmt == "json":
-        class JsonFormatter(logging.Formatter):
-            def format(self, record: logging.LogRecord) -> str:
-                return json.dumps({"ts": self.formatTime(record), "level": record.levelname,
-                                   "logger": record.name, "msg": record.getMessage()})
-        handler = logging.StreamHandler()
-        handler.setFormatter(JsonFormatter())
-        logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    else:
-        logging.basicConfig(level=level.upper(), force=True,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,7 +258,8 @@ class Daemon:
         cfg = self.config
         try:
             publisher = ZmqEventPublisher(cfg.kv_events, cfg.kv_events_replay,
-                                          cfg.kv_events_topic, max_queue=cfg.kv_events_queue)
+                                          cfg.kv_events_topic, max_queue=cfg.kv_events_queue,
+                                          log_level=cfg.log_level, log_format=cfg.log_format)
         except Exception as e:  # zmq.ZMQError: address in use, bad endpoint
             self.store.close()
             os.close(self._lock_fd)

@@ -18,8 +18,10 @@ for disk blocks (their own RocksDB, beside the disk index), and turns tier chang
 disk). Blocks nobody described produce no events: a router could not match them anyway.
 
 A slow or absent subscriber never slows the store: events go through a bounded queue to a
-publisher thread (ZMQ sends and msgpack encoding off the event loop), and a full queue drops
-the batch, counted (`dropped`), as a PUB socket past its high-water mark drops messages.
+publisher thread (msgpack encoding off the event loop), and a full queue drops the batch,
+counted (`dropped`), as a PUB socket past its high-water mark drops messages. The ZMQ sockets
+themselves live in a child process (`server/event_sockets.py`): ZMQ caps no connections, so
+there a flood of them takes that process's descriptors, not the daemon's.
 """
 
 from __future__ import annotations
@@ -27,19 +29,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import count
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
+from kvstore.server import event_sockets
 from kvstore.tiers.base import BlockEntry, Tier
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 # vLLM's medium names (`vllm.v1.kv_offload.base.Medium`, `kv_events.MEDIUM_*`): its own
 # offloading connector reports CPU offload as "CPU" and storage tiers as "STORAGE".
 MEDIUMS = {"gpu": "GPU", "host": "CPU", "disk": "STORAGE"}
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay end-of-sequence marker
+END_SEQ = event_sockets.END_SEQ  # vLLM's replay end-of-sequence marker
 # Descriptions of blocks no tier holds (described before commit, or after a miss): kept this
 # many, oldest dropped, so a client describing blocks it never publishes costs bounded memory.
 PENDING_LIMIT = 1 << 16
@@ -117,35 +120,55 @@ _meta_decoder = msgspec.msgpack.Decoder(EngineBlocks)
 
 
 class ZmqEventPublisher:
-    """vLLM's `ZmqEventPublisher` wire behaviour (PUB + ROUTER replay, a thread), with a
-    queue that drops instead of blocking the caller."""
+    """vLLM's `ZmqEventPublisher` wire behaviour (PUB + ROUTER replay), with a queue that
+    drops instead of blocking the caller. The sockets live in a child process
+    (`server/event_sockets.py`, at most `max_files` descriptors), so a flood of connections
+    to them cannot take the daemon's descriptors; a thread here encodes the batches and hands
+    them over a pipe."""
+
+    START_S = 30.0  # for the child to import zmq and bind (a spawn on a loaded machine)
 
     def __init__(self, endpoint: str, replay_endpoint: str = "", topic: str = "",
-                 max_queue: int = 10_000, buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 max_queue: int = 10_000, buffer_steps: int = 10_000, hwm: int = 100_000,
+                 max_files: int = 1024, log_level: str = "info", log_format: str = "text",
+                 ) -> None:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._topic = topic.encode()
-        self.dropped = 0  # batches dropped because the queue was full
-        self.published = 0  # batches sent
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay: zmq.Socket[bytes] | None = None
+        self._dropped = 0  # batches dropped here: the queue was full, or the child is gone
+        self._gone = False
+        ctx = multiprocessing.get_context("spawn")  # no fork of a daemon running threads
+        self._sent, self._lost = ctx.Value("Q", 0, lock=False), ctx.Value("Q", 0, lock=False)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=event_sockets.serve, name="kvstore-kv-events", daemon=True,
+            args=(child, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_files,
+                  self._sent, self._lost, log_level, log_format))
+        self._proc.start()
+        child.close()
         try:
-            self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0: the real one
-            if replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
-        except zmq.ZMQError:
-            self._close_sockets()
+            if not self._conn.poll(self.START_S):
+                raise RuntimeError(f"the KV events process did not bind {endpoint} within "
+                                   f"{self.START_S:.0f} s")
+            answer = self._conn.recv()
+        except BaseException:
+            self._stop_process(0)
             raise
-        self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-                                if self._replay is not None else "")
+        if answer[0] != "ok":
+            self._stop_process(1.0)
+            raise zmq.ZMQError(msg=answer[1])
+        self.endpoint, self.replay_endpoint = answer[1], answer[2]
         self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
         self._thread.start()
+
+    @property
+    def published(self) -> int:
+        """Batches sent (given a sequence number: a replay serves them)."""
+        return int(self._sent.value)
+
+    @property
+    def dropped(self) -> int:
+        """Batches dropped: the queue was full, PUB was past its high-water mark, or the
+        sockets' process was gone."""
+        return self._dropped + int(self._lost.value)
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Queue a batch; False (counted in `dropped`) when the queue is full. Never blocks."""
@@ -153,65 +176,40 @@ class ZmqEventPublisher:
             self._queue.put_nowait(batch)
             return True
         except queue.Full:
-            self.dropped += 1
+            self._dropped += 1
             return False
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
-        seqs = count()
-        while True:
-            if self._replay is not None and self._replay.poll(0):
-                try:
-                    self._serve_replay(self._replay)
-                except zmq.ZMQError as e:  # a bad request must not stop publishing
-                    log.warning("kv events replay: %s", e)
+        while (batch := self._queue.get()) is not None:
             try:
-                batch = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if batch is None:
-                return
-            seq = next(seqs)
-            payload = encode(batch)
-            try:
-                # NOBLOCK: past the high-water mark PUB drops anyway; never wait on a reader.
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
-                                         flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.dropped += 1
-            except zmq.ZMQError as e:
-                log.warning("kv events: send failed: %s", e)
-                time.sleep(0.1)
-            self._buffer.append((seq, payload))
-            self.published += 1
-
-    def _serve_replay(self, replay: zmq.Socket[bytes]) -> None:
-        frame = replay.recv_multipart()
-        if len(frame) != 3:
-            log.warning("kv events: invalid replay request (%d frames)", len(frame))
-            return
-        client, _, start = frame
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= first:
-                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                self._conn.send_bytes(encode(batch))
+            except OSError:  # the sockets' process died: events are off from here
+                if not self._gone:
+                    self._gone = True
+                    log.error("kv events: the sockets' process is gone (exit code %s); "
+                              "batches are dropped from now on", self._proc.exitcode)
+                self._dropped += 1
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Send what is queued (for up to `timeout_s`), then stop the thread and the sockets."""
+        """Send what is queued (for up to `timeout_s`), then stop the thread and the
+        sockets' process."""
         end = time.monotonic() + timeout_s
         while not self._queue.empty() and time.monotonic() < end:
             time.sleep(0.01)
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=max(0.0, end - time.monotonic()) + 0.1)
         self._thread.join(timeout_s)
-        self._close_sockets()
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(b"")  # the child's cue to exit
+        self._stop_process(timeout_s)
 
-    def _close_sockets(self) -> None:
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-        self._ctx.term()
+    def _stop_process(self, timeout_s: float) -> None:
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
 
 
 class _MetaDB:

@@ -126,8 +126,9 @@ class StoreCollector(Collector):
             ("kvstore_kv_events_published_batches", publisher.published if publisher else 0,
              "KV event batches sent on the PUB socket (kv_events)."),
             ("kvstore_kv_events_dropped_batches", publisher.dropped if publisher else 0,
-             "KV event batches dropped because the publisher's queue (kv_events_queue) was "
-             "full; they get no sequence number, so subscribers see no gap."),
+             "KV event batches dropped: the publisher's queue (kv_events_queue) was full "
+             "(no sequence number given: subscribers see no gap), the PUB socket was past "
+             "its high-water mark (a replay serves those), or the events' process is gone."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

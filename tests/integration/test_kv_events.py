@@ -273,8 +273,9 @@ def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
         accepted = sum(publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
                        for _ in range(n))
         took = time.perf_counter() - began
-        assert accepted + publisher.dropped == n
-        assert publisher.dropped > 0  # the queue (64) filled: dropped, not waited for
+        # The queue (64) filled: dropped, not waited for (PUB past its high-water mark may
+        # drop some of those accepted too, counted as well).
+        assert publisher.dropped >= n - accepted > 0
         # Not a timing test (see docs/PERFORMANCE.md): only "returns", well within any bound.
         assert took < 30
         removed = BlockRemoved(block_hashes=hashes, medium="CPU")
@@ -283,6 +284,27 @@ def test_a_subscriber_that_never_reads_never_blocks_the_publisher():
         sub.close(linger=0)
         ctx.term()
         publisher.close(timeout_s=1.0)
+
+
+def test_the_events_process_dying_costs_its_batches_and_nothing_else():
+    """The sockets live in a process of their own: killed, its batches are dropped (counted),
+    publishing still returns at once, and closing does not hang."""
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    event = BlockRemoved(block_hashes=[b"x" * 32], medium="CPU")
+    try:
+        publisher._proc.kill()
+        publisher._proc.join(10)
+        for _ in range(5):
+            assert publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+        end = time.monotonic() + 10
+        while publisher.dropped < 5:
+            assert time.monotonic() < end, publisher.dropped
+            time.sleep(0.05)
+        assert publisher.published == 0
+    finally:
+        began = time.monotonic()
+        publisher.close(timeout_s=1.0)
+        assert time.monotonic() - began < 10
 
 
 def kv_events_metrics(port: int) -> dict[str, float]:

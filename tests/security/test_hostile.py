@@ -18,6 +18,7 @@ miss, whatever a client does with its leases and streams.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import signal
 import socket
@@ -482,6 +483,61 @@ def test_a_connection_flood_leaves_same_node_engines_their_daemon(tmp_path):
             s.close()
         with KVClient(f"127.0.0.1:{port}", layout, token=TOKEN_A, deadline_s=10) as a:
             assert a.publish(tokens, random_kv(layout, len(tokens))) == len(tokens)  # TCP serves
+    finally:
+        for s in flood:
+            s.close()
+        d.kill()
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has run."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_connection_flood_on_the_kv_events_port_leaves_the_daemon_its_descriptors(tmp_path):
+    """300 TCP connections that never speak, to the KV events endpoint (ZMQ caps none, and
+    opening one needs no token) of a daemon started under 256 open files: they take the
+    descriptors of the events' own process, not the daemon's, and that process does not spin
+    at its limit. A same-node engine publishes and finds 20 blocks meanwhile, and once the
+    flood ends a subscriber gets events again. With the sockets in the daemon's process, the
+    flood took all 256 of its descriptors."""
+    from tests.integration.test_kv_events import LAYOUT, Subscriber, wait_connected
+
+    port = _free_port()
+    d = _UnderFileLimit(tmp_path / "d", "--host-bytes", "8MiB", "--disk-bytes", "64MiB",
+                        "--kv-events", f"tcp://127.0.0.1:{port}")
+    flood: list[socket.socket] = []
+    try:
+        d.start()
+        assert d.proc is not None
+        fds = Path(f"/proc/{d.proc.pid}/fd")
+        baseline = len(list(fds.iterdir()))
+        for _ in range(300):
+            with contextlib.suppress(OSError):  # refused once the events' process is full
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(1)
+        assert len(flood) > 200  # the connections were made (and held)
+        assert len(list(fds.iterdir())) <= baseline + 8
+        # At its limit the events' process stops listening: libzmq retried the failed
+        # accepts at once, forever, and spun a core (2.99 CPU-seconds in 3 s).
+        children = [int(c) for c in subprocess.run(
+            ["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True).stdout.split()]
+        before = sum(_cpu_s(c) for c in children)
+        time.sleep(2)
+        assert sum(_cpu_s(c) for c in children) - before < 0.5
+        tokens = list(range(20 * LAYOUT.block_tokens))
+        with KVClient(d.target, LAYOUT, deadline_s=10) as engine:
+            assert engine.publish(tokens, random_kv(LAYOUT, len(tokens))) == len(tokens)
+            assert engine.lookup(tokens) == len(tokens)
+            for s in flood:
+                s.close()
+            flood.clear()
+            sub = Subscriber(f"tcp://127.0.0.1:{port}")
+            try:
+                wait_connected(sub, engine)  # events flow again
+            finally:
+                sub.close()
     finally:
         for s in flood:
             s.close()
