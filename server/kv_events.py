@@ -19,9 +19,9 @@ disk). Blocks nobody described produce no events: a router could not match them 
 
 A slow or absent subscriber never slows the store: events go through a bounded queue to a
 publisher thread (msgpack encoding off the event loop), and a full queue drops the batch,
-counted (`dropped`), as a PUB socket past its high-water mark drops messages. The ZMQ sockets
-themselves live in a child process (`server/event_sockets.py`): ZMQ caps no connections, so
-there a flood of them takes that process's descriptors, not the daemon's.
+counted (`dropped`), as a PUB socket past its high-water mark drops messages (silently). The ZMQ
+sockets themselves live in a child process (`server/event_sockets.py`): ZMQ caps no
+connections, so there a flood of them takes that process's descriptors, not the daemon's.
 """
 
 from __future__ import annotations
@@ -122,9 +122,9 @@ _meta_decoder = msgspec.msgpack.Decoder(EngineBlocks)
 class ZmqEventPublisher:
     """vLLM's `ZmqEventPublisher` wire behaviour (PUB + ROUTER replay), with a queue that
     drops instead of blocking the caller. The sockets live in a child process
-    (`server/event_sockets.py`, at most `max_files` descriptors), so a flood of connections
-    to them cannot take the daemon's descriptors; a thread here encodes the batches and hands
-    them over a pipe."""
+    (`server/event_sockets.py`, at most `max_files` descriptors, lowest CPU priority), so a
+    flood of connections to them cannot take the daemon's descriptors; a thread here encodes
+    the batches and is the only writer of the pipe to it."""
 
     START_S = 30.0  # for the child to import zmq and bind (a spawn on a loaded machine)
 
@@ -134,14 +134,15 @@ class ZmqEventPublisher:
                  ) -> None:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
         self._dropped = 0  # batches dropped here: the queue was full, or the child is gone
-        self._gone = False
+        self._gone = self._closing = False
         ctx = multiprocessing.get_context("spawn")  # no fork of a daemon running threads
-        self._sent, self._lost = ctx.Value("Q", 0, lock=False), ctx.Value("Q", 0, lock=False)
+        self._sent = ctx.Value("Q", 0, lock=False)
+        self._failed = ctx.Value("Q", 0, lock=False)
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=event_sockets.serve, name="kvstore-kv-events", daemon=True,
             args=(child, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_files,
-                  self._sent, self._lost, log_level, log_format))
+                  self._sent, self._failed, log_level, log_format))
         self._proc.start()
         child.close()
         try:
@@ -149,11 +150,15 @@ class ZmqEventPublisher:
                 raise RuntimeError(f"the KV events process did not bind {endpoint} within "
                                    f"{self.START_S:.0f} s")
             answer = self._conn.recv()
+        except EOFError:
+            self._stop_process(5.0)
+            raise RuntimeError(f"the KV events process exited before binding {endpoint} "
+                               f"(exit code {self._proc.exitcode})") from None
         except BaseException:
             self._stop_process(0)
             raise
         if answer[0] != "ok":
-            self._stop_process(1.0)
+            self._stop_process(5.0)
             raise zmq.ZMQError(msg=answer[1])
         self.endpoint, self.replay_endpoint = answer[1], answer[2]
         self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
@@ -161,14 +166,15 @@ class ZmqEventPublisher:
 
     @property
     def published(self) -> int:
-        """Batches sent (given a sequence number: a replay serves them)."""
+        """Batches given a sequence number (handed to the PUB socket, which drops silently
+        past its high-water mark, as vLLM's; a replay serves them)."""
         return int(self._sent.value)
 
     @property
     def dropped(self) -> int:
-        """Batches dropped: the queue was full, PUB was past its high-water mark, or the
-        sockets' process was gone."""
-        return self._dropped + int(self._lost.value)
+        """Batches dropped: the queue was full, a send failed, or the sockets' process was
+        gone."""
+        return self._dropped + int(self._failed.value)
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Queue a batch; False (counted in `dropped`) when the queue is full. Never blocks."""
@@ -181,7 +187,7 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
-        while (batch := self._queue.get()) is not None:
+        while (batch := self._queue.get()) is not None and not self._closing:
             try:
                 self._conn.send_bytes(encode(batch))
             except OSError:  # the sockets' process died: events are off from here
@@ -190,26 +196,33 @@ class ZmqEventPublisher:
                     log.error("kv events: the sockets' process is gone (exit code %s); "
                               "batches are dropped from now on", self._proc.exitcode)
                 self._dropped += 1
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(b"")  # the child's cue to exit
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (for up to `timeout_s`), then stop the thread and the
-        sockets' process."""
+        sockets' process (killed if it has not exited a second later)."""
         end = time.monotonic() + timeout_s
         while not self._queue.empty() and time.monotonic() < end:
             time.sleep(0.01)
+        self._closing = True  # the thread stops at its next batch, the queue full or not
         with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=max(0.0, end - time.monotonic()) + 0.1)
-        self._thread.join(timeout_s)
-        with contextlib.suppress(OSError):
-            self._conn.send_bytes(b"")  # the child's cue to exit
-        self._stop_process(timeout_s)
+            self._queue.put_nowait(None)
+        self._thread.join(max(0.0, end - time.monotonic()) + 0.1)
+        # The child lingers up to 0.5 s for the last batches; one that does not read its pipe
+        # (stopped, starved) is killed, which also frees a thread blocked writing to it.
+        self._stop_process(max(0.0, end - time.monotonic()) + 1.0, close_pipe=False)
+        self._thread.join(1.0)
+        if not self._thread.is_alive():  # else it may still write: its descriptor stays
+            self._conn.close()
 
-    def _stop_process(self, timeout_s: float) -> None:
+    def _stop_process(self, timeout_s: float, close_pipe: bool = True) -> None:
         self._proc.join(timeout_s)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
-        self._conn.close()
+        if close_pipe:
+            self._conn.close()
 
 
 class _MetaDB:

@@ -124,11 +124,12 @@ class StoreCollector(Collector):
         publisher = events.publisher if events is not None else None
         for name, value, doc in (
             ("kvstore_kv_events_published_batches", publisher.published if publisher else 0,
-             "KV event batches sent on the PUB socket (kv_events)."),
+             "KV event batches given a sequence number and handed to the PUB socket "
+             "(kv_events)."),
             ("kvstore_kv_events_dropped_batches", publisher.dropped if publisher else 0,
              "KV event batches dropped: the publisher's queue (kv_events_queue) was full "
-             "(no sequence number given: subscribers see no gap), the PUB socket was past "
-             "its high-water mark (a replay serves those), or the events' process is gone."),
+             "(no sequence number given: subscribers see no gap), a send failed, or the "
+             "events' process is gone."),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -4,8 +4,13 @@ vLLM-marked test decodes them with vLLM's own classes)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -305,6 +310,43 @@ def test_the_events_process_dying_costs_its_batches_and_nothing_else():
         began = time.monotonic()
         publisher.close(timeout_s=1.0)
         assert time.monotonic() - began < 10
+
+
+def test_closing_with_the_events_process_stopped_returns():
+    """The sockets' process stopped (SIGSTOP) while the pipe to it is full: `close` (the
+    daemon's drain, on its event loop) returns within its timeouts, the process killed."""
+    publisher = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    os.kill(publisher._proc.pid, signal.SIGSTOP)
+    try:
+        event = BlockStored(block_hashes=[b"x" * 32] * 512, parent_block_hash=None,
+                            token_ids=list(range(8192)), block_size=16, lora_id=None,
+                            medium="CPU", lora_name=None)
+        for _ in range(200):  # ~40 KB each: the pipe's buffer fills, the thread blocks
+            publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+        time.sleep(0.5)
+        began = time.monotonic()
+        publisher.close(timeout_s=1.0)
+        assert time.monotonic() - began < 10
+        assert not publisher._proc.is_alive()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(publisher._proc.pid, signal.SIGKILL)
+
+
+def test_a_daemon_failing_to_start_after_its_events_process_exits(tmp_path):
+    """Start-up fails after the KV events process is up (the metrics port is taken): the
+    daemon exits with the error, and its events process with it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "kvstore.server", "--data-dir", str(tmp_path / "d"),
+             "--host-bytes", "1MiB", "--disk-bytes", "1MiB", "--host-handover-s", "0",
+             "--kv-events", "tcp://127.0.0.1:0",
+             "--metrics-port", str(taken.getsockname()[1])],
+            capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "Address already in use" in r.stderr, r.stderr[-2000:]
 
 
 def kv_events_metrics(port: int) -> dict[str, float]:
