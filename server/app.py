@@ -171,7 +171,7 @@ def _open_gpu(config: ServerConfig) -> GpuTier:
 
 def _owner_weights(config: ServerConfig, tokens: TokenTable | None) -> dict[bytes, float]:
     """`tenant_weights` by owner tag (`kvstore.tiering.owner_of`), each tenant named checked
-    against the tokens file: a misspelt name would otherwise weigh nothing, silently."""
+    against the tokens file: a misspelt name would otherwise leave the tenant meant at 1."""
     weights = parse_tenant_weights(config.tenant_weights)
     listed = tokens.tenants if tokens is not None else set()
     unknown = sorted(t for t in weights if t and t not in listed)
