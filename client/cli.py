@@ -235,12 +235,19 @@ def _namespace(args: argparse.Namespace) -> tuple[bytes | None, str]:
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from kvstore.config import admin_token, load_config
+    from kvstore.config import admin_token, load_config, parse_tenant_weights
     from kvstore.errors import ConfigError
 
     try:
         config = load_config(args.file)
         admin_token(config)  # a short token, or an unreadable or exposed token_file
+        if config.listen and config.tenant_tokens_file:  # read as the daemon reads them
+            from kvstore.server.tenancy import load_tenant_tokens, owner_weights
+
+            tenants = set(load_tenant_tokens(config.tenant_tokens_file).values())
+            owner_weights(parse_tenant_weights(config.tenant_weights), tenants)
+        elif config.tenant_weights:
+            owner_weights(parse_tenant_weights(config.tenant_weights), None)
     except ConfigError as e:
         print(json.dumps({"ok": False, "error": str(e)}) if args.json
               else f"{args.file}: invalid: {e}", file=sys.stderr)

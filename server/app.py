@@ -35,7 +35,7 @@ from kvstore.server.inspect import NamespaceBook
 from kvstore.server.metrics import Metrics
 from kvstore.server.service import Admission, KVStoreService, add_service
 from kvstore.server.store import TieredStore
-from kvstore.server.tenancy import TokenTable, load_tenant_tokens, owner_tag
+from kvstore.server.tenancy import TokenTable, load_tenant_tokens, owner_tag, owner_weights
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier  # imports torch only when one is built
 from kvstore.tiers.host import HostTier
@@ -169,19 +169,6 @@ def _open_gpu(config: ServerConfig) -> GpuTier:
                           f"{config.gpu_device!r} (gpu_device): {e}") from None
 
 
-def _owner_weights(config: ServerConfig, tokens: TokenTable | None) -> dict[bytes, float]:
-    """`tenant_weights` by owner tag (`kvstore.tiering.owner_of`), each tenant named checked
-    against the tokens file: a misspelt name would otherwise leave the tenant meant at 1."""
-    weights = parse_tenant_weights(config.tenant_weights)
-    listed = tokens.tenants if tokens is not None else set()
-    unknown = sorted(t for t in weights if t and t not in listed)
-    if unknown:
-        where = ("`tenant_tokens_file` does not list" if tokens is not None else
-                 "there are no tenants without `listen` (they connect over TCP):")
-        raise ConfigError(f"tenant_weights: {where} {', '.join(map(repr, unknown))}")
-    return {owner_tag(t): w for t, w in weights.items()}
-
-
 def _log_shares(tiers: list[HostTier | GpuTier | DiskTier], tenants: set[str]) -> None:
     """Each tenant's share of each tier when all of them, and the unscoped callers, hold blocks
     there: the least it keeps (`tenant_weights`), so a share smaller than a block shows."""
@@ -202,7 +189,8 @@ class Daemon:
                                   load_tenant_tokens(config.tenant_tokens_file)
                                   if config.tenant_tokens_file else None)
                        if config.listen else None)
-        weights = _owner_weights(config, self.tokens)
+        weights = owner_weights(parse_tenant_weights(config.tenant_weights),
+                                self.tokens.tenants if self.tokens is not None else None)
         self._lock_fd = _lock_data_dir(self.data_dir)
         host: HostTier | None = None
         gpu: GpuTier | None = None

@@ -96,6 +96,20 @@ def current_scope() -> Scope:
     return Scope(current_tenant.get())
 
 
+def owner_weights(weights: dict[str, float], tenants: Iterable[str] | None,
+                  ) -> dict[bytes, float]:
+    """`tenant_weights` (`kvstore.config.parse_tenant_weights`) by owner tag, each tenant
+    named checked against `tenants` (the tokens file's; None: no TCP listener, so none): a
+    misspelt name would otherwise leave the tenant meant at 1, silently."""
+    listed = set(tenants) if tenants is not None else set()
+    unknown = sorted(t for t in weights if t and t not in listed)
+    if unknown:
+        where = ("`tenant_tokens_file` does not list" if tenants is not None else
+                 "there are no tenants without `listen` (they connect over TCP):")
+        raise ConfigError(f"tenant_weights: {where} {', '.join(map(repr, unknown))}")
+    return {owner_tag(t): w for t, w in weights.items()}
+
+
 def load_tenant_tokens(path: str | Path) -> dict[str, str]:
     """Token -> tenant from a file of `TENANT TOKEN` lines (`#` comments, blank lines).
 

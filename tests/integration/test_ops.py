@@ -148,6 +148,17 @@ def test_cli_config_check(tmp_path):
     r = kvstore_cli("config", "check", str(bad))
     assert r.returncode == 2
     assert "disk_sync" in r.stderr
+    # Tenant weights are checked against the tokens file, as the daemon checks them at start.
+    tokens = tmp_path / "tenants"
+    tokens.write_text("alpha alpha-token-0123456789\n")
+    tokens.chmod(0o600)
+    weighted = tmp_path / "weighted.toml"
+    for weights, ok in (("alpha=3,@unscoped=2", True), ("alpha=3,aplha=2", False)):
+        weighted.write_text(f'listen = "127.0.0.1:7070"\ntenant_tokens_file = "{tokens}"\n'
+                            f'tenant_weights = "{weights}"\n')
+        r = kvstore_cli("config", "check", str(weighted))
+        assert (r.returncode == 0) == ok, r.stderr
+        assert ok or "does not list 'aplha'" in r.stderr
 
 
 def test_cli_inspect_lists_namespaces_and_blocks_per_tier(daemon_factory):
