@@ -99,7 +99,7 @@ class TierPolicy:
     def weight(self, owner: bytes) -> float:
         return self._weights.get(owner, 1.0)
 
-    def _share(self, owner: bytes, owners: set[bytes]) -> int:
+    def share_among(self, owner: bytes, owners: set[bytes]) -> int:
         """`owner`'s share of the tier between `owners` (which it joins if absent)."""
         owners = owners | {owner}
         if not self._weights:  # equal shares, in integers as before weights
@@ -113,7 +113,7 @@ class TierPolicy:
         With one owner: the whole tier, as without tenants."""
         present = {o for o, n in self._blocks.items() if n}
         for owner, policy in self._policies.items():
-            policy.capacity_bytes = self._share(owner, present)
+            policy.capacity_bytes = self.share_among(owner, present)
 
     @property
     def eviction(self) -> EvictionPolicy:
@@ -139,7 +139,7 @@ class TierPolicy:
     def fair_share(self, owner: bytes = b"") -> int:
         """`owner`'s share of the tier between the owners holding space in it (blocks or
         scratch) and itself, by their weights (the whole tier without tenants)."""
-        return self._share(owner, {o for o, n in self._holding().items() if n > 0})
+        return self.share_among(owner, {o for o, n in self._holding().items() if n > 0})
 
     def take_scratch(self, nbytes: int, owner: bytes = b"") -> None:
         """Count `nbytes` of scratch space taken for `owner` (under no key, never a victim)."""
@@ -309,7 +309,7 @@ class TierPolicy:
         for o in sorted(self._policies,
                         key=lambda o: (held.get(o, 0) / self.weight(o), o == owner),
                         reverse=True):
-            if full and o != owner and held.get(o, 0) <= self._share(o, present):
+            if full and o != owner and held.get(o, 0) <= self.share_among(o, present):
                 continue
             if (key := self._policies[o].victim()) is not None:
                 return key

@@ -173,10 +173,10 @@ def _log_shares(tiers: list[HostTier | GpuTier | DiskTier], tenants: set[str]) -
     """Each tenant's share of each tier when all of them, and the unscoped callers, hold blocks
     there: the least it keeps (`tenant_weights`), so a share smaller than a block shows."""
     owners = {"(unscoped)": b"", **{t: owner_tag(t) for t in sorted(tenants)}}
+    every = set(owners.values())
     for tier in tiers:
-        total = sum(tier.policy.weight(o) for o in owners.values())
         log.info("%s tier shares with every tenant holding blocks: %s", tier.name, ", ".join(
-            f"{name} {tier.capacity_bytes * tier.policy.weight(o) / total / 2**20:.1f} MiB"
+            f"{name} {tier.policy.share_among(o, every) / 2**20:.1f} MiB"
             for name, o in owners.items()))
 
 
