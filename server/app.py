@@ -320,10 +320,14 @@ class Daemon:
             loop.add_signal_handler(sig, self._stopping.set)
         await self.start()
         reaper = asyncio.create_task(self.store.reaper())
+        watch = (asyncio.create_task(self.store.disk_watch(self.config.disk_recheck_s))
+                 if self.store.disk is not None and self.config.disk_recheck_s > 0 else None)
         self._writer = asyncio.create_task(self.store.remote_writer())  # returns without remote
         print(f"READY {self.config.socket_path}", flush=True)  # tests and scripts wait for this
         await self._stopping.wait()
         reaper.cancel()
+        if watch is not None:
+            watch.cancel()
         await self.drain()
 
     async def drain(self) -> None:

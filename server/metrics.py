@@ -145,6 +145,8 @@ class StoreCollector(Collector):
         for name, value, doc in (
             ("kvstore_disk_write_failures", disk.write_failures,
              "Failed disk writes and index updates (the first one degrades the tier)."),
+            ("kvstore_disk_recoveries", disk.recoveries,
+             "Times the degraded disk tier took writes again (`disk_recheck_s`)."),
             ("kvstore_disk_index_rebuilds", disk.index_rebuilds,
              "Damaged disk indexes quarantined and rebuilt from the data file at start."),
             ("kvstore_disk_index_recovered_blocks", disk.recovered_blocks,

@@ -1316,6 +1316,28 @@ class TieredStore:
             await asyncio.sleep(period_s)
             self.reap_expired()
 
+    async def recheck_disk(self) -> bool:
+        """If the disk tier is degraded, let it take writes again when the disk does
+        (`DiskTier.try_recover`); True when it takes writes (or was never degraded)."""
+        disk = self.disk
+        if disk is None or not disk.degraded:
+            return True
+        for _ in range(3):  # again when blocks were dropped while the check ran
+            try:
+                handled = await self._run_io(disk.try_recover)
+            except Exception as e:  # OSError, or RocksDB's plain Exception
+                log.debug("disk tier still degraded: %s", e)
+                return False
+            if disk.resume(handled):
+                return True
+        return False
+
+    async def disk_watch(self, period_s: float) -> None:
+        """Every `period_s`, `recheck_disk` (`disk_recheck_s`)."""
+        while True:
+            await asyncio.sleep(period_s)
+            await self.recheck_disk()
+
     # ---- admin
     def clear(self, namespace: bytes | None) -> int:
         """Remove the unpinned blocks of a namespace (all when None) from every tier."""

@@ -17,7 +17,9 @@ calls: the first failed write or index update marks it `degraded` (logged once, 
 which it takes no writes (`prepare_store` raises `CapacityError`: demotions drop the block, as
 for a block larger than the tier) and goes on serving, verified, what it holds. A tier that
 cannot be written at start (read-only filesystem, full disk) opens read-only the same way.
-It stays so until the daemon restarts.
+A degraded tier takes writes again once the disk does (`try_recover`, asked every
+`disk_recheck_s` by the daemon): first it makes durable what it dropped meanwhile, so that no
+index entry outlives its block.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ from kvstore.tiers.disk_index import (
 
 log = logging.getLogger(__name__)
 __all__ = ["READ_PIECE", "DiskDegradedError", "DiskTier"]
+
+
+# A degraded tier takes writes again only when the filesystem has this much free, or room for
+# the rest of its data file if that is less: a disk freed by a few blocks would fill again at
+# once, and the tier would flap between degraded and not.
+RECOVER_FREE_BYTES = 256 << 20
 
 
 class DiskDegradedError(OSError):
@@ -92,6 +100,11 @@ class DiskTier(Tier):
         self.write_failures = 0  # failed writes and index updates (each counts)
         self.index_rebuilds = 0  # damaged indexes rebuilt from the data file at open
         self.recovered_blocks = 0  # blocks those rebuilds brought back
+        self.recoveries = 0  # times the tier took writes again after being degraded
+        # Blocks dropped while degraded, whose index entries (and record magic, where the
+        # offset is given) are still on disk: made durable before the tier takes writes again.
+        self._unsynced_drops: list[tuple[bytes, int | None]] = []
+        self._degraded_at = 0.0
         self._seq = 0
         data = self.directory / "blocks.dat"
         try:
@@ -103,6 +116,7 @@ class DiskTier(Tier):
             self._fd = os.open(data, os.O_RDONLY)
             data_writable = False
             self._degrade(f"data file is not writable: {e.strerror}", count=False)
+        self._data_writable = data_writable
         self._index = Index(self.directory / "index", self.sync)
         rows = self._open_index()
         if self._index.read_only_reason and not self.degraded:
@@ -112,7 +126,7 @@ class DiskTier(Tier):
             os.ftruncate(self._fd, self.capacity_bytes)  # every kept record lies below it
         if self.degraded:
             log.warning("disk tier read-only: %s; serving the %d blocks it holds, taking no "
-                        "writes until a restart", self.degraded, self.committed_blocks)
+                        "writes until the disk does", self.degraded, self.committed_blocks)
 
     def units_for(self, length: int) -> int:
         return 1 + -(-length // PAGE)  # header page + payload
@@ -174,11 +188,14 @@ class DiskTier(Tier):
         return dropped
 
     def _forget_row(self, key: bytes) -> None:
-        if not self.degraded:
-            try:
-                self._index.delete(key)
-            except Exception as e:
-                self._degrade(f"index update failed: {one_line(e)}")
+        if self.degraded:  # its record may hold another's bytes (overlap): no magic to clear
+            self._unsynced_drops.append((key, None))
+            return
+        try:
+            self._index.delete(key)
+        except Exception as e:
+            self._degrade(f"index update failed: {one_line(e)}")
+            self._unsynced_drops.append((key, None))
 
     # ---- faults of the disk itself
     def _degrade(self, reason: str, count: bool = True) -> None:
@@ -188,9 +205,56 @@ class DiskTier(Tier):
         if self.degraded:
             return
         self.degraded = reason = " ".join(reason.split())
+        self._degraded_at = time.monotonic()
         if count:
-            log.error("disk tier degraded: %s; it takes no more writes (until a restart) and "
-                      "serves the blocks it holds; the host tier goes on", reason)
+            log.error("disk tier degraded: %s; it takes no more writes until the disk does "
+                      "(checked every disk_recheck_s) and serves the blocks it holds; the host "
+                      "tier goes on", reason)
+
+    def try_recover(self) -> int:
+        """In a worker, while degraded: check that the disk takes writes again, then make
+        durable the drops recorded meanwhile (index entries deleted, record magic cleared).
+        Returns how many drops it made durable, for `resume`; raises `OSError` saying why the
+        tier cannot take writes yet. Nothing is written to a block's extent here: a degraded
+        tier hands out none, so the cleared records cannot be another block's."""
+        if self._index.db is None and self.index_rebuilds:
+            raise OSError(errno.EIO, "the disk index was rebuilt in memory only; a restart "
+                          "writes it")
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        need = min(RECOVER_FREE_BYTES,
+                   max(0, self.capacity_bytes - os.fstat(self._fd).st_blocks * 512))
+        if free < need:
+            raise OSError(errno.ENOSPC, f"{free} B free, waiting for {need} B")
+        if not self._data_writable:
+            fd = os.open(self.directory / "blocks.dat", os.O_RDWR)
+            os.dup2(fd, self._fd, inheritable=False)  # readers' in-flight calls keep the old one
+            os.close(fd)
+            self._data_writable = True
+        if not self._index.writable:
+            self._index.reopen_writable()
+        n = len(self._unsynced_drops)
+        drops = self._unsynced_drops[:n]
+        for _key, offset in drops:
+            if offset is not None:
+                os.pwrite(self._fd, bytes(4), offset)
+        os.fdatasync(self._fd)  # also the data file's probe when nothing was dropped
+        self._index.forget([key for key, _ in drops])
+        return n
+
+    def resume(self, handled: int) -> bool:
+        """On the loop, after `try_recover` returned `handled`: take writes again, unless more
+        blocks were dropped while it ran (False: run it again)."""
+        del self._unsynced_drops[:handled]
+        if self._unsynced_drops:
+            return False
+        if not self.degraded:
+            return True
+        log.warning("disk tier takes writes again after %.0f s degraded (%s)",
+                    time.monotonic() - self._degraded_at, self.degraded)
+        self.degraded = ""
+        self.recoveries += 1
+        return True
 
     def prepare_store(self, key: bytes, namespace: bytes, layout_digest: bytes,
                       length: int) -> BlockEntry | None:
@@ -262,8 +326,10 @@ class DiskTier(Tier):
             raise IntegrityError("payload checksum mismatch")
 
     def _on_drop(self, entry: BlockEntry) -> None:
-        if self.degraded:
-            return  # nothing can be written: the entry may come back at a restart (verified)
+        if self.degraded:  # written when the disk takes writes again (`try_recover`); the
+            # entry comes back if the daemon restarts first (its bytes verified)
+            self._unsynced_drops.append((entry.key, entry.offset))
+            return
         try:
             # Unmark the record first, so that an index rebuild never brings it back (not made
             # durable: after a crash a rebuild might; its bytes are still verified).
@@ -271,6 +337,7 @@ class DiskTier(Tier):
             self._index.delete(entry.key)
         except Exception as e:
             self._degrade(f"index update failed: {one_line(e)}")
+            self._unsynced_drops.append((entry.key, entry.offset))
 
     @property
     def file_bytes(self) -> int:

@@ -20,6 +20,7 @@ read-only and the tier serves what it holds without taking writes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -283,6 +284,30 @@ class Index:
             self.read_only_reason = f"damaged index cannot be moved aside: {e.strerror or e}"
             return None
         return dest
+
+    def reopen_writable(self) -> None:
+        """Reopen read-write (after the filesystem took writes again); `OSError` if it still
+        cannot be. The rows need no reload: the tier's memory holds them."""
+        self.close(None)  # the read-only handle, or the private copy
+        try:
+            self.db = Rdict(str(self.path), self._options())
+        except Exception as e:
+            raise OSError(errno.EROFS, f"index cannot be opened for writing: {one_line(e)}") \
+                from None
+        self.writable = True
+        self.read_only_reason = ""
+
+    def forget(self, keys: list[bytes]) -> None:
+        """Delete `keys` in one synced batch, and mark the index as written since its last
+        clean close (an index opened read-only kept that marker)."""
+        batch = WriteBatch(raw_mode=True)
+        for key in keys:
+            batch.delete(key)
+        batch.put(META_CREATED, b"1")
+        batch.delete(META_CLEAN)
+        sync = WriteOptions()
+        sync.sync = True
+        self._db().write(batch, sync)
 
     def _db(self) -> Rdict:
         if self.db is None or not self.writable:

@@ -77,3 +77,27 @@ def fill(path: Path) -> int:
         except OSError:  # ENOSPC: full
             pass
     return written
+
+
+@contextmanager
+def read_only_bind(source: Path, path: Path) -> Iterator[Path]:
+    """Bind-mount `source` at `path` read-only (as a volume mounted read-only by mistake);
+    `make_writable(path)` turns it read-write in place, under open files."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bind-mount a directory (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    for cmd in (("mount", "--bind", str(source), str(path)),
+                ("mount", "-o", "remount,bind,ro", str(path))):
+        r = _run(*cmd)
+        if r.returncode != 0:
+            _run("umount", "-l", str(path))
+            pytest.skip(f"cannot bind-mount {source} read-only: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        _run("umount", "-l", str(path))
+
+
+def make_writable(path: Path) -> None:
+    r = _run("mount", "-o", "remount,bind,rw", str(path))
+    assert r.returncode == 0, r.stderr

@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +25,14 @@ import pytest
 from kvstore.client import KVClient
 from kvstore.server.process import DaemonProcess
 from tests.conftest import random_kv, same_bytes, small_layout
-from tests.fault.smallfs import ext4, fail_read_only, fill, tmpfs
+from tests.fault.smallfs import (
+    ext4,
+    fail_read_only,
+    fill,
+    make_writable,
+    read_only_bind,
+    tmpfs,
+)
 from tests.reliability import stats, tier, wait_quiescent
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
@@ -103,6 +111,17 @@ def _check_degraded(d: _Daemon, why: str) -> None:
     assert "Traceback" not in log, log
 
 
+def _wait_writable(d: _Daemon, within_s: float = 20) -> None:
+    """Until the disk tier takes writes again (`disk_recheck_s`), then check it says so."""
+    deadline = time.monotonic() + within_s
+    while tier(stats(d.target), "disk").degraded:
+        assert time.monotonic() < deadline, "the disk tier never took writes again"
+        time.sleep(0.2)
+    assert _metric(d.metrics(), "kvstore_disk_degraded") == 0
+    assert _metric(d.metrics(), "kvstore_disk_recoveries_total") == 1
+    assert "disk tier takes writes again" in d.log.read_text()
+
+
 def _stop_cleanly(d: _Daemon) -> None:
     # (this process's writer lock lies beside it: `kvstore.writer_lock`)
     arena = list((d.outside / "shm").glob("kvstore-*.arena"))
@@ -179,5 +198,72 @@ def test_data_dir_turning_read_only(tmp_path: Path) -> None:
             assert plain.proc is not None and plain.proc.returncode == 2, log
             assert "socket" in log and "Read-only file system" in log, log
             assert "Traceback" not in log, log
+        finally:
+            d.kill()
+
+
+def test_a_disk_freed_under_the_daemon_takes_writes_again(tmp_path: Path) -> None:
+    """The operator frees space: the tier takes writes again within `disk_recheck_s`, and a
+    Clear made while it was degraded stays done across a restart."""
+    with tmpfs(tmp_path / "fs", "16m") as fs:
+        (fs / "ballast").write_bytes(bytes(15 << 20))  # ~1 MiB left, the tier wants 8 MiB
+        d = _Daemon(fs / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB",
+                    "--disk-recheck-s", "1")
+        try:
+            d.start()
+            _publish_all(d, range(50))  # ~2 MiB demoted: the disk fills
+            _check_degraded(d, "No space left")
+            time.sleep(2.5)  # rechecked twice meanwhile: still full, so still degraded
+            assert tier(stats(d.target), "disk").degraded
+            with KVClient(d.target, LAYOUT, deadline_s=5) as c:
+                assert c.clear() > 0  # dropped from disk, not yet durable: it cannot write
+            assert tier(stats(d.target), "disk").blocks == 0
+            (fs / "ballast").unlink()
+            _wait_writable(d)
+            _publish_all(d, range(100, 140))  # 160 blocks: ~1.9 MiB onto the disk
+            disk = tier(stats(d.target), "disk")
+            assert not disk.degraded and disk.blocks > 100, disk
+            wait_quiescent(d.target, 5)
+            _stop_cleanly(d)
+            d.start()  # the Clear stayed done; what was written after recovery is all there
+            assert _fetch_all(d, range(50)) == 0, "blocks cleared while degraded came back"
+            assert _fetch_all(d, range(100, 140)) == 40
+            log = d.log.read_text()
+            assert "damaged" not in log and "Traceback" not in log, log[-3000:]
+            _stop_cleanly(d)
+        finally:
+            d.kill()
+
+
+def test_a_data_dir_mounted_read_only_takes_writes_once_remounted(tmp_path: Path) -> None:
+    """Started on a read-only mount (index and data file opened read-only), then remounted
+    read-write under it: the tier reopens both for writing and takes writes."""
+    src = tmp_path / "src"
+    d = _Daemon(src / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB")
+    try:
+        d.start()
+        _publish_all(d, range(20))  # 80 blocks: most on disk after a clean stop
+        _stop_cleanly(d)
+    finally:
+        d.kill()
+    with read_only_bind(src, tmp_path / "ro") as ro:
+        d = _Daemon(ro / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB",
+                    "--disk-recheck-s", "1")
+        try:
+            d.start()
+            assert "disk tier read-only" in d.log.read_text()
+            before = tier(stats(d.target), "disk")
+            assert before.degraded and before.blocks > 40, before
+            make_writable(ro)
+            _wait_writable(d)
+            _publish_all(d, range(20, 40))
+            assert tier(stats(d.target), "disk").blocks > before.blocks
+            wait_quiescent(d.target, 5)
+            _stop_cleanly(d)
+            d.start()
+            log = d.log.read_text()
+            assert "damaged" not in log and "Traceback" not in log, log[-3000:]
+            assert _fetch_all(d, range(40)) == 40, "the disk blocks did not all come back"
+            _stop_cleanly(d)
         finally:
             d.kill()
