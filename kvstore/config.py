@@ -132,8 +132,9 @@ class ServerConfig:
     disk_recheck_s: float = _opt(30.0, "How often a degraded disk tier (disk full, "
                                  "read-only, I/O errors) checks whether the disk takes writes "
                                  "again, and if so takes them again itself: free space (256 "
-                                 "MiB, or what its data file still needs if less) and a synced "
-                                 "write. 0: it stays degraded until a restart.",
+                                 "MiB, or what its data file still needs and 4 MiB for the "
+                                 "index if less) and a synced write. 0: it stays degraded "
+                                 "until a restart.",
                                  unit="seconds", lo=0, hi=86400)
     shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
     host_prefault: str = _opt("background", "`background`: back the host arena's pages in a "

@@ -80,6 +80,10 @@ class ExtentAllocator:
         self._starts.insert(i, start)
         self._lengths[start] = n
 
+    def first_free(self) -> int | None:
+        """The first free unit, or None when every unit is used."""
+        return self._starts[0] if self._starts else None
+
     def _insert(self, start: int, n: int) -> None:
         bisect.insort(self._starts, start)
         self._lengths[start] = n

@@ -48,6 +48,7 @@ from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains, owner_of
 from kvstore.tiers.base import PAGE, BlockEntry, Tier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_index import one_line
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.hierarchy import Hierarchy, PromptShare, RoomPlan
 from kvstore.tiers.host import HostTier
@@ -317,6 +318,7 @@ class TieredStore:
         # Host reservations fetches are reading into (disk and remote hits), each done when it
         # lands: another fetch of the block waits for it instead of missing it.
         self._promoting: dict[bytes, asyncio.Future[None]] = {}
+        self._disk_recheck_failed = ""  # why the last `recheck_disk` found no writes, logged
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -1326,8 +1328,12 @@ class TieredStore:
             try:
                 handled = await self._run_io(disk.try_recover)
             except Exception as e:  # OSError, or RocksDB's plain Exception
-                log.debug("disk tier still degraded: %s", e)
+                why = one_line(e)
+                if why != self._disk_recheck_failed:  # said once per reason, not every time
+                    log.info("disk tier still takes no writes: %s", why)
+                    self._disk_recheck_failed = why
                 return False
+            self._disk_recheck_failed = ""
             if disk.resume(handled):
                 return True
         return False

@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -58,9 +59,10 @@ __all__ = ["READ_PIECE", "DiskDegradedError", "DiskTier"]
 
 
 # A degraded tier takes writes again only when the filesystem has this much free, or room for
-# the rest of its data file if that is less: a disk freed by a few blocks would fill again at
-# once, and the tier would flap between degraded and not.
+# the rest of its data file (and INDEX_ROOM for the index) if that is less: a disk freed by a
+# few blocks would fill again at once, and the tier would flap between degraded and not.
 RECOVER_FREE_BYTES = 256 << 20
+INDEX_ROOM = 4 << 20  # RocksDB's log and flushes: what a full data file still needs
 
 
 class DiskDegradedError(OSError):
@@ -104,6 +106,8 @@ class DiskTier(Tier):
         # Blocks dropped while degraded, whose index entries (and record magic, where the
         # offset is given) are still on disk: made durable before the tier takes writes again.
         self._unsynced_drops: list[tuple[bytes, int | None]] = []
+        self._writes_lock = threading.Lock()
+        self._writing = 0  # `write` calls in flight
         self._degraded_at = 0.0
         self._seq = 0
         data = self.directory / "blocks.dat"
@@ -127,6 +131,8 @@ class DiskTier(Tier):
         if self.degraded:
             log.warning("disk tier read-only: %s; serving the %d blocks it holds, taking no "
                         "writes until the disk does", self.degraded, self.committed_blocks)
+        elif hint := self._room_hint():
+            log.warning("disk tier at %s%s", self.directory, hint)
 
     def units_for(self, length: int) -> int:
         return 1 + -(-length // PAGE)  # header page + payload
@@ -209,38 +215,74 @@ class DiskTier(Tier):
         if count:
             log.error("disk tier degraded: %s; it takes no more writes until the disk does "
                       "(checked every disk_recheck_s) and serves the blocks it holds; the host "
-                      "tier goes on", reason)
+                      "tier goes on%s", reason,
+                      self._room_hint() if "No space" in reason else "")
 
     def try_recover(self) -> int:
         """In a worker, while degraded: check that the disk takes writes again, then make
         durable the drops recorded meanwhile (index entries deleted, record magic cleared).
         Returns how many drops it made durable, for `resume`; raises `OSError` saying why the
-        tier cannot take writes yet. Nothing is written to a block's extent here: a degraded
-        tier hands out none, so the cleared records cannot be another block's."""
+        tier cannot take writes yet. Only free extents are written here (a degraded tier hands
+        out none, so the records it clears, and its probe page, cannot be another block's)."""
+        with self._writes_lock:
+            if self._writing:  # its index put must not meet the reopen below
+                raise OSError(errno.EBUSY, "a write begun before the tier degraded is still "
+                              "in flight")
         if self._index.db is None and self.index_rebuilds:
             raise OSError(errno.EIO, "the disk index was rebuilt in memory only; a restart "
                           "writes it")
-        st = os.statvfs(self.directory)
-        free = st.f_bavail * st.f_frsize
-        need = min(RECOVER_FREE_BYTES,
-                   max(0, self.capacity_bytes - os.fstat(self._fd).st_blocks * 512))
+        free = self._free_bytes()
+        need = min(RECOVER_FREE_BYTES, self._file_room() + INDEX_ROOM)
         if free < need:
             raise OSError(errno.ENOSPC, f"{free} B free, waiting for {need} B")
         if not self._data_writable:
-            fd = os.open(self.directory / "blocks.dat", os.O_RDWR)
-            os.dup2(fd, self._fd, inheritable=False)  # readers' in-flight calls keep the old one
-            os.close(fd)
-            self._data_writable = True
-        if not self._index.writable:
-            self._index.reopen_writable()
+            self._reopen_data()
+        # Always reopened: a RocksDB whose log write failed keeps failing every write.
+        self._index.reopen_writable()
         n = len(self._unsynced_drops)
         drops = self._unsynced_drops[:n]
         for _key, offset in drops:
             if offset is not None:
                 os.pwrite(self._fd, bytes(4), offset)
-        os.fdatasync(self._fd)  # also the data file's probe when nothing was dropped
+        if (unit := self.alloc.first_free()) is not None:  # the data file's write probe
+            os.pwrite(self._fd, bytes(PAGE), unit * PAGE)
+        os.fdatasync(self._fd)
         self._index.forget([key for key, _ in drops])
         return n
+
+    def _reopen_data(self) -> None:
+        """The data file, opened read-only at start, reopened for writing in place (the same
+        descriptor number: readers' calls in flight keep the old description)."""
+        fd = os.open(self.directory / "blocks.dat", os.O_RDWR)
+        try:
+            old, new = os.fstat(self._fd), os.fstat(fd)
+            if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):
+                raise OSError(errno.ESTALE, "blocks.dat was replaced since the tier opened it")
+            os.dup2(fd, self._fd, inheritable=False)
+        finally:
+            os.close(fd)
+        self._data_writable = True
+
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self.directory)
+        # Root (the daemon in its image) may write into the blocks reserved for it, too.
+        return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+    def _file_room(self) -> int:
+        """Bytes the data file still needs to hold `capacity_bytes` (it is written sparse)."""
+        return max(0, self.capacity_bytes - os.fstat(self._fd).st_blocks * 512)
+
+    def _room_hint(self) -> str:
+        """A clause for the log when the filesystem cannot hold the whole tier."""
+        try:
+            room = self._free_bytes() + self.capacity_bytes - self._file_room()
+        except OSError:
+            return ""
+        if room >= self.capacity_bytes:
+            return ""
+        return (f"; disk_bytes ({self.capacity_bytes / 2**20:.0f} MiB) is more than this "
+                f"filesystem has room for ({room / 2**20:.0f} MiB with the data file): lower "
+                "it, or the tier will fill the disk again")
 
     def resume(self, handled: int) -> bool:
         """On the loop, after `try_recover` returned `handled`: take writes again, unless more
@@ -282,8 +324,17 @@ class DiskTier(Tier):
         degrades the tier and raises `DiskDegradedError` (an OSError)."""
         if len(payload) != entry.length:
             raise InvalidArgumentError(f"payload is {len(payload)} bytes, reserved {entry.length}")
-        if self.degraded:
-            raise DiskDegradedError(f"disk tier takes no writes: {self.degraded}")
+        with self._writes_lock:
+            if self.degraded:
+                raise DiskDegradedError(f"disk tier takes no writes: {self.degraded}")
+            self._writing += 1
+        try:
+            self._write(entry, payload, seq)
+        finally:
+            with self._writes_lock:
+                self._writing -= 1
+
+    def _write(self, entry: BlockEntry, payload: memoryview, seq: int | None) -> None:
         if seq is None:
             seq = self.reserve_seqs(1)
         csum = checksum([payload])

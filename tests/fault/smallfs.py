@@ -35,13 +35,14 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 @contextmanager
-def ext4(path: Path, image: Path, size_mib: int) -> Iterator[Path]:
-    """Mount a fresh ext4 image of `size_mib` at `path` with `errors=remount-ro`."""
+def ext4(path: Path, image: Path, size_mib: int, reserved_pct: int = 5) -> Iterator[Path]:
+    """Mount a fresh ext4 image of `size_mib` at `path` with `errors=remount-ro`, keeping
+    `reserved_pct` of its blocks for root (mkfs's default is 5)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to mount an ext4 image (CI runs as root)")
     with open(image, "wb") as f:
         f.truncate(size_mib << 20)
-    r = _run("mkfs.ext4", "-q", "-F", str(image))
+    r = _run("mkfs.ext4", "-q", "-F", "-m", str(reserved_pct), str(image))
     if r.returncode != 0:
         pytest.skip(f"mkfs.ext4 unavailable or failed: {r.stderr.strip()}")
     path.mkdir(parents=True, exist_ok=True)

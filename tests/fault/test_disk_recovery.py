@@ -9,6 +9,8 @@ Tier-level, so the drop racing the check can be placed exactly; the daemon-level
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from kvstore.errors import CapacityError
 from kvstore.tiers.base import PAGE, BlockEntry
 from kvstore.tiers.disk import DiskDegradedError, DiskTier
-from tests.fault.smallfs import tmpfs
+from tests.fault.smallfs import ext4, fill, tmpfs
 
 pytestmark = pytest.mark.fault
 NS = b"n" * 32
@@ -55,10 +57,10 @@ def _read(tier: DiskTier, i: int) -> bytes:
         tier.complete_load(entry)
 
 
-def _fill_until_degraded(tier: DiskTier) -> list[int]:
+def _fill_until_degraded(tier: DiskTier, first: int = 0) -> list[int]:
     """Write blocks until the full filesystem degrades the tier; returns those written."""
     written = []
-    for i in range(1000):
+    for i in range(first, first + 1000):
         try:
             _write(tier, i)
         except DiskDegradedError:
@@ -69,8 +71,8 @@ def _fill_until_degraded(tier: DiskTier) -> list[int]:
 
 def test_a_freed_disk_takes_writes_again_and_drops_made_meanwhile_stay_dropped(
         tmp_path: Path) -> None:
-    with tmpfs(tmp_path / "fs", "8m") as fs:
-        (fs / "ballast").write_bytes(bytes(7 << 20))  # ~1 MiB left, the tier wants 4 MiB
+    with tmpfs(tmp_path / "fs", "12m") as fs:
+        (fs / "ballast").write_bytes(bytes(11 << 20))  # ~1 MiB left, the tier wants 4 MiB
         tier = DiskTier(fs / "disk", CAP, sync="always")
         try:
             written = _fill_until_degraded(tier)
@@ -109,11 +111,22 @@ def test_a_freed_disk_takes_writes_again_and_drops_made_meanwhile_stay_dropped(
                 assert _read(again, i) == _payload(i)
         finally:
             again.close()
+        # Rebuilt from the data file alone: the records dropped while degraded were unmarked.
+        shutil.rmtree(fs / "disk" / "index")
+        rebuilt = DiskTier(fs / "disk", CAP, sync="always")
+        try:
+            assert rebuilt.index_rebuilds == 1
+            assert not rebuilt.contains(_key(written[0])), "a dropped record was rebuilt"
+            assert not rebuilt.contains(_key(written[1])), "a dropped record was rebuilt"
+            for i in [*written[2:], *range(500, 520)]:
+                assert _read(rebuilt, i) == _payload(i)
+        finally:
+            rebuilt.close()
 
 
 def test_clear_while_degraded_is_durable_once_the_tier_recovers(tmp_path: Path) -> None:
-    with tmpfs(tmp_path / "fs", "8m") as fs:
-        (fs / "ballast").write_bytes(bytes(7 << 20))
+    with tmpfs(tmp_path / "fs", "12m") as fs:
+        (fs / "ballast").write_bytes(bytes(11 << 20))
         tier = DiskTier(fs / "disk", CAP, sync="always")
         try:
             written = _fill_until_degraded(tier)
@@ -135,8 +148,8 @@ def test_a_tier_degraded_forever_without_recovery_keeps_its_drops_pending(
         tmp_path: Path) -> None:
     """Positive control for the test above: without the recovery, a restart brings the
     cleared blocks back (verified, so still the right bytes): the gap it closes."""
-    with tmpfs(tmp_path / "fs", "8m") as fs:
-        (fs / "ballast").write_bytes(bytes(7 << 20))
+    with tmpfs(tmp_path / "fs", "12m") as fs:
+        (fs / "ballast").write_bytes(bytes(11 << 20))
         tier = DiskTier(fs / "disk", CAP, sync="always")
         try:
             written = _fill_until_degraded(tier)
@@ -151,3 +164,51 @@ def test_a_tier_degraded_forever_without_recovery_keeps_its_drops_pending(
                 assert _read(again, i) == _payload(i)
         finally:
             again.close()
+
+
+def test_an_index_that_failed_its_log_write_is_reopened(tmp_path: Path) -> None:
+    """A data file already grown to its extents takes writes into them on a full disk, so the
+    index's log append is what fails first; RocksDB then fails every later write on that
+    handle, until it is reopened."""
+    with tmpfs(tmp_path / "fs", "12m") as fs:
+        tier = DiskTier(fs / "disk", CAP, sync="always")
+        try:
+            for i in range(20):
+                _write(tier, i)
+            for i in range(10):  # their extents stay allocated in the data file
+                assert tier.remove(_key(i))
+            fill(fs)  # the filesystem is full; the data file needs no new blocks
+            assert len(_fill_until_degraded(tier, first=100)) < 10
+            assert "No space left" in tier.degraded and ".log" in tier.degraded, tier.degraded
+            (fs / "filler").unlink()
+            assert tier.resume(tier.try_recover()) is True
+            for i in range(200, 210):
+                _write(tier, i)
+        finally:
+            tier.close()
+        again = DiskTier(fs / "disk", CAP, sync="always")
+        try:
+            assert again.index_rebuilds == 0
+            for i in [*range(10, 20), *range(200, 210)]:
+                assert _read(again, i) == _payload(i)
+        finally:
+            again.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's view of free space (and mounting)")
+def test_root_counts_the_blocks_reserved_for_root_as_free(tmp_path: Path) -> None:
+    """The daemon runs as root in its image, and root's writes may use the blocks ext4 keeps
+    for root: waiting for free space as other users see it would wait for the reserve too
+    (a quarter of this filesystem, 5% of a real one by default)."""
+    with ext4(tmp_path / "fs", tmp_path / "fs.img", 32, reserved_pct=25) as fs:
+        tier = DiskTier(fs / "disk", CAP, sync="always")
+        try:
+            fill(fs)  # as root: into the reserve too
+            _fill_until_degraded(tier)
+            filler = fs / "filler"
+            os.truncate(filler, filler.stat().st_size - (10 << 20))
+            st = os.statvfs(fs)  # the tier waits for at most 8 MiB (4 + the index's 4)
+            assert st.f_bavail * st.f_frsize < (4 << 20) and st.f_bfree * st.f_frsize > (8 << 20)
+            assert tier.resume(tier.try_recover()) is True
+        finally:
+            tier.close()

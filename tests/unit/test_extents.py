@@ -234,3 +234,14 @@ def test_randomized_against_bitmap_reference() -> None:
                 else:
                     i += 1
             assert runs(a) == free_runs
+
+
+def test_first_free() -> None:
+    a = ExtentAllocator(8)
+    assert a.first_free() == 0
+    assert a.allocate(8) == 0
+    assert a.first_free() is None  # every unit used
+    a.free(5, 2)
+    a.free(2, 1)
+    assert a.first_free() == 2
+    assert ExtentAllocator(0).first_free() is None
