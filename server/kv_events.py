@@ -133,7 +133,9 @@ class ZmqEventPublisher:
                  max_files: int = 1024, log_level: str = "info", log_format: str = "text",
                  ) -> None:
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue)
-        self._dropped = 0  # batches dropped here: the queue was full, or the child is gone
+        # Batches dropped here, each counted by one thread only (no lost increments): the
+        # queue was full (the loop's `publish`), or the child is gone (the feeding thread).
+        self._dropped_full = self._dropped_gone = 0
         self._gone = self._closing = False
         ctx = multiprocessing.get_context("spawn")  # no fork of a daemon running threads
         self._sent = ctx.Value("Q", 0, lock=False)
@@ -174,7 +176,7 @@ class ZmqEventPublisher:
     def dropped(self) -> int:
         """Batches dropped: the queue was full, a send failed, or the sockets' process was
         gone."""
-        return self._dropped + int(self._failed.value)
+        return self._dropped_full + self._dropped_gone + int(self._failed.value)
 
     def publish(self, batch: KVEventBatch) -> bool:
         """Queue a batch; False (counted in `dropped`) when the queue is full. Never blocks."""
@@ -182,7 +184,7 @@ class ZmqEventPublisher:
             self._queue.put_nowait(batch)
             return True
         except queue.Full:
-            self._dropped += 1
+            self._dropped_full += 1
             return False
 
     def _run(self) -> None:
@@ -195,7 +197,7 @@ class ZmqEventPublisher:
                     self._gone = True
                     log.error("kv events: the sockets' process is gone (exit code %s); "
                               "batches are dropped from now on", self._proc.exitcode)
-                self._dropped += 1
+                self._dropped_gone += 1
         with contextlib.suppress(OSError):
             self._conn.send_bytes(b"")  # the child's cue to exit
 
