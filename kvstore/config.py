@@ -108,8 +108,9 @@ class ServerConfig:
                                "read's scratch space) and its own. Unnamed: 1, so equal shares "
                                "by default. A tenant whose share is smaller than one of its "
                                "blocks stores none in that tier while the others hold no more "
-                               "than theirs. Needs `listen` and `tenant_tokens_file`, which "
-                               "must list every tenant named.")
+                               "than theirs. The write-through queue (`remote`) is shared by "
+                               "the same weights. Needs `listen` and `tenant_tokens_file`, "
+                               "which must list every tenant named.")
     host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
                            lo=0, hi=1 << 44)
     gpu_bytes: int = _opt(0, "GPU HBM tier capacity: a device slab above the host tier (victims "

@@ -224,6 +224,8 @@ class Daemon:
                                  remote_queue_blocks=config.remote_queue_blocks,
                                  fetch_window_bytes=config.fetch_window_bytes, gpu=gpu,
                                  write_fence_s=config.write_fence_s)
+        if self.store.write_queue is not None:
+            self.store.write_queue.set_weights(weights)
         if config.host_prefault == "background":
             host.start_prefault()
         self._rates_file = self.data_dir / "read_bandwidth.json"

@@ -12,13 +12,18 @@ own; batches take from the owners in turn, and a full queue makes room for a blo
 shedding the newest block of the owner with the most queued, unless that is the block's own
 owner. So a tenant publishing faster than the remote tier takes blocks neither delays other
 tenants' writes behind its backlog nor has their blocks shed. With one owner it is one FIFO.
+
+With weights (`tenant_weights`, `set_weights`), "most queued" is per unit of weight, and an
+owner's turn takes as many blocks as its weight over the least weight of those queued (the
+fraction carried to its next turn): a tenant of weight 3 beside one of weight 1 gets three
+blocks written to each one of the other's, and holds three times as many queued when full.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -53,6 +58,19 @@ class WriteThroughQueue:
         self._owner_of: dict[bytes, bytes] = {}  # queued key -> its owner
         self._ready = asyncio.Event()
         self._busy = 0  # batches taken and not yet marked done
+        self._weights: dict[bytes, float] = {}  # owners not named weigh 1
+        self._turn_left: dict[bytes, float] = {}  # blocks left in an owner's turn now
+
+    def set_weights(self, weights: Mapping[bytes, float]) -> None:
+        """Each owner's weight (`owner_of` tags; b"": the unscoped callers); 1 if not named."""
+        for owner, w in weights.items():
+            if not (w > 0 and w < float("inf")):
+                raise ValueError(f"write-through queue: weight of owner {owner.hex()!r} must be "
+                                 f"a positive number, got {w!r}")
+        self._weights = {o: float(w) for o, w in weights.items() if w != 1}
+
+    def _weight(self, owner: bytes) -> float:
+        return self._weights.get(owner, 1.0)
 
     def __len__(self) -> int:
         return len(self._owner_of)
@@ -69,6 +87,7 @@ class WriteThroughQueue:
         del self._owner_of[write.key]
         if not fifo:
             del self._owners[owner]
+            self._turn_left.pop(owner, None)
         return write
 
     def _room_for(self, owner: bytes) -> bool:
@@ -77,9 +96,15 @@ class WriteThroughQueue:
         if len(self._owner_of) < self.capacity:
             return True
         mine = len(self._owners.get(owner, ()))
-        most = max(self._owners, key=lambda o: len(self._owners[o]))
-        if most == owner or len(self._owners[most]) <= mine + 1:
-            return False
+        if not self._weights:  # as before weights: in whole blocks
+            most = max(self._owners, key=lambda o: len(self._owners[o]))
+            if most == owner or len(self._owners[most]) <= mine + 1:
+                return False
+        else:
+            w = self._weight
+            most = max(self._owners, key=lambda o: len(self._owners[o]) / w(o))
+            if most == owner or len(self._owners[most]) / w(most) <= (mine + 1) / w(owner):
+                return False
         self._pop(most, last=True)
         self.shed += 1
         return True
@@ -108,6 +133,7 @@ class WriteThroughQueue:
             del fifo[key], self._owner_of[key]
             if not fifo:
                 del self._owners[owner]
+                self._turn_left.pop(owner, None)
 
     def requeue(self, writes: Iterable[QueuedWrite]) -> None:
         """Put writes that failed back at the front of their owners' FIFOs, in their order,
@@ -147,11 +173,21 @@ class WriteThroughQueue:
             total += size_of(key)
             if batch and total > max_bytes:
                 break
+            if self._turn_left.get(owner, 0.0) < 1:  # its turn begins
+                self._turn_left[owner] = self._turn_left.get(owner, 0.0) + self._turn(owner)
             batch.append(self._pop(owner, last=False))
-            if owner in self._owners:  # its turn is over: to the back of the line
-                self._owners[owner] = self._owners.pop(owner)
+            if owner in self._owners:
+                self._turn_left[owner] -= 1
+                if self._turn_left[owner] < 1:  # its turn is over: to the back of the line
+                    self._owners[owner] = self._owners.pop(owner)
         self._busy += 1
         return batch
+
+    def _turn(self, owner: bytes) -> float:
+        """Blocks in a turn of `owner`: its weight over the least of the owners queued."""
+        if not self._weights:
+            return 1.0
+        return self._weight(owner) / min(self._weight(o) for o in self._owners)
 
     def done(self) -> None:
         self._busy -= 1

@@ -248,13 +248,19 @@ def test_write_through_sheds_instead_of_blocking(redis_server: RedisServer,
     assert d.stop() == 0  # SIGTERM drains the (empty) queue and closes the remote client
 
 
-def test_a_tenant_flooding_write_through_leaves_another_its_share(redis_server: RedisServer,
-                                                                   daemon_factory,
-                                                                   tmp_path) -> None:
+@pytest.mark.parametrize(("weights", "blocks", "reach_b"), [
+    ("", 2, 2),  # within its equal share (4 of 8)
+    ("", 6, 4),  # over it: its newest 2 shed
+    ("bravo=3", 6, 6),  # weighted: 6 of 8 are its share
+])
+def test_a_tenant_flooding_write_through_leaves_another_its_share(
+        redis_server: RedisServer, daemon_factory, tmp_path, weights: str, blocks: int,
+        reach_b: int) -> None:
     """Redis stalls (SIGSTOP) while tenant alpha publishes four times what the write-through
-    queue holds on daemon A; then bravo publishes 2 blocks there. Redis resumes: bravo's
-    blocks reach daemon B, which reads them through Redis. Before the queue was shared
-    between tenants, alpha's backlog filled it and bravo's blocks were shed: B never saw them."""
+    queue holds on daemon A; then bravo publishes a prompt of `blocks` there. Redis resumes:
+    bravo's blocks reach daemon B, which reads them through Redis, as many as bravo's share of
+    the queue holds (`tenant_weights`). Before the queue was shared between tenants, alpha's
+    backlog filled it and bravo's blocks were shed: B never saw them."""
     from tests.security.test_tenants import TOKEN_A, TOKEN_B, _free_port, _tokens_file
 
     f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\nbravo {TOKEN_B}\n")
@@ -264,11 +270,12 @@ def test_a_tenant_flooding_write_through_leaves_another_its_share(redis_server: 
     daemons = [daemon_factory(*_daemon_args(redis_server.url, "--remote-queue-blocks", "8",
                                             "--remote-retry-s", "3",
                                             "--listen", f"127.0.0.1:{port}",
-                                            "--tenant-tokens-file", str(f)), name=name).start()
+                                            "--tenant-tokens-file", str(f),
+                                            "--tenant-weights", weights), name=name).start()
                for name, port in zip("AB", ports, strict=True)]
     a_tcp, b_tcp = (f"127.0.0.1:{p}" for p in ports)
     layout = small_layout()
-    mine = list(range(2 * 16))
+    mine = list(range(blocks * 16))
     kv = random_kv(layout, len(mine), seed=9)
     assert redis_server.proc is not None
     redis_server.proc.send_signal(signal.SIGSTOP)
@@ -291,10 +298,12 @@ def test_a_tenant_flooding_write_through_leaves_another_its_share(redis_server: 
             assert remote().breaker_opens == 1  # all within one wait of the writer
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
+    with KVClient(daemons[0].target, layout) as local:
+        _wait_for(lambda: (s := local.stats()) is not None and s.remote.queue_depth == 0, 20)
     with KVClient(b_tcp, layout, token=TOKEN_B, deadline_s=5) as bravo_on_b:
-        _wait_for(lambda: bravo_on_b.lookup(mine) == len(mine), 20)
+        _wait_for(lambda: bravo_on_b.lookup(mine) >= reach_b * 16, 20)
         n, got = bravo_on_b.fetch(mine)
-        assert n == len(mine) and same_bytes(got, kv)
+        assert n == reach_b * 16 and same_bytes(got, kv[:, :, :n])
 
 
 def test_a_tenants_clear_of_one_namespace_leaves_its_others_in_redis(

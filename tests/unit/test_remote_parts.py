@@ -163,6 +163,48 @@ def test_write_queue_shares_room_and_turns_between_tenants() -> None:
     asyncio.run(main())
 
 
+def test_write_queue_weights_turns_and_room() -> None:
+    """`tenant_weights` in the queue: alpha at 3 gets three blocks written per turn to
+    bravo's one, the fraction of a weight carried over; a full queue keeps alpha 3/4 of it."""
+    alpha, bravo, carol = b"\xa7kvTaaaa", b"\xa7kvTbbbb", b"\xa7kvTcccc"
+
+    async def main() -> None:
+        q = WriteThroughQueue(8)
+        q.set_weights({alpha: 3.0, carol: 1.5})
+        for i in range(20):
+            q.put(b"b%d" % i, owner=bravo)
+        assert len(q) == 8
+        for i in range(20):  # shed bravo's newest down to its quarter: 6 and 2
+            q.put(b"a%d" % i, owner=alpha)
+        assert [len(q._owners[o]) for o in (alpha, bravo)] == [6, 2]
+        assert not q.put(b"b99", owner=bravo) and not q.put(b"a99", owner=alpha)
+        batch = await q.take(100, 10**9, lambda k: 0)
+        assert [w.key for w in batch] == [b"b0", b"a0", b"a1", b"a2", b"b1", b"a3", b"a4",
+                                          b"a5"]
+        q.done()
+        # Carol at 1.5 against bravo at 1: 1.5 blocks a turn, 3 every 2 turns of bravo's.
+        q3 = WriteThroughQueue(100)
+        q3.set_weights({alpha: 3.0, carol: 1.5})
+        for i in range(9):
+            q3.put(b"c%d" % i, owner=carol)
+            q3.put(b"d%d" % i, owner=bravo)
+        order = [w.owner for w in await q3.take(10, 10**9, lambda k: 0)]
+        assert order == [carol, bravo, carol, carol, bravo, carol, bravo, carol, carol, bravo]
+        # A batch that ends in an owner's turn goes on with it in the next batch.
+        q2 = WriteThroughQueue(100)
+        q2.set_weights({alpha: 3.0})
+        for i in range(5):
+            q2.put(b"a%d" % i, owner=alpha)
+            q2.put(b"b%d" % i, owner=bravo)
+        first = [w.key for w in await q2.take(2, 10**9, lambda k: 0)]
+        second = [w.key for w in await q2.take(3, 10**9, lambda k: 0)]
+        assert first + second == [b"a0", b"a1", b"a2", b"b0", b"a3"]
+        with pytest.raises(ValueError, match="positive"):
+            q2.set_weights({alpha: 0.0})
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("hiredis", [True, False])
 def test_the_tier_warns_when_hiredis_would_copy_every_value(hiredis: bool, monkeypatch,
                                                             caplog) -> None:
