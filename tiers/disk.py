@@ -234,7 +234,8 @@ class DiskTier(Tier):
         free = self._free_bytes()
         need = min(RECOVER_FREE_BYTES, self._file_room() + INDEX_ROOM)
         if free < need:
-            raise OSError(errno.ENOSPC, f"{free} B free, waiting for {need} B")
+            raise OSError(errno.ENOSPC, f"{free / 2**20:.1f} MiB free, waiting for "
+                          f"{need / 2**20:.1f} MiB")
         if not self._data_writable:
             self._reopen_data()
         # Always reopened: a RocksDB whose log write failed keeps failing every write.

@@ -81,7 +81,7 @@ def test_a_freed_disk_takes_writes_again_and_drops_made_meanwhile_stay_dropped(
                 tier.prepare_store(_key(999), NS, LAYOUT, LENGTH)
             # Dropped while degraded: nothing can be written for it now.
             assert tier.remove(_key(written[0]))
-            with pytest.raises(OSError, match="B free, waiting for") as still_full:
+            with pytest.raises(OSError, match="MiB free, waiting for") as still_full:
                 tier.try_recover()
             assert still_full.value.errno == errno.ENOSPC, still_full.value
             assert tier.degraded, "recovered with the disk still full"
