@@ -81,8 +81,10 @@ class ExtentAllocator:
         self._lengths[start] = n
 
     def first_free(self) -> int | None:
-        """The first free unit, or None when every unit is used."""
-        return self._starts[0] if self._starts else None
+        """The first free unit, or None when every unit is used. Safe from another thread
+        while this one frees (one slice, which the GIL makes atomic)."""
+        first = self._starts[:1]
+        return first[0] if first else None
 
     def _insert(self, start: int, n: int) -> None:
         bisect.insort(self._starts, start)

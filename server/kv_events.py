@@ -37,13 +37,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from kvstore.server import event_sockets
 from kvstore.tiers.base import BlockEntry, Tier
+
+if TYPE_CHECKING:
+    from rocksdict import Rdict
 
 log = logging.getLogger(__name__)
 
@@ -229,19 +232,65 @@ class ZmqEventPublisher:
 
 class _MetaDB:
     """Descriptions of disk blocks, persistent (RocksDB beside the disk index), so a restarted
-    daemon still names the engine blocks when it removes a disk block."""
+    daemon still names the engine blocks when it removes a disk block.
+
+    Never raises: it sits in the tiers' listener, on the same disk as the tier. A RocksDB
+    whose log write failed (a full disk) fails every later write on that handle, so after a
+    failure the store is reopened, at most every `REOPEN_S`, and skipped meanwhile: a lost
+    description only leaves that disk block's removal unannounced after a restart."""
+
+    REOPEN_S = 5.0
 
     def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db: Rdict | None = self._open()
+        self.failures = 0
+        self._failed_at: float | None = None
+
+    def _open(self) -> Rdict:
         from rocksdict import Rdict  # the disk tier's dependency already
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = Rdict(str(path))
+        return Rdict(str(self.path))
+
+    def _usable(self) -> Rdict | None:
+        if self._failed_at is None:
+            return self.db
+        if time.monotonic() - self._failed_at < self.REOPEN_S:
+            return None
+        self._close()
+        try:
+            self.db = self._open()
+        except Exception as e:
+            self._failed(e)
+            return None
+        log.info("kv events: the store of disk block descriptions works again")
+        self._failed_at = None
+        return self.db
+
+    def _failed(self, e: Exception) -> None:
+        if self._failed_at is None:
+            log.warning("kv events: the store of disk block descriptions failed (%s); "
+                        "retried every %.0f s, descriptions not saved meanwhile",
+                        " ".join(str(e).split()), self.REOPEN_S)
+        self.failures += 1
+        self._failed_at = time.monotonic()
 
     def put(self, key: bytes, meta: EngineBlocks) -> None:
-        self.db[key] = _meta_encoder.encode(meta)
+        if (db := self._usable()) is not None:
+            try:
+                db[key] = _meta_encoder.encode(meta)
+            except Exception as e:
+                self._failed(e)
 
     def get(self, key: bytes) -> EngineBlocks | None:
-        raw = self.db.get(key)
+        if (db := self._usable()) is None:
+            return None
+        try:
+            raw = db.get(key)
+        except Exception as e:
+            self._failed(e)
+            return None
         if raw is None:
             return None
         try:
@@ -250,10 +299,22 @@ class _MetaDB:
             return None
 
     def delete(self, key: bytes) -> None:
-        del self.db[key]
+        if (db := self._usable()) is not None:
+            try:
+                del db[key]
+            except Exception as e:
+                self._failed(e)
+
+    def _close(self) -> None:
+        db, self.db = self.db, None
+        if db is not None:
+            try:
+                db.close()
+            except Exception as e:  # a handle whose log write failed fails its flush too
+                log.debug("kv events: closing the description store: %s", e)
 
     def close(self) -> None:
-        self.db.close()
+        self._close()
 
 
 @dataclass

@@ -1328,10 +1328,13 @@ class TieredStore:
             try:
                 handled = await self._run_io(disk.try_recover)
             except Exception as e:  # OSError, or RocksDB's plain Exception
-                why = one_line(e)
-                if why != self._disk_recheck_failed:  # said once per reason, not every time
-                    log.info("disk tier still takes no writes: %s", why)
-                    self._disk_recheck_failed = why
+                # Said once per kind of failure: the free space, RocksDB's file names and
+                # timestamps change from one check to the next.
+                kind = (f"errno {e.errno}" if isinstance(e, OSError) and e.errno
+                        else str(e).split(":")[0])
+                if kind != self._disk_recheck_failed:
+                    log.info("disk tier still takes no writes: %s", one_line(e))
+                    self._disk_recheck_failed = kind
                 return False
             self._disk_recheck_failed = ""
             if disk.resume(handled):
@@ -1339,10 +1342,29 @@ class TieredStore:
         return False
 
     async def disk_watch(self, period_s: float) -> None:
-        """Every `period_s`, `recheck_disk` (`disk_recheck_s`)."""
+        """Every `period_s`, `recheck_disk` (`disk_recheck_s`). A tier that degrades again
+        within ten periods of taking writes (a disk failing now and then) waits twice as
+        long before its next check each time, up to 32 periods, so it does not flap (an
+        ERROR and a WARNING line, a block lost) every period."""
+        hold, recovered_at = 1, None
         while True:
             await asyncio.sleep(period_s)
-            await self.recheck_disk()
+            disk = self.disk
+            if disk is None or not disk.degraded:
+                continue
+            if recovered_at is not None:  # the first look since it degraded again
+                flapped = disk.degraded_at - recovered_at < 10 * period_s
+                hold = min(hold * 2, 32) if flapped else 1
+                recovered_at = None
+                if hold > 1:
+                    log.warning("disk tier degraded again soon after taking writes; next "
+                                "check in %.0f s", hold * period_s)
+                    await asyncio.sleep((hold - 1) * period_s)
+            try:
+                if await self.recheck_disk():
+                    recovered_at = time.monotonic()
+            except Exception:  # never end the watch: the tier would stay degraded for good
+                log.exception("disk tier recheck failed")
 
     # ---- admin
     def clear(self, namespace: bytes | None) -> int:

@@ -9,6 +9,7 @@ All bookkeeping runs on the daemon's event-loop thread; only byte movement runs 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from kvstore.errors import CapacityError, InvalidArgumentError
 from kvstore.extents import ExtentAllocator
 from kvstore.tiering import TierPolicy, owner_of
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096  # allocation unit: page-aligned blocks allow O_DIRECT and aligned vector copies
 
@@ -119,8 +122,7 @@ class Tier(ABC):
         if not entry.committed:
             entry.committed = True
             self._count(entry, 1)
-            if self.listener is not None:
-                self.listener(self, entry, True)
+            self._tell(entry, True)
         self.policy.unpin(entry.key)
         self._landed(entry.key)
 
@@ -246,10 +248,21 @@ class Tier(ABC):
         self.policy.remove(entry.key)
         self.alloc.free(entry.unit, entry.units)
         self._on_drop(entry)
-        if entry.committed and self.listener is not None:
-            self.listener(self, entry, False)
-        if not entry.committed:
+        if entry.committed:
+            self._tell(entry, False)
+        else:
             self._landed(entry.key)
+
+    def _tell(self, entry: BlockEntry, stored: bool) -> None:
+        """The listener, which must not undo a change half made: an error in it (the KV
+        events' store failing on a full disk) is logged, never raised into the tier."""
+        if self.listener is None:
+            return
+        try:
+            self.listener(self, entry, stored)
+        except Exception:
+            log.exception("%s tier: the listener of block changes failed (events of this "
+                          "change lost)", self.name)
 
     def _on_drop(self, entry: BlockEntry) -> None:  # noqa: B027 - optional hook
         """Hook for tiers with persistent state (the disk index)."""

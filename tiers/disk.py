@@ -108,7 +108,7 @@ class DiskTier(Tier):
         self._unsynced_drops: list[tuple[bytes, int | None]] = []
         self._writes_lock = threading.Lock()
         self._writing = 0  # `write` calls in flight
-        self._degraded_at = 0.0
+        self.degraded_at = 0.0  # time.monotonic() when it last degraded
         self._seq = 0
         data = self.directory / "blocks.dat"
         try:
@@ -123,6 +123,9 @@ class DiskTier(Tier):
         self._data_writable = data_writable
         self._index = Index(self.directory / "index", self.sync)
         rows = self._open_index()
+        # Rebuilt, but neither written anew nor openable where it lies (the damaged one could
+        # not be moved aside, or the new one not written): only a restart can write it.
+        self._index_in_memory = self._index.db is None
         if self._index.read_only_reason and not self.degraded:
             self._degrade(self._index.read_only_reason, count=False)
         self.dropped_at_open = self._index.malformed + self._load_rows(rows)
@@ -211,7 +214,7 @@ class DiskTier(Tier):
         if self.degraded:
             return
         self.degraded = reason = " ".join(reason.split())
-        self._degraded_at = time.monotonic()
+        self.degraded_at = time.monotonic()
         if count:
             log.error("disk tier degraded: %s; it takes no more writes until the disk does "
                       "(checked every disk_recheck_s) and serves the blocks it holds; the host "
@@ -228,7 +231,7 @@ class DiskTier(Tier):
             if self._writing:  # its index put must not meet the reopen below
                 raise OSError(errno.EBUSY, "a write begun before the tier degraded is still "
                               "in flight")
-        if self._index.db is None and self.index_rebuilds:
+        if self._index_in_memory:
             raise OSError(errno.EIO, "the disk index was rebuilt in memory only; a restart "
                           "writes it")
         free = self._free_bytes()
@@ -294,7 +297,7 @@ class DiskTier(Tier):
         if not self.degraded:
             return True
         log.warning("disk tier takes writes again after %.0f s degraded (%s)",
-                    time.monotonic() - self._degraded_at, self.degraded)
+                    time.monotonic() - self.degraded_at, self.degraded)
         self.degraded = ""
         self.recoveries += 1
         return True

@@ -292,6 +292,7 @@ class Index:
         try:
             self.db = Rdict(str(self.path), self._options())
         except Exception as e:
+            self.writable = False
             raise OSError(errno.EROFS, f"index cannot be opened for writing: {one_line(e)}") \
                 from None
         self.writable = True

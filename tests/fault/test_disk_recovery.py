@@ -9,8 +9,11 @@ Tier-level, so the drop racing the check can be placed exactly; the daemon-level
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -212,3 +215,146 @@ def test_root_counts_the_blocks_reserved_for_root_as_free(tmp_path: Path) -> Non
             assert tier.resume(tier.try_recover()) is True
         finally:
             tier.close()
+
+
+def test_an_index_rebuilt_at_start_recovers_after_a_failed_reopen(tmp_path: Path) -> None:
+    """A check whose reopen of the index fails (its directory refuses new files for a
+    moment) leaves the next check free to reopen it: an index rebuilt and written at start is
+    not one held in memory only."""
+    with ext4(tmp_path / "fs", tmp_path / "fs.img", 32, reserved_pct=0) as fs:
+        d = fs / "disk"
+        tier = DiskTier(d, CAP, sync="always")
+        for i in range(5):
+            _write(tier, i)
+        tier.close()
+        shutil.rmtree(d / "index")
+        tier = DiskTier(d, CAP, sync="always")
+        try:
+            assert tier.index_rebuilds == 1
+            fill(fs)
+            _fill_until_degraded(tier, first=100)
+            (fs / "filler").unlink()
+            if subprocess.run(["chattr", "+i", str(d / "index")], check=False).returncode:
+                pytest.skip("chattr +i is not supported here")
+            try:
+                with pytest.raises(OSError, match="cannot be opened for writing"):
+                    tier.try_recover()
+            finally:
+                subprocess.run(["chattr", "-i", str(d / "index")], check=True)
+            assert tier.resume(tier.try_recover()) is True
+            _write(tier, 300)
+        finally:
+            tier.close()
+        again = DiskTier(d, CAP, sync="always")
+        try:
+            assert again.index_rebuilds == 0
+            for i in [*range(5), 300]:
+                assert _read(again, i) == _payload(i)
+        finally:
+            again.close()
+
+
+def test_kv_events_descriptions_store_heals_with_the_disk(tmp_path: Path) -> None:
+    """The KV events' store of disk block descriptions (RocksDB beside the index) fails its
+    log write on the full disk as the index does. That must never raise out of the tier (a
+    block committed but left pinned, its publish failing), and once the disk has room the
+    store works again."""
+    from kvstore.server.kv_events import EngineBlocks, EventTracker, _MetaDB
+
+    class _Publisher:  # the events' sockets are not what this tests
+        def publish(self, batch: object) -> bool:
+            return True
+
+    def describe(events: EventTracker, i: int, tokens: int = 16) -> None:
+        events.describe(_key(i), EngineBlocks(block_hashes=[_key(i)], parent_block_hash=None,
+                                              token_ids=list(range(tokens)),
+                                              block_size=tokens))
+
+    with tmpfs(tmp_path / "fs", "12m") as fs:
+        tier = DiskTier(fs / "disk", CAP, sync="always")
+        events = EventTracker(_Publisher(), [tier], fs / "disk" / "kv_events.meta")  # type: ignore[arg-type]
+        assert isinstance(events.db, _MetaDB)
+        try:
+            for i in range(20):
+                describe(events, i)
+                _write(tier, i)
+            for i in range(10):  # extents allocated in the file: writes there need no room
+                assert tier.remove(_key(i))
+            fill(fs)
+            for i in range(100, 200):  # into the allocated extents, then degraded
+                describe(events, i)
+                try:
+                    _write(tier, i)
+                except DiskDegradedError:
+                    break
+            assert tier.degraded
+            for n in range(3, 3000):  # descriptions of disk blocks saved: the store fails
+                describe(events, 15, tokens=n % 64 + 1)
+            assert events.db.failures > 0
+            for i in range(10, 15):  # removals while degraded: nothing raises
+                assert tier.remove(_key(i))
+            (fs / "filler").unlink()
+            assert tier.resume(tier.try_recover()) is True
+            events.db.REOPEN_S = 0.0  # (the daemon waits 5 s between reopens)
+            for i in range(300, 305):
+                describe(events, i)
+                entry = _write(tier, i)
+                assert not tier.policy.is_pinned(entry.key), "a committed block left pinned"
+            assert events.db.get(_key(304)) is not None, "the descriptions store did not heal"
+        finally:
+            events.db.close()
+            tier.close()
+
+
+def test_a_tier_that_keeps_degrading_is_rechecked_less_often(tmp_path: Path) -> None:
+    """A disk failing now and then (which no test here can cause for real: the failure is
+    injected by degrading the tier by hand after each recovery) is rechecked at doubling
+    intervals, so it does not flap every period; a tier that holds its recovery is rechecked
+    at the period again."""
+    import asyncio
+    import time
+
+    from kvstore.server.store import TieredStore
+    from kvstore.tiers.host import HostTier
+
+    period = 0.05
+    checks: list[float] = []
+
+    async def _until(done: Callable[[], bool], within_s: float = 10.0) -> None:
+        for _ in range(int(within_s / 0.01)):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not within {within_s} s")
+
+    async def main() -> None:
+        disk = DiskTier(tmp_path / "disk", CAP)
+        store = TieredStore(HostTier(16 * PAGE, shm_dir=tmp_path), disk, io_threads=1)
+        real = disk.try_recover
+
+        def counted() -> int:
+            checks.append(time.monotonic())
+            return real()
+
+        disk.try_recover = counted  # type: ignore[method-assign]
+        watch = asyncio.create_task(store.disk_watch(period))
+        try:
+            for _ in range(4):  # degraded again right after each recovery: it flaps
+                disk._degrade("injected: I/O error")
+                n = len(checks)
+                await _until(lambda n=n: len(checks) > n and not disk.degraded)
+            assert disk.recoveries == 4
+            gaps = [(b - a) / period for a, b in itertools.pairwise(checks)]
+            # Measured: 2.2, 4.2, 8.2 periods (each gap a tick more than the hold).
+            assert gaps[0] >= 1.8 and gaps[1] >= 1.8 * gaps[0] * 0.9, gaps
+            assert gaps[2] >= 1.8 * gaps[1] * 0.9, gaps
+            await asyncio.sleep(11 * period)  # its last recovery held: back to the period
+            disk._degrade("injected: I/O error")
+            began, n = time.monotonic(), len(checks)
+            await _until(lambda: len(checks) > n)
+            assert (checks[-1] - began) / period < 3, "the hold outlived a recovery that held"
+        finally:
+            watch.cancel()
+            store.close()
+
+    asyncio.run(main())
