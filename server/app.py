@@ -320,6 +320,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_tokens)
         await self.start()
         reaper = asyncio.create_task(self.store.reaper())
         watch = (asyncio.create_task(self.store.disk_watch(self.config.disk_recheck_s))
@@ -331,6 +332,34 @@ class Daemon:
         if watch is not None:
             watch.cancel()
         await self.drain()
+
+    def reload_tokens(self) -> bool:
+        """SIGHUP: read `token_file` and `tenant_tokens_file` again and check them as at start;
+        calls from now on use the new tokens (a revoked one is refused at its next call).
+        A file that fails a check changes nothing: the tokens in use stay, and the log says
+        why. True when reloaded."""
+        if self.tokens is None:
+            log.info("SIGHUP: nothing to reload (no `listen`, so no tokens)")
+            return False
+        config = self.config
+        try:
+            tenants = (load_tenant_tokens(config.tenant_tokens_file)
+                       if config.tenant_tokens_file else None)
+            table = TokenTable(admin_token(config), tenants)
+            owner_weights(parse_tenant_weights(config.tenant_weights), table.tenants)
+        except ConfigError as e:
+            log.error("SIGHUP: tokens not reloaded, the ones in use stay: %s", e)
+            return False
+        before = self.tokens.tenants
+        self.tokens.replace(table)
+        self.metrics.names.add(table.tenants)
+        self.namespaces.names.add(table.tenants)
+        added, gone = sorted(table.tenants - before), sorted(before - table.tenants)
+        log.info("SIGHUP: tokens reloaded: %d tokens, %d tenants%s%s", table.token_count,
+                 len(table.tenants), f"; added {', '.join(added)}" if added else "",
+                 f"; removed {', '.join(gone)} (their blocks stay until evicted)"
+                 if gone else "")
+        return True
 
     async def drain(self) -> None:
         log.info("draining: health NOT_SERVING, %.1f s grace", self.config.drain_grace_s)

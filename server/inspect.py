@@ -33,12 +33,12 @@ class NamespaceBook:
     def __init__(self, limit: int = MAX_NAMESPACES, tenants: Iterable[str] = ()) -> None:
         self.limit = limit
         self._seen: dict[bytes, Seen] = {}
-        self._names = OwnerNames(tenants)  # the tokens file's tenants
+        self.names = OwnerNames(tenants)  # the tokens file's tenants (more at a reload)
 
     def tenant_of(self, stored_ns: bytes) -> str:
         """The tenant of a stored namespace, named or seen since start or not: by its tag."""
         seen = self._seen.get(stored_ns)
-        return seen.tenant if seen is not None else self._names(owner_of(stored_ns))
+        return seen.tenant if seen is not None else self.names(owner_of(stored_ns))
 
     def note(self, stored_ns: bytes, layout: pb.Layout, scope: Scope, client_ns: bytes) -> None:
         if stored_ns in self._seen:

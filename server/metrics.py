@@ -189,7 +189,8 @@ class Metrics:
     def __init__(self, store: TieredStore, tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         self.gauges: dict[str, int] = {"inflight": 0}
-        self.registry.register(StoreCollector(store, self.gauges, OwnerNames(tenants)))
+        self.names = OwnerNames(tenants)  # more added when the tokens file is reloaded
+        self.registry.register(StoreCollector(store, self.gauges, self.names))
         self.latency = Histogram(
             "kvstore_rpc_seconds", "RPC latency by method and outcome.", ["method", "code"],
             registry=self.registry,

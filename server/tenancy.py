@@ -61,6 +61,11 @@ class OwnerNames:
     def __init__(self, tenants: Iterable[str] = ()) -> None:
         self._names = {owner_tag(t): t for t in tenants}
 
+    def add(self, tenants: Iterable[str]) -> None:
+        """Name more tenants (a reloaded tokens file); those no longer listed keep their
+        names, as their blocks stay until evicted."""
+        self._names.update((owner_tag(t), t) for t in tenants)
+
     def __call__(self, owner: bytes) -> str:
         if not owner:
             return ""
@@ -170,6 +175,15 @@ class TokenTable:
         if not entries:
             raise ConfigError("a TCP listener needs `token` or `tenant_tokens_file`")
         self._entries = entries
+
+    def replace(self, other: TokenTable) -> None:
+        """Take `other`'s tokens (a reload): calls from now on are checked against them, each
+        call's tenant fixed when it was admitted."""
+        self._entries = other._entries
+
+    @property
+    def token_count(self) -> int:
+        return len(self._entries)
 
     @property
     def tenants(self) -> set[str]:

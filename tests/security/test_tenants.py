@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -266,3 +267,66 @@ def test_scope_separates_tenants_and_keeps_unscoped_calls_as_sent():
     assert a.namespace(ns) != b.namespace(ns)
     assert a.keys([key]) == Scope("alpha").keys([key])  # deterministic
     assert a.namespace(b"short") == b"short"  # validation still sees what was sent
+
+
+def _wait_log(daemon, text: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while text not in daemon.log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} not logged: {daemon.log.read_text()[-2000:]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_sighup_reloads_the_tokens_and_a_bad_file_changes_nothing(daemon_factory, tmp_path):
+    """A leaked token is revoked without a restart (the host tier's blocks stay): SIGHUP
+    reads the tokens file again. The revoked token is refused at its next call, on a
+    connection opened before; the tenant's new token finds the blocks its old one published;
+    a tenant added is admitted. A file that fails a check (readable by others, a tenant that
+    `tenant_weights` names missing) changes nothing."""
+    import signal
+
+    port = _free_port()
+    tcp = f"127.0.0.1:{port}"
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    d = daemon_factory("--listen", tcp, "--tenant-tokens-file", str(f),
+                       "--tenant-weights", "alpha=2").start()
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = random_kv(layout, 64)
+    new_a = "alpha-token-rotated-0123"
+    old_a = KVClient(tcp, layout, token=TOKEN_A, deadline_s=5)
+    try:
+        assert old_a.publish(tokens, kv) == 64
+        f.write_text(f"alpha {new_a}\nbravo {TOKEN_B}\n")
+        d.proc.send_signal(signal.SIGHUP)
+        _wait_log(d, "tokens reloaded: 2 tokens, 2 tenants; added bravo")
+        assert d.proc.poll() is None, "SIGHUP ended the daemon"
+        channel = grpc.insecure_channel(tcp)
+        stub = pb_grpc.KVStoreStub(channel)
+        with pytest.raises(grpc.RpcError) as e:  # the revoked token
+            stub.Inspect(pb.InspectRequest(), metadata=(("authorization", f"Bearer {TOKEN_A}"),),
+                         timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert old_a.lookup(tokens) == 0  # its client, connected before: refused, a miss
+    finally:
+        old_a.close()
+    with KVClient(tcp, layout, token=new_a, deadline_s=5) as a:
+        n, got = a.fetch(tokens)
+        assert n == 64 and same_bytes(got, kv), "the new token does not find alpha's blocks"
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=5) as b:
+        assert b.lookup(tokens) == 0 and b.publish(tokens, kv) == 64
+    mine = stub.Inspect(pb.InspectRequest(), metadata=(("authorization", f"Bearer {TOKEN_B}"),),
+                        timeout=5)
+    assert [n.tenant for n in mine.namespaces] == ["bravo"]  # named, not "?<tag>"
+    # Files that fail a check: the tokens in use stay.
+    for text, mode, why in ((f"alpha {new_a}\n", 0o644, "accessible by group or others"),
+                            (f"bravo {TOKEN_B}\n", 0o600, "'alpha'")):
+        f.write_text(text)
+        os.chmod(f, mode)
+        d.proc.send_signal(signal.SIGHUP)
+        _wait_log(d, why)
+        for token in (new_a, TOKEN_B):
+            with KVClient(tcp, layout, token=token, deadline_s=5) as c:
+                assert c.lookup(tokens) == 64, f"a refused reload changed {token[:5]}'s access"
+    assert "tokens not reloaded" in d.log.read_text()
+    channel.close()
