@@ -135,8 +135,9 @@ class ServerConfig:
                                  "again, and if so takes them again itself: free space (256 "
                                  "MiB, or what its data file still needs and 4 MiB for the "
                                  "index if less) and a synced write. A tier that degrades "
-                                 "again soon after is checked half as often each time, down "
-                                 "to every 32 periods. 0: it stays degraded until a restart.",
+                                 "again soon after waits twice as long each time before its "
+                                 "first check, up to 32 periods. 0: it stays degraded until "
+                                 "a restart.",
                                  unit="seconds", lo=0, hi=86400)
     shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
     host_prefault: str = _opt("background", "`background`: back the host arena's pages in a "

@@ -235,61 +235,83 @@ class _MetaDB:
     daemon still names the engine blocks when it removes a disk block.
 
     Never raises: it sits in the tiers' listener, on the same disk as the tier. A RocksDB
-    whose log write failed (a full disk) fails every later write on that handle, so after a
-    failure the store is reopened, at most every `REOPEN_S`, and skipped meanwhile: a lost
-    description only leaves that disk block's removal unannounced after a restart."""
+    whose log write failed (a full disk) fails every later write on that handle but still
+    reads, so after a failure writes are skipped (a description not saved only leaves that
+    block's removal unannounced after a restart) and reads go on; the store is reopened once
+    the disk takes writes again (`heal`). Opened where the disk cannot be written, it starts
+    read-only (or empty, if even that fails) and heals the same way."""
 
-    REOPEN_S = 5.0
+    REOPEN_S = 30.0  # between reopens that failed (each leaves a RocksDB LOG file behind)
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.db: Rdict | None = self._open()
         self.failures = 0
         self._failed_at: float | None = None
+        self.db: Rdict | None = None
+        try:
+            self.db = self._open()
+        except Exception as e:
+            self._failed(e)
+            self.db = self._open_read_only()
 
     def _open(self) -> Rdict:
         from rocksdict import Rdict  # the disk tier's dependency already
 
         return Rdict(str(self.path))
 
-    def _usable(self) -> Rdict | None:
-        if self._failed_at is None:
-            return self.db
-        if time.monotonic() - self._failed_at < self.REOPEN_S:
+    def _open_read_only(self) -> Rdict | None:
+        from rocksdict import AccessType, Options, Rdict
+
+        try:
+            return Rdict(str(self.path), Options(), access_type=AccessType.read_only(False))
+        except Exception as e:
+            log.debug("kv events: the description store cannot be read either: %s", e)
             return None
+
+    @property
+    def failed(self) -> bool:
+        return self._failed_at is not None
+
+    def heal(self) -> None:
+        """Reopen for writing after a failure (call when the disk takes writes again); at
+        most every `REOPEN_S`. A reopen that fails keeps what can still be read."""
+        if self._failed_at is None or time.monotonic() - self._failed_at < self.REOPEN_S:
+            return
         self._close()
         try:
             self.db = self._open()
         except Exception as e:
             self._failed(e)
-            return None
+            self.db = self._open_read_only()
+            return
         log.info("kv events: the store of disk block descriptions works again")
         self._failed_at = None
-        return self.db
 
     def _failed(self, e: Exception) -> None:
         if self._failed_at is None:
             log.warning("kv events: the store of disk block descriptions failed (%s); "
-                        "retried every %.0f s, descriptions not saved meanwhile",
-                        " ".join(str(e).split()), self.REOPEN_S)
+                        "descriptions are not saved until the disk takes writes again",
+                        " ".join(str(e).split()))
         self.failures += 1
         self._failed_at = time.monotonic()
 
     def put(self, key: bytes, meta: EngineBlocks) -> None:
-        if (db := self._usable()) is not None:
-            try:
-                db[key] = _meta_encoder.encode(meta)
-            except Exception as e:
-                self._failed(e)
-
-    def get(self, key: bytes) -> EngineBlocks | None:
-        if (db := self._usable()) is None:
-            return None
+        value = _meta_encoder.encode(meta)
+        if self.db is None or self._failed_at is not None:
+            return
         try:
-            raw = db.get(key)
+            self.db[key] = value
         except Exception as e:
             self._failed(e)
+
+    def get(self, key: bytes) -> EngineBlocks | None:
+        if self.db is None:
+            return None
+        try:
+            raw = self.db.get(key)
+        except Exception as e:
+            log.debug("kv events: reading a description failed: %s", e)
             return None
         if raw is None:
             return None
@@ -299,11 +321,12 @@ class _MetaDB:
             return None
 
     def delete(self, key: bytes) -> None:
-        if (db := self._usable()) is not None:
-            try:
-                del db[key]
-            except Exception as e:
-                self._failed(e)
+        if self.db is None or self._failed_at is not None:
+            return
+        try:
+            del self.db[key]
+        except Exception as e:
+            self._failed(e)
 
     def _close(self) -> None:
         db, self.db = self.db, None
@@ -362,6 +385,8 @@ class EventTracker:
     # ---- tier changes
     def _on_change(self, tier: Tier, entry: BlockEntry, stored: bool) -> None:
         key = entry.key
+        if self.db is not None and self.db.failed and self._disk_writable():
+            self.db.heal()
         meta = self.meta.get(key)
         if meta is None and self.db is not None and (tier.name == "disk" or any(
                 t.name == "disk" and key in t.entries for t in self.tiers)):
@@ -388,6 +413,10 @@ class EventTracker:
             self._emit(removed)
         if not any(t.contains(key) for t in self.tiers):
             self.meta.pop(key, None)
+
+    def _disk_writable(self) -> bool:
+        """The disk tier takes writes (the description store lives on its filesystem)."""
+        return any(t.name == "disk" and not getattr(t, "degraded", "") for t in self.tiers)
 
     def _stored(self, tier: Tier, key: bytes, meta: EngineBlocks) -> None:
         if tier.name == "disk" and self.db is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -319,6 +320,7 @@ class TieredStore:
         # lands: another fetch of the block waits for it instead of missing it.
         self._promoting: dict[bytes, asyncio.Future[None]] = {}
         self._disk_recheck_failed = ""  # why the last `recheck_disk` found no writes, logged
+        self._disk_watch_failed = False  # `disk_watch` met an unexpected error (logged)
 
     async def _run_io(self, fn: Callable[..., T], *args: object) -> T:
         """Run byte movement in a worker. If the caller is cancelled, wait for the worker to
@@ -1328,10 +1330,9 @@ class TieredStore:
             try:
                 handled = await self._run_io(disk.try_recover)
             except Exception as e:  # OSError, or RocksDB's plain Exception
-                # Said once per kind of failure: the free space, RocksDB's file names and
-                # timestamps change from one check to the next.
-                kind = (f"errno {e.errno}" if isinstance(e, OSError) and e.errno
-                        else str(e).split(":")[0])
+                # Said once per kind of failure: the figures in it (free space, RocksDB's
+                # file numbers and timestamps) change from one check to the next.
+                kind = re.sub(r"[0-9.]+", "#", one_line(e))
                 if kind != self._disk_recheck_failed:
                     log.info("disk tier still takes no writes: %s", one_line(e))
                     self._disk_recheck_failed = kind
@@ -1358,13 +1359,16 @@ class TieredStore:
                 recovered_at = None
                 if hold > 1:
                     log.warning("disk tier degraded again soon after taking writes; next "
-                                "check in %.0f s", hold * period_s)
+                                "check in %.0f s", (hold - 1) * period_s)
                     await asyncio.sleep((hold - 1) * period_s)
             try:
                 if await self.recheck_disk():
                     recovered_at = time.monotonic()
             except Exception:  # never end the watch: the tier would stay degraded for good
-                log.exception("disk tier recheck failed")
+                log.debug("disk tier recheck failed", exc_info=True)
+                if not self._disk_watch_failed:
+                    log.exception("disk tier recheck failed (logged once; then at DEBUG)")
+                    self._disk_watch_failed = True
 
     # ---- admin
     def clear(self, namespace: bytes | None) -> int:

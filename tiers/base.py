@@ -72,6 +72,7 @@ class Tier(ABC):
         # Told (tier, entry, stored) when a block becomes visible (True) or leaves (False):
         # the daemon's KV events (`server.kv_events`); None costs one test per change.
         self.listener: Callable[[Tier, BlockEntry, bool], None] | None = None
+        self.listener_failures = 0  # errors `_tell` kept out of the tier
         # Called once when a write in flight ends (`when_landed`).
         self._landing: dict[bytes, list[Callable[[], None]]] = {}
 
@@ -261,8 +262,10 @@ class Tier(ABC):
         try:
             self.listener(self, entry, stored)
         except Exception:
-            log.exception("%s tier: the listener of block changes failed (events of this "
-                          "change lost)", self.name)
+            self.listener_failures += 1
+            if self.listener_failures == 1:  # then only counted: one traceback, not a flood
+                log.exception("%s tier: the listener of block changes failed (events of "
+                              "this change lost; later failures are only counted)", self.name)
 
     def _on_drop(self, entry: BlockEntry) -> None:  # noqa: B027 - optional hook
         """Hook for tiers with persistent state (the disk index)."""

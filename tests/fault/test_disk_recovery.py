@@ -257,12 +257,25 @@ def test_an_index_rebuilt_at_start_recovers_after_a_failed_reopen(tmp_path: Path
 def test_kv_events_descriptions_store_heals_with_the_disk(tmp_path: Path) -> None:
     """The KV events' store of disk block descriptions (RocksDB beside the index) fails its
     log write on the full disk as the index does. That must never raise out of the tier (a
-    block committed but left pinned, its publish failing), and once the disk has room the
-    store works again."""
-    from kvstore.server.kv_events import EngineBlocks, EventTracker, _MetaDB
+    block committed but left pinned, its publish failing); descriptions saved before still
+    announce their blocks' removal meanwhile (the failed handle still reads); a tracker
+    started on the full disk starts read-only; and once the disk has room the store works
+    again."""
+    from kvstore.server.kv_events import (
+        BlockRemoved,
+        EngineBlocks,
+        EventTracker,
+        KVEventBatch,
+        _MetaDB,
+    )
 
-    class _Publisher:  # the events' sockets are not what this tests
-        def publish(self, batch: object) -> bool:
+    class _Publisher:  # the events' sockets are not what this tests: the batches are
+        def __init__(self) -> None:
+            self.removed: list[bytes] = []
+
+        def publish(self, batch: KVEventBatch) -> bool:
+            self.removed += [h for e in batch.events if isinstance(e, BlockRemoved)
+                             for h in e.block_hashes]
             return True
 
     def describe(events: EventTracker, i: int, tokens: int = 16) -> None:
@@ -270,14 +283,25 @@ def test_kv_events_descriptions_store_heals_with_the_disk(tmp_path: Path) -> Non
                                               token_ids=list(range(tokens)),
                                               block_size=tokens))
 
+    def tracker(tier: DiskTier, pub: _Publisher) -> EventTracker:
+        events = EventTracker(pub, [tier], fs / "disk" / "kv_events.meta")  # type: ignore[arg-type]
+        assert isinstance(events.db, _MetaDB)
+        return events
+
     with tmpfs(tmp_path / "fs", "12m") as fs:
         tier = DiskTier(fs / "disk", CAP, sync="always")
-        events = EventTracker(_Publisher(), [tier], fs / "disk" / "kv_events.meta")  # type: ignore[arg-type]
-        assert isinstance(events.db, _MetaDB)
+        events = tracker(tier, _Publisher())
+        for i in range(20):
+            describe(events, i)
+            _write(tier, i)
+        events.close()
+        tier.close()
+        # A restart: descriptions now come from the store alone.
+        tier = DiskTier(fs / "disk", CAP, sync="always")
+        pub = _Publisher()
+        events = tracker(tier, pub)
+        assert events.db is not None
         try:
-            for i in range(20):
-                describe(events, i)
-                _write(tier, i)
             for i in range(10):  # extents allocated in the file: writes there need no room
                 assert tier.remove(_key(i))
             fill(fs)
@@ -290,19 +314,27 @@ def test_kv_events_descriptions_store_heals_with_the_disk(tmp_path: Path) -> Non
             assert tier.degraded
             for n in range(3, 3000):  # descriptions of disk blocks saved: the store fails
                 describe(events, 15, tokens=n % 64 + 1)
-            assert events.db.failures > 0
-            for i in range(10, 15):  # removals while degraded: nothing raises
+            assert events.db.failed
+            del pub.removed[:]
+            for i in range(10, 14):  # removals while degraded: nothing raises, and announced
                 assert tier.remove(_key(i))
+            assert pub.removed == [_key(i) for i in range(10, 14)], "removals unannounced"
+            # A daemon started on the full disk: the store opens read-only, still reading.
+            events.db.close()
+            events.db = _MetaDB(fs / "disk" / "kv_events.meta")
+            assert events.db.failed and events.db.get(_key(16)) is not None
+            assert tier.remove(_key(16)) and pub.removed[-1] == _key(16)
             (fs / "filler").unlink()
             assert tier.resume(tier.try_recover()) is True
-            events.db.REOPEN_S = 0.0  # (the daemon waits 5 s between reopens)
+            events.db.REOPEN_S = 0.0  # (the daemon waits 30 s between reopens that fail)
             for i in range(300, 305):
                 describe(events, i)
                 entry = _write(tier, i)
                 assert not tier.policy.is_pinned(entry.key), "a committed block left pinned"
+            assert not events.db.failed
             assert events.db.get(_key(304)) is not None, "the descriptions store did not heal"
         finally:
-            events.db.close()
+            events.close()
             tier.close()
 
 
