@@ -95,10 +95,13 @@ class ServerConfig:
                       "`token_file` or `KVSTORE_TOKEN`: a `--token` flag is readable by every "
                       "local user in /proc (the daemon warns).", secret=True)
     token_file: str = _opt("", "File holding the admin `token` (mode 0600, one line; "
-                           "surrounding whitespace ignored). Empty: none.")
+                           "surrounding whitespace ignored); read again at SIGHUP. Empty: "
+                           "none.")
     tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
                                    "presenting a tenant's token is confined to that tenant's "
-                                   "blocks, whatever its requests say. Empty: no tenants.")
+                                   "blocks, whatever its requests say. Read again at SIGHUP "
+                                   "(a file that fails a check changes nothing). Empty: no "
+                                   "tenants.")
     tenant_weights: str = _opt("", "Each tenant's weight in the tiers, as `TENANT=WEIGHT` "
                                "pairs separated by commas (`alpha=3,bravo=1`); `@unscoped` "
                                "names the unscoped callers (the Unix socket, the admin token). "

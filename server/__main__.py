@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 
 from kvstore.config import ServerConfig, load_config
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(config.redacted(), indent=2))
         return 0
     setup_logging(config.log_level, config.log_format)
+    # SIGHUP reloads the tokens (`Daemon.reload_tokens`); one arriving while the daemon starts
+    # (imports, the arena, a disk index rebuilt) is kept for `run`, not the default: exit.
+    early_hups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, frame: early_hups.append(signum))
     if args.token is not None:  # the environment and token_file are private to the user
         logging.getLogger("kvstore.server").warning(
             "--token on the command line is readable by every local user (/proc/PID/cmdline, "
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
-    asyncio.run(daemon.run())
+    asyncio.run(daemon.run(reload_pending=lambda: bool(early_hups)))
     return 0
 
 

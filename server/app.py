@@ -22,6 +22,7 @@ import signal
 import socket
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -316,11 +317,15 @@ class Daemon:
                      self.store.remote.url, self.config.remote_ttl_s,
                      self.config.remote_timeout_s, self.config.remote_queue_blocks)
 
-    async def run(self) -> None:
+    async def run(self, reload_pending: Callable[[], bool] = lambda: False) -> None:
+        """Serve until SIGTERM or SIGINT. `reload_pending`: whether a SIGHUP came while the
+        daemon was being made (the tokens files are then read again now)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload_tokens)
+        if reload_pending():
+            self.reload_tokens()
         await self.start()
         reaper = asyncio.create_task(self.store.reaper())
         watch = (asyncio.create_task(self.store.disk_watch(self.config.disk_recheck_s))

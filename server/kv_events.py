@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import queue
 import threading
@@ -241,13 +242,14 @@ class _MetaDB:
     the disk takes writes again (`heal`). Opened where the disk cannot be written, it starts
     read-only (or empty, if even that fails) and heals the same way."""
 
-    REOPEN_S = 30.0  # between reopens that failed (each leaves a RocksDB LOG file behind)
+    REOPEN_S = 30.0  # after a reopen that failed (each leaves a RocksDB LOG file behind)
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.failures = 0
-        self._failed_at: float | None = None
+        self._failed_at: float | None = None  # the first failure since it last worked
+        self._reopen_failed_at = -math.inf  # the last reopen that failed
         self.db: Rdict | None = None
         try:
             self.db = self._open()
@@ -276,13 +278,15 @@ class _MetaDB:
     def heal(self) -> None:
         """Reopen for writing after a failure (call when the disk takes writes again); at
         most every `REOPEN_S`. A reopen that fails keeps what can still be read."""
-        if self._failed_at is None or time.monotonic() - self._failed_at < self.REOPEN_S:
+        if self._failed_at is None or (time.monotonic() - self._reopen_failed_at
+                                       < self.REOPEN_S):
             return
         self._close()
         try:
             self.db = self._open()
         except Exception as e:
             self._failed(e)
+            self._reopen_failed_at = time.monotonic()
             self.db = self._open_read_only()
             return
         log.info("kv events: the store of disk block descriptions works again")
@@ -297,9 +301,9 @@ class _MetaDB:
         self._failed_at = time.monotonic()
 
     def put(self, key: bytes, meta: EngineBlocks) -> None:
-        value = _meta_encoder.encode(meta)
         if self.db is None or self._failed_at is not None:
             return
+        value = _meta_encoder.encode(meta)  # (outside the try: not a failure of the store)
         try:
             self.db[key] = value
         except Exception as e:

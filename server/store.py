@@ -1364,6 +1364,7 @@ class TieredStore:
             try:
                 if await self.recheck_disk():
                     recovered_at = time.monotonic()
+                self._disk_watch_failed = False
             except Exception:  # never end the watch: the tier would stay degraded for good
                 log.debug("disk tier recheck failed", exc_info=True)
                 if not self._disk_watch_failed:

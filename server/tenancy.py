@@ -129,6 +129,8 @@ def load_tenant_tokens(path: str | Path) -> dict[str, str]:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"{opt}: cannot read {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{opt}: {p} is not UTF-8 text") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{opt}: {p} is accessible by group or others (mode "
                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")

@@ -326,7 +326,6 @@ def test_kv_events_descriptions_store_heals_with_the_disk(tmp_path: Path) -> Non
             assert tier.remove(_key(16)) and pub.removed[-1] == _key(16)
             (fs / "filler").unlink()
             assert tier.resume(tier.try_recover()) is True
-            events.db.REOPEN_S = 0.0  # (the daemon waits 30 s between reopens that fail)
             for i in range(300, 305):
                 describe(events, i)
                 entry = _write(tier, i)

@@ -269,9 +269,9 @@ def test_scope_separates_tenants_and_keeps_unscoped_calls_as_sent():
     assert a.namespace(b"short") == b"short"  # validation still sees what was sent
 
 
-def _wait_log(daemon, text: str, within_s: float = 10.0) -> None:
+def _wait_log(daemon, text: str, within_s: float = 10.0, count: int = 1) -> None:
     deadline = time.monotonic() + within_s
-    while text not in daemon.log.read_text():
+    while daemon.log.read_text().count(text) < count:
         assert time.monotonic() < deadline, f"{text!r} not logged: {daemon.log.read_text()[-2000:]}"
         time.sleep(0.05)
 
@@ -323,10 +323,43 @@ def test_sighup_reloads_the_tokens_and_a_bad_file_changes_nothing(daemon_factory
                             (f"bravo {TOKEN_B}\n", 0o600, "'alpha'")):
         f.write_text(text)
         os.chmod(f, mode)
+        refused = d.log.read_text().count("tokens not reloaded")
         d.proc.send_signal(signal.SIGHUP)
         _wait_log(d, why)
+        _wait_log(d, "tokens not reloaded", count=refused + 1)
         for token in (new_a, TOKEN_B):
             with KVClient(tcp, layout, token=token, deadline_s=5) as c:
                 assert c.lookup(tokens) == 64, f"a refused reload changed {token[:5]}'s access"
     assert "tokens not reloaded" in d.log.read_text()
     channel.close()
+
+
+@pytest.mark.integration
+def test_a_sighup_while_the_daemon_starts_does_not_end_it(daemon_factory, tmp_path):
+    """Config management may reload (SIGHUP) a daemon that is still starting (imports, the
+    arena reserved, a disk index rebuilt): it must not die of SIGHUP's default action, and
+    the tokens are read again once it serves."""
+    import signal
+    import threading
+
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    d = daemon_factory("--listen", f"127.0.0.1:{_free_port()}", "--tenant-tokens-file",
+                       str(f), "--host-bytes", "512MiB")  # a reservation that takes a while
+    started: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            d.start()
+            started.append(None)
+        except BaseException as e:  # reported by the assertion below
+            started.append(e)
+
+    t = threading.Thread(target=start)
+    t.start()
+    _wait_log(d, "malloc:")  # its first line: logging set up, the daemon being made
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGHUP)
+    t.join(60)
+    assert started == [None], f"the daemon did not start: {started}"
+    assert d.proc.poll() is None, "SIGHUP during start-up ended the daemon"
+    _wait_log(d, "tokens reloaded: 1 tokens, 1 tenants")
