@@ -247,6 +247,15 @@ def test_missing_tokens_file(tmp_path):
         load_tenant_tokens(tmp_path / "absent")
 
 
+def test_a_tokens_file_that_is_not_text_is_a_config_error(tmp_path):
+    """Not a raw UnicodeDecodeError: at start that was a traceback, at a reload (SIGHUP) no
+    `tokens not reloaded` line."""
+    f = _tokens_file(tmp_path, "")
+    f.write_bytes(b"alpha \xff\xfe" + TOKEN_A.encode() + b"\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_tenant_tokens(f)
+
+
 def test_token_table_maps_tokens_to_tenants():
     table = TokenTable(ADMIN, {TOKEN_A: "alpha", TOKEN_A + "x": "alpha", TOKEN_B: "bravo"})
     assert table.tenant_for(f"Bearer {TOKEN_A}".encode()) == "alpha"
