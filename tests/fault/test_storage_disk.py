@@ -237,9 +237,12 @@ def test_a_disk_freed_under_the_daemon_takes_writes_again(tmp_path: Path) -> Non
 
 def test_a_data_dir_mounted_read_only_takes_writes_once_remounted(tmp_path: Path) -> None:
     """Started on a read-only mount (index and data file opened read-only), then remounted
-    read-write under it: the tier reopens both for writing and takes writes."""
+    read-write under it: the tier reopens both for writing and takes writes. With KV events
+    on, whose description store lives beside the index: it opens read-only too (it used to
+    stop the daemon from starting)."""
     src = tmp_path / "src"
-    d = _Daemon(src / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB")
+    events = ("--kv-events", "tcp://127.0.0.1:0")
+    d = _Daemon(src / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB", *events)
     try:
         d.start()
         _publish_all(d, range(20))  # 80 blocks: most on disk after a clean stop
@@ -248,7 +251,7 @@ def test_a_data_dir_mounted_read_only_takes_writes_once_remounted(tmp_path: Path
         d.kill()
     with read_only_bind(src, tmp_path / "ro") as ro:
         d = _Daemon(ro / "d0", tmp_path, "--host-bytes", "256KiB", "--disk-bytes", "8MiB",
-                    "--disk-recheck-s", "1")
+                    "--disk-recheck-s", "1", *events)
         try:
             d.start()
             assert "disk tier read-only" in d.log.read_text()
