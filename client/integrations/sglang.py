@@ -26,6 +26,10 @@ so shards never mix. MLA's latent cache is the same on every TP rank: its layout
 rank, every rank reads the same blocks and only the storage writer (`is_storage_writer`, TP rank
 0) writes them.
 
+Hybrid models' other host pools (Mamba states, sliding-window KV, indexer keys) go through
+SGLang's v2 interface (`batch_exists_v2` / `batch_get_v2` / `batch_set_v2`), each page as a
+block of bytes in a namespace of its pool's own (`kvstore.client.integrations.sglang_pools`).
+
 A daemon that is down, slow or full is a miss within the client's deadline (`False` per page, 0
 hits), never an exception into SGLang. Bad input (keys that are not strings, host indices that
 do not match the keys, an unsupported host pool or parallel setup) raises `InvalidArgumentError`
@@ -48,11 +52,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from kvstore.client.aio import AsyncKVClient, BlockCopy, Tokens
 from kvstore.client.cli import DEFAULT_TARGET
 from kvstore.client.integrations.settings import read_extra
+from kvstore.client.integrations.sglang_pools import SidecarFormat, restorable, sidecar_layout
 from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
 
@@ -249,6 +258,18 @@ def _page_by_page(copy_one: Callable[[int, torch.Tensor], object]) -> BlockCopy:
     return copy
 
 
+def _sidecar_copy(fmt: SidecarFormat, starts: list[int],
+                  into_pool: bool) -> Callable[[int, torch.Tensor], object]:
+    """`copy_one` for `_page_by_page`: a sidecar page between the host pool (at `starts`) and
+    the block's view in the daemon's memory, one way or the other."""
+    def copy_one(block: int, view: torch.Tensor) -> object:
+        if into_pool:
+            fmt.write(starts[block], view)
+            return None
+        return view.reshape(-1).copy_(fmt.read(starts[block]))
+    return copy_one
+
+
 def _check_keys(keys: Sequence[str]) -> PageKeys:
     if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
         raise InvalidArgumentError("keys must be a list of non-empty strings")
@@ -287,6 +308,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.layout: KVLayout | None = None
         self._format: PageFormat | None = None
         self._client: _PageKeyClient | None = None
+        # The sidecar pools of a hybrid model (`register_mem_host_pool_v2`), by pool name.
+        self._sidecars: dict[str, tuple[_PageKeyClient, SidecarFormat]] = {}
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
@@ -306,17 +329,40 @@ class KVStoreHiCache(HiCacheStorage):
                           block_tokens=fmt.page_size, kv_kind="mla" if self.is_mla else "kv",
                           tp_rank=tp_rank, tp_size=tp_size, pp_rank=sc.pp_rank,
                           pp_size=sc.pp_size)
-        client = _PageKeyClient(self.config.target, layout, salt=self.config.salt,
-                                tenant=self.config.tenant, token=self.config.token,
-                                deadline_s=self.config.deadline_s,
-                                transfer=cast(Literal["auto", "shm", "stream"],
-                                              self.config.transfer))
+        client = self._page_client(layout)
         old, self._client = self._client, client
         super().register_mem_pool_host(mem_pool_host)
         self.layout, self._format = layout, fmt
         if old is not None:
             self._run(old.close(), None)
         log.info("kvstore HiCache backend: %s, layout %s", self.config.target, layout.to_dict())
+
+    def _page_client(self, layout: KVLayout) -> _PageKeyClient:
+        return _PageKeyClient(self.config.target, layout, salt=self.config.salt,
+                              tenant=self.config.tenant, token=self.config.token,
+                              deadline_s=self.config.deadline_s,
+                              transfer=cast(Literal["auto", "shm", "stream"],
+                                            self.config.transfer))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's other host pools (Mamba states, a sliding window's KV, indexer
+        keys): each page stored as a block of its bytes, in a namespace of the pool's own
+        (`sglang_pools`). The KV pool itself comes through `register_mem_pool_host`."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == PoolName.KV.value:
+            return
+        if self.layout is None:
+            raise InvalidArgumentError("register the KV host pool (register_mem_pool_host) "
+                                       "before its sidecar pools")
+        fmt = SidecarFormat(host_pool, name)
+        sc = self.storage_config
+        layout = sidecar_layout(self.layout, fmt, sc.tp_rank, sc.tp_size)
+        old = self._sidecars.get(name)
+        self._sidecars[name] = (self._page_client(layout), fmt)
+        if old is not None:
+            self._run(old[0].close(), None)
+        log.info("kvstore HiCache backend: pool %s, %d-byte pages", name, fmt.page_bytes)
 
     def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
         if self._closed:
@@ -378,6 +424,97 @@ class KVStoreHiCache(HiCacheStorage):
         stored = self._run(client.publish_with(_tokens(pages), produce), 0) // fmt.page_size
         return [i < stored for i in range(len(pages))]
 
+    # ---- v2: the KV pool and a hybrid model's sidecar pools
+    def _sidecar(self, name: str) -> tuple[_PageKeyClient, SidecarFormat]:
+        entry = self._sidecars.get(name)
+        if entry is None:
+            raise InvalidArgumentError(f"no host pool {name!r} was registered "
+                                       "(register_mem_host_pool_v2)")
+        return entry
+
+    def _writes(self, name: str) -> bool:
+        """Whether this rank stores the pool's pages: an MLA model's KV-derived pools are the
+        same on every rank, written by the storage writer (as its KV pages); a pool split
+        over ranks (Mamba) by each."""
+        return self.is_writer or name in ("mamba",)
+
+    def _present(self, client: _PageKeyClient, pages: PageKeys) -> list[bool]:
+        """Which of `pages` the daemon holds, each on its own (a lookup stops at the first
+        miss), at most 16 lookups in flight."""
+        async def each() -> list[bool]:
+            gate = asyncio.Semaphore(16)
+
+            async def one(key: str) -> bool:
+                async with gate:
+                    return await client.lookup(_tokens(PageKeys([key]))) == 1
+            return list(await asyncio.gather(*(one(k) for k in pages)))
+        return self._run(each(), [False] * len(pages))
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None,
+                        ) -> PoolTransferResult:
+        """The longest prefix of `keys` the KV pool and every sidecar pool can restore
+        together, under each pool's hit policy (`sglang_pools.restorable`)."""
+        pages = _check_keys(keys)
+        kv_pages = self.batch_exists(list(pages), extra_info)
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        ok = set(range(1, kv_pages + 1))
+        for t in pool_transfers or ():
+            if not ok:
+                break
+            name, policy = str(t.name), str(getattr(t.hit_policy, "value", t.hit_policy))
+            if policy == PoolHitPolicy.BLOCK_GROUPS.value:
+                continue  # never gates the KV hit (SGLang's PoolHitPolicy): no verdict
+            client, _ = self._sidecar(name)
+            prefix = PageKeys(pages[:kv_pages])
+            if policy == PoolHitPolicy.ALL_PAGES.value:
+                stored = self._run(client.lookup(_tokens(prefix)), 0)
+                can = restorable(kv_pages, policy, 0, stored, [])
+            else:
+                can = restorable(kv_pages, policy, len(t.keys or ()), 0,
+                                 self._present(client, prefix))
+            if can:
+                hits[name] = max(can)
+            ok &= can
+        done = sorted(ok)
+        return PoolTransferResult(done[-1] if done else 0, hits, done)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Each transfer's stored pages copied into its host pool; per pool, True for each
+        page loaded (a prefix of its keys)."""
+        results: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, pages = str(t.name), _check_keys(t.keys or [])
+            if name == PoolName.KV.value:
+                results[name] = self.batch_get_v1(list(pages), t.host_indices, extra_info)
+                continue
+            client, fmt = self._sidecar(name)
+            starts = fmt.starts(pages, t.host_indices)
+            consume = _page_by_page(_sidecar_copy(fmt, starts, into_pool=True))
+            loaded = self._run(client.fetch_with(_tokens(pages), consume), 0)
+            results[name] = [i < loaded for i in range(len(pages))]
+        return results
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Each transfer's host pages stored; per pool, True for each page now stored."""
+        results: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, pages = str(t.name), _check_keys(t.keys or [])
+            if name == PoolName.KV.value:
+                results[name] = self.batch_set_v1(list(pages), t.host_indices, extra_info)
+                continue
+            client, fmt = self._sidecar(name)
+            starts = fmt.starts(pages, t.host_indices)
+            if not self._writes(name):
+                results[name] = [True] * len(pages)
+                continue
+            produce = _page_by_page(_sidecar_copy(fmt, starts, into_pool=False))
+            stored = self._run(client.publish_with(_tokens(pages), produce), 0)
+            results[name] = [i < stored for i in range(len(pages))]
+        return results
+
     # ---- the older interface: flat page tensors in the host pool's page order
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -433,16 +570,20 @@ class KVStoreHiCache(HiCacheStorage):
 
     # ---- management
     def clear(self) -> None:
-        """Remove this backend's blocks (its namespace: model, layout, rank, tenant, salt)."""
+        """Remove this backend's blocks (its namespaces: model, layout, rank, tenant, salt;
+        the sidecar pools' too)."""
         ready = self._ready()
         if ready is not None:
             self._run(ready[0].clear(), 0)
+        for client, _ in self._sidecars.values():
+            self._run(client.clear(), 0)
 
     def close(self) -> None:
         if self._closed:
             return
-        if self._client is not None:
-            self._run(self._client.close(), None)
+        for client in [self._client, *(c for c, _ in self._sidecars.values())]:
+            if client is not None:
+                self._run(client.close(), None)
         self._closed = True  # from here on every call is a miss
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

@@ -1,0 +1,117 @@
+"""The sidecar pools of SGLang's hybrid models, for `KVStoreHiCache`'s v2 interface.
+
+A hybrid model keeps, beside its KV pool, pools of other state that a cached prefix needs too:
+Mamba's SSM and conv states (one per page boundary a request can resume from), a sliding-window
+attention pool, DeepSeek's indexer keys. SGLang hands each to the storage backend by name
+(`register_mem_host_pool_v2`) and moves them with `PoolTransfer`s (`batch_exists_v2`,
+`batch_get_v2`, `batch_set_v2`).
+
+Each page of a sidecar pool is one kvstore block holding the page's bytes exactly as the host
+pool's flat page gives them (`get_data_page(i, flat=True)`, read back with
+`set_from_flat_data_page`), in a namespace of its own (`sidecar_layout`): the pool's name,
+host layout, dtype and page size are part of it, so pools never mix with each other or with
+the KV pool, and an engine whose pool orders its pages otherwise misses rather than reading
+bytes in another order. (Unlike KV pages, which are stored in one order whatever the layout
+and shared across layouts, a sidecar's page is opaque here.)
+
+Hit policies (`PoolHitPolicy`), as SGLang's own file backend applies them: `all_pages` needs
+every page of the KV prefix in the pool; `trailing_pages` needs only the last N pages before
+the prefix's end (a Mamba state is saved where a cached node ends, not at every page); the
+answer is the set of prefix lengths every pool can restore (`restorable`), its largest the hit.
+`block_groups` (DeepSeek V4's compressed pools) reports no verdict: SGLang says such a pool
+never gates the KV hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvstore.errors import InvalidArgumentError
+from kvstore.layout import KVLayout
+
+# Pools whose state is split over tensor-parallel ranks even in an MLA model, whose latent KV
+# (and what derives from it) every rank holds whole.
+TP_SHARDED_POOLS = frozenset({"mamba"})
+
+
+class SidecarFormat:
+    """A sidecar host pool's pages as bytes."""
+
+    def __init__(self, pool: Any, name: str) -> None:
+        for method in ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page"):
+            if not callable(getattr(pool, method, None)):
+                raise InvalidArgumentError(f"the {name!r} host pool ({type(pool).__name__}) has "
+                                           f"no {method}: the kvstore HiCache backend cannot "
+                                           "store its pages")
+        dummy = pool.get_dummy_flat_data_page()
+        if not isinstance(dummy, torch.Tensor) or dummy.numel() == 0:
+            raise InvalidArgumentError(f"the {name!r} host pool's flat page is not a tensor")
+        self.pool = pool
+        self.name = name
+        self.dtype = dummy.dtype
+        self.page_bytes = dummy.numel() * dummy.element_size()
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        self.size = int(getattr(pool, "size", 0) or 0)
+        # The flat page's order is the host layout's: pools of other layouts never share.
+        self.layout = str(getattr(pool, "layout", ""))
+
+    def read(self, index: int) -> torch.Tensor:
+        """The page at host index `index` as bytes."""
+        page: torch.Tensor = self.pool.get_data_page(index, flat=True).contiguous().view(
+            torch.uint8)
+        if page.numel() != self.page_bytes:
+            raise InvalidArgumentError(f"the {self.name!r} pool's page at {index} has "
+                                       f"{page.numel()} bytes, expected {self.page_bytes}")
+        return page.reshape(-1)
+
+    def write(self, index: int, data: torch.Tensor) -> None:
+        """Put a page's bytes (`read`'s) back at host index `index`."""
+        self.pool.set_from_flat_data_page(index, data.reshape(-1).view(self.dtype))
+
+    def starts(self, keys: Sequence[str], host_indices: Any) -> list[int]:
+        """The host index of each key's page; checks that they match."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidArgumentError(f"{self.name}: host_indices must be a 1-D tensor")
+        if host_indices.numel() != len(keys) * self.page_size:
+            raise InvalidArgumentError(f"{self.name}: {len(keys)} keys need "
+                                       f"{len(keys) * self.page_size} host indices (page size "
+                                       f"{self.page_size}), got {host_indices.numel()}")
+        starts = [int(i) for i in host_indices[:: self.page_size].tolist()]
+        bad = [s for s in starts if s < 0 or (self.size and s > self.size - self.page_size)]
+        if bad:
+            raise InvalidArgumentError(f"{self.name}: host indices {bad[:4]} are outside the "
+                                       f"host pool (size {self.size})")
+        return starts
+
+
+def sidecar_layout(kv: KVLayout, fmt: SidecarFormat, tp_rank: int, tp_size: int) -> KVLayout:
+    """The namespace of a sidecar pool's blocks: the KV layout's model, revision and stage,
+    the pool's name, host layout, flat page dtype and bytes, and TP rank (for pools split over
+    ranks: `tp_rank`, `tp_size`; others as the KV layout has it). A page's bytes are in its
+    host layout's order, so engines whose pools differ in any of these never share a page."""
+    sharded = fmt.name in TP_SHARDED_POOLS
+    model = (f"{kv.model}#hicache-pool={fmt.name}#layout={fmt.layout}"
+             f"#dtype={str(fmt.dtype).removeprefix('torch.')}")
+    return KVLayout(model=model, model_revision=kv.model_revision,
+                    num_layers=1, num_kv_heads=1, head_dim=fmt.page_bytes, dtype="uint8",
+                    block_tokens=1, kv_kind="mla",
+                    tp_rank=tp_rank if sharded else kv.tp_rank,
+                    tp_size=tp_size if sharded else kv.tp_size,
+                    pp_rank=kv.pp_rank, pp_size=kv.pp_size)
+
+
+def restorable(kv_pages: int, policy: str, trailing: int, prefix_pages: int,
+               present: Sequence[bool]) -> set[int]:
+    """The prefix lengths (1..`kv_pages`) a pool can restore under its hit `policy`:
+    `all_pages` from the pool's stored prefix (`prefix_pages`), `trailing_pages` from which
+    pages it holds (`present`, one per KV page) and its window (`trailing`)."""
+    if policy == "all_pages":
+        return set(range(1, min(prefix_pages, kv_pages) + 1))
+    if policy == "trailing_pages":
+        window = max(1, trailing)
+        return {p for p in range(1, kv_pages + 1)
+                if all(present[max(0, p - window):p])}
+    raise InvalidArgumentError(f"unsupported pool hit policy {policy!r}")
