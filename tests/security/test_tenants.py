@@ -278,10 +278,18 @@ def test_scope_separates_tenants_and_keeps_unscoped_calls_as_sent():
     assert a.namespace(b"short") == b"short"  # validation still sees what was sent
 
 
+def _log_of(daemon) -> str:
+    """The daemon's log so far ("" before its start has created it)."""
+    try:
+        return daemon.log.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def _wait_log(daemon, text: str, within_s: float = 10.0, count: int = 1) -> None:
     deadline = time.monotonic() + within_s
-    while daemon.log.read_text().count(text) < count:
-        assert time.monotonic() < deadline, f"{text!r} not logged: {daemon.log.read_text()[-2000:]}"
+    while _log_of(daemon).count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged: {_log_of(daemon)[-2000:]}"
         time.sleep(0.05)
 
 
