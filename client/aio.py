@@ -430,6 +430,18 @@ class AsyncKVClient:
         reply = await self._guard(lambda: self._lookup(keys, prefetch), None)
         return 0 if reply is None else reply.hits * self.layout.block_tokens
 
+    async def held(self, tokens: Tokens) -> list[bool]:
+        """For each block of `tokens`, whether the daemon's local tiers hold it, each on its
+        own (a lookup stops at the first miss): for blocks that are not every block of a
+        chain. One call; all False when the daemon is down or slow (a miss)."""
+        keys = self.keys(tokens)
+        if not keys:
+            return []
+        reply = await self._guard(lambda: self._lookup_each(keys), None)
+        if reply is None or len(reply.found) != len(keys):  # an older daemon: no `each`
+            return [False] * len(keys)
+        return list(reply.found)
+
     async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
                     max_blocks: int | None = None, budget_s: float | None = None,
                     ) -> tuple[int, torch.Tensor | None]:
@@ -914,6 +926,11 @@ class AsyncKVClient:
             request.layout.CopyFrom(self._layout_pb)
         reply: pb.LookupReply = await self._unary("Lookup", request)
         self._read_bandwidth.update(reply.read_bandwidth)
+        return reply
+
+    async def _lookup_each(self, keys: list[bytes]) -> pb.LookupReply:
+        request = pb.LookupRequest(namespace=self._ns, keys=keys, each=True)
+        reply: pb.LookupReply = await self._unary("Lookup", request)
         return reply
 
     async def _writer_name(self) -> str:

@@ -80,6 +80,11 @@ class KVClient:
     def keys(self, tokens: Tokens) -> list[bytes]:
         return self._aio.keys(tokens)
 
+    def held(self, tokens: Tokens) -> list[bool]:
+        """`AsyncKVClient.held`, waited for."""
+        n = len(self._aio.keys(tokens))
+        return self._run(self._aio.held(tokens), [False] * n)
+
     def lookup(self, tokens: Tokens, *, prefetch: bool = False) -> int:
         return self._run(self._aio.lookup(tokens, prefetch=prefetch), 0)
 

@@ -340,6 +340,11 @@ class TieredStore:
         self.touch_chain(keys[: len(found)])
         return found
 
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether a local tier holds its block: a probe (no recency touched,
+        not counted as a lookup)."""
+        return [any(t.contains(k) for t in self.tiers) for k in keys]
+
     def touch_chain(self, keys: Sequence[bytes]) -> None:
         self.placement.touch(keys)
 

@@ -432,23 +432,20 @@ class KVStoreHiCache(HiCacheStorage):
                                        "(register_mem_host_pool_v2)")
         return entry
 
-    def _writes(self, name: str) -> bool:
+    def _writes(self, fmt: SidecarFormat) -> bool:
         """Whether this rank stores the pool's pages: an MLA model's KV-derived pools are the
         same on every rank, written by the storage writer (as its KV pages); a pool split
         over ranks (Mamba) by each."""
-        return self.is_writer or name in ("mamba",)
+        return self.is_writer or fmt.tp_sharded
 
-    def _present(self, client: _PageKeyClient, pages: PageKeys) -> list[bool]:
-        """Which of `pages` the daemon holds, each on its own (a lookup stops at the first
-        miss), at most 16 lookups in flight."""
-        async def each() -> list[bool]:
-            gate = asyncio.Semaphore(16)
-
-            async def one(key: str) -> bool:
-                async with gate:
-                    return await client.lookup(_tokens(PageKeys([key]))) == 1
-            return list(await asyncio.gather(*(one(k) for k in pages)))
-        return self._run(each(), [False] * len(pages))
+    def _starts(self, fmt: SidecarFormat, pages: PageKeys, host_indices: Any) -> list[int] | None:
+        """The pages' host indices, or None (logged) when they do not match the keys: SGLang's
+        controller expects such a transfer to move nothing, as its own backends do."""
+        try:
+            return fmt.starts(pages, host_indices)
+        except InvalidArgumentError as e:
+            log.warning("kvstore HiCache backend: transfer skipped: %s", e)
+            return None
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None,
@@ -471,8 +468,8 @@ class KVStoreHiCache(HiCacheStorage):
                 stored = self._run(client.lookup(_tokens(prefix)), 0)
                 can = restorable(kv_pages, policy, 0, stored, [])
             else:
-                can = restorable(kv_pages, policy, len(t.keys or ()), 0,
-                                 self._present(client, prefix))
+                held = self._run(client.held(_tokens(prefix)), [False] * kv_pages)
+                can = restorable(kv_pages, policy, len(t.keys or ()), 0, held)
             if can:
                 hits[name] = max(can)
             ok &= can
@@ -490,7 +487,10 @@ class KVStoreHiCache(HiCacheStorage):
                 results[name] = self.batch_get_v1(list(pages), t.host_indices, extra_info)
                 continue
             client, fmt = self._sidecar(name)
-            starts = fmt.starts(pages, t.host_indices)
+            starts = self._starts(fmt, pages, t.host_indices)
+            if starts is None:
+                results[name] = [False] * len(pages)
+                continue
             consume = _page_by_page(_sidecar_copy(fmt, starts, into_pool=True))
             loaded = self._run(client.fetch_with(_tokens(pages), consume), 0)
             results[name] = [i < loaded for i in range(len(pages))]
@@ -506,8 +506,11 @@ class KVStoreHiCache(HiCacheStorage):
                 results[name] = self.batch_set_v1(list(pages), t.host_indices, extra_info)
                 continue
             client, fmt = self._sidecar(name)
-            starts = fmt.starts(pages, t.host_indices)
-            if not self._writes(name):
+            starts = self._starts(fmt, pages, t.host_indices)
+            if starts is None:
+                results[name] = [False] * len(pages)
+                continue
+            if not self._writes(fmt):
                 results[name] = [True] * len(pages)
                 continue
             produce = _page_by_page(_sidecar_copy(fmt, starts, into_pool=False))

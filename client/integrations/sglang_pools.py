@@ -24,6 +24,7 @@ never gates the KV hit.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,8 +34,23 @@ from kvstore.errors import InvalidArgumentError
 from kvstore.layout import KVLayout
 
 # Pools whose state is split over tensor-parallel ranks even in an MLA model, whose latent KV
-# (and what derives from it) every rank holds whole.
+# (and what derives from it) every rank holds whole. MHA host pools (a draft model's KV, a
+# sliding window's) are split by heads too, whatever their name.
 TP_SHARDED_POOLS = frozenset({"mamba"})
+# What a pool's page bytes mean, beyond their count: two pools that differ in any of these
+# never share a page (an fp16 Mamba state is not a bf16 one of the same size).
+_SIGNATURE_ATTRS = ("dtype", "conv_dtype", "temporal_dtype", "conv_state_shapes",
+                    "temporal_state_shape", "num_mamba_layers", "layer_num", "head_num",
+                    "head_dim", "v_head_dim", "kv_cache_dim", "page_size")
+
+
+def _signature(pool: Any) -> str:
+    parts = [type(pool).__name__]
+    for name in _SIGNATURE_ATTRS:
+        value = getattr(pool, name, None)
+        if value is not None and not callable(value):
+            parts.append(f"{name}={value}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
 
 
 class SidecarFormat:
@@ -57,6 +73,9 @@ class SidecarFormat:
         self.size = int(getattr(pool, "size", 0) or 0)
         # The flat page's order is the host layout's: pools of other layouts never share.
         self.layout = str(getattr(pool, "layout", ""))
+        self.signature = _signature(pool)
+        mro = {cls.__name__ for cls in type(pool).__mro__}
+        self.tp_sharded = name in TP_SHARDED_POOLS or "MHATokenToKVPoolHost" in mro
 
     def read(self, index: int) -> torch.Tensor:
         """The page at host index `index` as bytes."""
@@ -80,21 +99,34 @@ class SidecarFormat:
                                        f"{len(keys) * self.page_size} host indices (page size "
                                        f"{self.page_size}), got {host_indices.numel()}")
         starts = [int(i) for i in host_indices[:: self.page_size].tolist()]
-        bad = [s for s in starts if s < 0 or (self.size and s > self.size - self.page_size)]
+        bad = [s for s in starts if s < 0 or s % self.page_size
+               or (self.size and s > self.size - self.page_size)]
         if bad:
-            raise InvalidArgumentError(f"{self.name}: host indices {bad[:4]} are outside the "
-                                       f"host pool (size {self.size})")
+            raise InvalidArgumentError(f"{self.name}: host indices {bad[:4]} do not start pages "
+                                       f"of the host pool (page size {self.page_size}, size "
+                                       f"{self.size})")
         return starts
 
 
 def sidecar_layout(kv: KVLayout, fmt: SidecarFormat, tp_rank: int, tp_size: int) -> KVLayout:
-    """The namespace of a sidecar pool's blocks: the KV layout's model, revision and stage,
-    the pool's name, host layout, flat page dtype and bytes, and TP rank (for pools split over
-    ranks: `tp_rank`, `tp_size`; others as the KV layout has it). A page's bytes are in its
-    host layout's order, so engines whose pools differ in any of these never share a page."""
-    sharded = fmt.name in TP_SHARDED_POOLS
-    model = (f"{kv.model}#hicache-pool={fmt.name}#layout={fmt.layout}"
-             f"#dtype={str(fmt.dtype).removeprefix('torch.')}")
+    """The namespace of a sidecar pool's blocks: the KV layout's identity (model, revision,
+    stored dtype: an fp8 format too, stage), the pool's name, host layout and what its bytes
+    mean (`_signature`), and the TP rank for a pool split over ranks (`tp_rank`, `tp_size`;
+    others as the KV layout has it). A page's bytes are in its host layout's order, so
+    engines whose pools differ in any of these never share a page.
+
+    An MLA model's KV names no TP rank and SGLang backs its pools up from TP rank 0 only, so a
+    pool split over ranks beside it (an MHA draft model's) could be written by rank 0 alone and
+    read by no other: refused (`InvalidArgumentError`), except Mamba, which every rank backs up."""
+    if (fmt.tp_sharded and kv.kv_kind == "mla" and tp_size > 1
+            and fmt.name not in TP_SHARDED_POOLS):
+        raise InvalidArgumentError(f"the {fmt.name!r} pool is split over TP ranks beside an MLA "
+                                   "model, whose pools SGLang backs up from TP rank 0 only: the "
+                                   "kvstore HiCache backend cannot serve the other ranks' "
+                                   "shards (run without it, or at TP 1)")
+    model = (f"{kv.model}#kv={kv.dtype_name}#hicache-pool={fmt.name}#layout={fmt.layout}"
+             f"#pool={fmt.signature}")
+    sharded = fmt.tp_sharded
     return KVLayout(model=model, model_revision=kv.model_revision,
                     num_layers=1, num_kv_heads=1, head_dim=fmt.page_bytes, dtype="uint8",
                     block_tokens=1, kv_kind="mla",

@@ -95,19 +95,21 @@ class Slab(_message.Message):
     def __init__(self, id: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[str] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., ipc_storage_bytes: _Optional[int] = ..., ipc_storage_offset: _Optional[int] = ..., ipc_ref_counter_handle: _Optional[bytes] = ..., ipc_ref_counter_offset: _Optional[int] = ..., ipc_event_handle: _Optional[bytes] = ..., ipc_event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "prefetch", "layout")
+    __slots__ = ("namespace", "keys", "prefetch", "layout", "each")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefetch: bool
     layout: Layout
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ...) -> None: ...
+    each: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class LookupReply(_message.Message):
-    __slots__ = ("hits", "tiers", "read_bandwidth")
+    __slots__ = ("hits", "found", "tiers", "read_bandwidth")
     class ReadBandwidthEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,12 +118,14 @@ class LookupReply(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     HITS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     hits: int
+    found: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[str]
     read_bandwidth: _containers.ScalarMap[str, float]
-    def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., read_bandwidth: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, hits: _Optional[int] = ..., found: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[str]] = ..., read_bandwidth: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class BlockRef(_message.Message):
     __slots__ = ("offset", "length", "tier", "in_slab")

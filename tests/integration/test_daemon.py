@@ -70,6 +70,24 @@ def test_publish_skips_blocks_already_stored(daemon):
         assert same_bytes(c.fetch(tokens)[1], kv)
 
 
+def test_held_answers_for_each_block_and_is_only_a_probe(daemon, tmp_path):
+    """`held`: one flag per block, not counted as a lookup; a daemon that is gone answers all
+    False. (Flags past a missing block, which chained token keys cannot make: the SGLang
+    sidecar tests, `tests/sglang/test_hicache_hybrid.py`.)"""
+    layout = small_layout()
+    tokens = list(range(64))
+    kv = random_kv(layout, 64)
+    with KVClient(daemon.target, layout) as c:
+        c.publish(tokens[:32], kv[:, :, :32])
+        lookups = c.stats().lookups
+        assert c.held(tokens) == [True, True, False, False]
+        assert c.lookup(tokens) == 32
+        assert c.stats().lookups == lookups + 1  # the lookup, not the probe
+        assert c.held([]) == []
+    with KVClient(f"unix://{tmp_path}/nobody.sock", layout, deadline_s=0.5) as gone:
+        assert gone.held(tokens) == [False] * 4
+
+
 def test_demotion_to_disk_keeps_hits_and_disk_within_capacity(daemon_factory):
     # 8 KiB blocks + page rounding: host holds 8 blocks, disk holds ~30 (12 KiB per record)
     d = daemon_factory("--host-bytes", "64KiB", "--disk-bytes", "384KiB").start()

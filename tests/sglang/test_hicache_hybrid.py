@@ -54,11 +54,11 @@ STATE_AT = (2, 5)
 INDEXER = PoolName.INDEXER
 
 
-def mamba_pool(seed: int) -> MambaPoolHost:
+def mamba_pool(seed: int, conv: torch.dtype = torch.bfloat16) -> MambaPoolHost:
     """SGLang's Mamba host pool over CPU state buffers (2 layers: an fp32 SSM state, a bf16
     conv state: 328 bytes a slot), filled with random values."""
     info = MambaStateBufferInfo(temporal=torch.zeros(2, SLOTS, 4, 8, dtype=torch.float32),
-                                conv=(torch.zeros(2, SLOTS, 6, 3, dtype=torch.bfloat16),))
+                                conv=(torch.zeros(2, SLOTS, 6, 3, dtype=conv),))
     with host_memory_budget_scope(1 << 30):
         pool = MambaPoolHost(info, 2.0, 0, device_capacity=SLOTS, pin_memory=False,
                              device="cpu", layout="page_first")
@@ -204,8 +204,10 @@ def test_pools_never_mix_and_bad_input_raises(daemon, pools) -> None:
         with pytest.raises(InvalidArgumentError, match="no host pool 'swa'"):
             backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, keys=keys[:1],
                                                host_indices=torch.arange(PAGE))])
-        with pytest.raises(InvalidArgumentError, match="1 keys need 1 host indices"):
-            backend.batch_set_v2([mamba_transfer(keys[:1], [1, 2])])
+        # Host indices that do not match the keys: nothing moves, as SGLang's controller
+        # expects of a backend (it shrinks such a transfer before the call when it can).
+        assert backend.batch_set_v2([mamba_transfer(keys[:1], [1, 2])]) == {"mamba": [False]}
+        assert backend.batch_get_v2([mamba_transfer(keys[:1], [1, 2])]) == {"mamba": [False]}
     finally:
         backend.close()
 
@@ -224,3 +226,59 @@ def test_daemon_stopped_is_a_miss_not_an_error(daemon, pools) -> None:
             daemon.proc.send_signal(signal.SIGCONT)
     finally:
         backend.close()
+
+
+def test_pools_whose_bytes_mean_other_things_never_share(daemon, pools) -> None:
+    """Pages of one size whose bytes mean other numbers are not shared: an fp16 Mamba conv
+    state is not a bf16 one (the same 328 bytes a slot), nor is a pool beside an fp8 e5m2 KV
+    one beside e4m3 (the KV format names the sidecars' namespace too)."""
+    kv, mamba, indexer = pools
+    keys = page_keys(N)
+    writer = kvstore_backend(daemon.target, pools)
+    fp16 = kvstore_backend(daemon.target, (kv, mamba_pool(seed=5, conv=torch.float16),
+                                           indexer))
+    try:
+        assert fp16._sidecars["mamba"][1].page_bytes == mamba.size_per_token
+        writer.batch_set_v2([mamba_transfer([keys[1]], [2])])
+        assert writer.batch_get_v2([mamba_transfer([keys[1]], [3])]) == {"mamba": [True]}
+        assert fp16.batch_get_v2([mamba_transfer([keys[1]], [3])]) == {"mamba": [False]}
+    finally:
+        writer.close()
+        fp16.close()
+    from kvstore.client.integrations.sglang import KVStoreHiCache
+
+    fp8 = {}
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        fp8[fmt] = attach(KVStoreHiCache(storage_config(daemon.target, **{
+            "kvstore.kv_cache_dtype": fmt})), mha_pool("page_first", 1, torch.float8_e4m3fn),
+            mamba_pool(seed=6), indexer)
+    try:
+        fp8["fp8_e4m3"].batch_set_v2([mamba_transfer([keys[1]], [2])])
+        assert fp8["fp8_e5m2"].batch_get_v2([mamba_transfer([keys[1]], [2])]) == {
+            "mamba": [False]}
+    finally:
+        for b in fp8.values():
+            b.close()
+
+
+def test_a_pool_split_over_ranks_beside_an_mla_model_is_refused(daemon) -> None:
+    """SGLang backs an MLA model's pools up from TP rank 0 only; an MHA draft pool beside it
+    holds each rank's own heads, which the other ranks could then never find: refused at
+    attach, saying why. At TP 1 there is no other rank: taken."""
+    from kvstore.client.integrations.sglang import KVStoreHiCache
+    from tests.sglang.test_hicache_backend import mla_pool
+
+    for tp, refused in (((1, 2), True), ((0, 1), False)):
+        backend = KVStoreHiCache(storage_config(daemon.target, mla=True, tp=tp))
+        try:
+            backend.register_mem_pool_host(mla_pool("page_first", seed=1))
+            draft = mha_pool("page_first", seed=2)
+            if refused:
+                with pytest.raises(InvalidArgumentError, match="split over TP ranks beside an "
+                                                               "MLA model"):
+                    backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+            else:
+                backend.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+            backend.register_mem_host_pool_v2(mamba_pool(seed=3), PoolName.MAMBA)  # every rank
+        finally:
+            backend.close()
