@@ -382,6 +382,7 @@ class AsyncKVClient:
         # The daemon's measured read bandwidth per tier, from its latest Lookup reply: what
         # a transfer's deadline is planned at.
         self._read_bandwidth: dict[str, float] = {}
+        self._warned_no_each = False  # a daemon without `Lookup.each` (`held`), logged once
         self._drops = LogThrottle(DROP_LOG_S)
         self.dropped_blocks = 0
         self._channel: grpc.aio.Channel | None = None
@@ -431,16 +432,29 @@ class AsyncKVClient:
         return 0 if reply is None else reply.hits * self.layout.block_tokens
 
     async def held(self, tokens: Tokens) -> list[bool]:
-        """For each block of `tokens`, whether the daemon's local tiers hold it, each on its
-        own (a lookup stops at the first miss): for blocks that are not every block of a
-        chain. One call; all False when the daemon is down or slow (a miss)."""
+        """For each block of `tokens`, whether the daemon (its local tiers, then the remote
+        tier) holds it, each on its own (a lookup stops at the first miss): for blocks that
+        are not every block of a chain. One call (a daemon older than `Lookup.each`: one
+        lookup per block); all False when the daemon is down or slow (a miss)."""
         keys = self.keys(tokens)
         if not keys:
             return []
         reply = await self._guard(lambda: self._lookup_each(keys), None)
-        if reply is None or len(reply.found) != len(keys):  # an older daemon: no `each`
+        if reply is None:
             return [False] * len(keys)
-        return list(reply.found)
+        if len(reply.found) == len(keys):
+            return list(reply.found)
+        if not self._warned_no_each:  # an older daemon ignores `each`: key by key
+            log.warning("kvstore daemon predates Lookup.each: probing %d blocks one lookup "
+                        "each (upgrade the daemon)", len(keys))
+            self._warned_no_each = True
+        gate = asyncio.Semaphore(16)
+
+        async def one(key: bytes) -> bool:
+            async with gate:
+                r = await self._guard(lambda: self._lookup([key]), None)
+                return r is not None and r.hits == 1
+        return list(await asyncio.gather(*(one(k) for k in keys)))
 
     async def fetch(self, tokens: Tokens, into: torch.Tensor | None = None, *,
                     max_blocks: int | None = None, budget_s: float | None = None,

@@ -341,8 +341,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         scope = current_scope()  # a TCP tenant's keys and namespace are rewritten (tenancy.py)
         keys = scope.keys(self._keys(request.keys))
         ns = scope.namespace(request.namespace)
-        if request.each:
-            held = self.store.held(keys)
+        if request.each:  # a probe: `prefetch` does not apply
+            held = await self.store.held(keys, ns)
             leading = held.index(False) if False in held else len(held)
             return pb.LookupReply(hits=leading, found=held)
         layout = layout_from_proto(request.layout) if request.prefetch else None

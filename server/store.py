@@ -340,10 +340,23 @@ class TieredStore:
         self.touch_chain(keys[: len(found)])
         return found
 
-    def held(self, keys: Sequence[bytes]) -> list[bool]:
-        """For each key, whether a local tier holds its block: a probe (no recency touched,
-        not counted as a lookup)."""
-        return [any(t.contains(k) for t in self.tiers) for k in keys]
+    async def held(self, keys: Sequence[bytes], namespace: bytes) -> list[bool]:
+        """For each key, whether a local tier or the remote tier (one batched EXISTS for the
+        keys no local tier holds) has its block: a probe (no recency touched, not counted as
+        a lookup)."""
+        held = [any(t.contains(k) for t in self.tiers) for k in keys]
+        remote = self._remote_for(namespace)
+        rest = [i for i, h in enumerate(held) if not h]
+        if remote is None or not rest:
+            return held
+        try:
+            there = await remote.exists(namespace, [keys[i] for i in rest])
+        except RemoteUnavailableError as e:
+            log.debug("remote probe skipped: %s", e)
+            return held
+        for i, has in zip(rest, there, strict=True):
+            held[i] = has
+        return held
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
         self.placement.touch(keys)

@@ -8,11 +8,12 @@ attention pool, DeepSeek's indexer keys. SGLang hands each to the storage backen
 
 Each page of a sidecar pool is one kvstore block holding the page's bytes exactly as the host
 pool's flat page gives them (`get_data_page(i, flat=True)`, read back with
-`set_from_flat_data_page`), in a namespace of its own (`sidecar_layout`): the pool's name,
-host layout, dtype and page size are part of it, so pools never mix with each other or with
-the KV pool, and an engine whose pool orders its pages otherwise misses rather than reading
-bytes in another order. (Unlike KV pages, which are stored in one order whatever the layout
-and shared across layouts, a sidecar's page is opaque here.)
+`set_from_flat_data_page`), in a namespace of its own (`sidecar_layout`): the KV layout's
+identity (its fp8 format too), the pool's name, host layout and a signature of what its bytes
+mean (class, dtypes, state shapes) are part of it, so pools never mix with each other or with
+the KV pool, and an engine whose pool orders or encodes its pages otherwise misses rather
+than reading its bytes as something else. (Unlike KV pages, which are stored in one order
+whatever the layout and shared across layouts, a sidecar's page is opaque here.)
 
 Hit policies (`PoolHitPolicy`), as SGLang's own file backend applies them: `all_pages` needs
 every page of the KV prefix in the pool; `trailing_pages` needs only the last N pages before
@@ -75,7 +76,8 @@ class SidecarFormat:
         self.layout = str(getattr(pool, "layout", ""))
         self.signature = _signature(pool)
         mro = {cls.__name__ for cls in type(pool).__mro__}
-        self.tp_sharded = name in TP_SHARDED_POOLS or "MHATokenToKVPoolHost" in mro
+        self.tp_sharded = name in TP_SHARDED_POOLS or bool(
+            mro & {"MHATokenToKVPoolHost", "MHATokenToKOnlyPoolHost"})
 
     def read(self, index: int) -> torch.Tensor:
         """The page at host index `index` as bytes."""

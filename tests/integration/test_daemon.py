@@ -88,6 +88,25 @@ def test_held_answers_for_each_block_and_is_only_a_probe(daemon, tmp_path):
         assert gone.held(tokens) == [False] * 4
 
 
+def test_held_falls_back_to_one_lookup_each_on_an_older_daemon(daemon, monkeypatch, caplog):
+    """A daemon older than `Lookup.each` ignores the field and answers a plain lookup, with
+    no `found`: the client then asks key by key (logged once), never reads `hits` as flags.
+    (An older daemon binary is not at hand: its reply is made by leaving `each` unset.)"""
+    from kvstore.client.aio import AsyncKVClient
+
+    async def plain(self, keys):  # what an older daemon answers
+        return await self._lookup(keys)
+
+    monkeypatch.setattr(AsyncKVClient, "_lookup_each", plain)
+    layout = small_layout()
+    tokens = list(range(64))
+    with KVClient(daemon.target, layout) as c:
+        c.publish(tokens[:32], random_kv(layout, 32))
+        assert c.held(tokens) == [True, True, False, False]
+        assert c.held(tokens) == [True, True, False, False]
+    assert caplog.text.count("predates Lookup.each") == 1
+
+
 def test_demotion_to_disk_keeps_hits_and_disk_within_capacity(daemon_factory):
     # 8 KiB blocks + page rounding: host holds 8 blocks, disk holds ~30 (12 KiB per record)
     d = daemon_factory("--host-bytes", "64KiB", "--disk-bytes", "384KiB").start()

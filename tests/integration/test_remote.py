@@ -388,6 +388,27 @@ def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisC
         assert ca.stats().integrity_failures == 0 and cb.stats().integrity_failures == 0
 
 
+def test_held_counts_blocks_only_the_remote_tier_has(redis_server: RedisServer,
+                                                    daemon_factory) -> None:
+    """`held` (Lookup `each`) on a daemon whose local tiers hold none of a prompt another
+    daemon wrote through: every block is held (the remote tier's, one batched EXISTS); with
+    Redis gone, none is (a probe that fails is a miss)."""
+    args = _daemon_args(redis_server.url)
+    a: DaemonProcess = daemon_factory(*args, name="A").start()
+    b: DaemonProcess = daemon_factory(*args, name="B").start()
+    layout = small_layout()
+    tokens = list(range(4 * 16))
+    with KVClient(a.target, layout) as ca, KVClient(b.target, layout, deadline_s=1.0) as cb:
+        assert ca.publish(tokens, random_kv(layout, len(tokens), seed=4)) == len(tokens)
+        _wait_for(lambda: _remote_written(ca) >= 4)
+        longer = tokens + list(range(1000, 1016))
+        assert cb.held(longer) == [True] * 4 + [False]
+        stats = cb.stats()
+        assert stats is not None and stats.lookups == 0  # a probe, not a lookup
+        redis_server.stop()
+        assert cb.held(longer) == [False] * 5
+
+
 def test_a_prefetching_lookup_brings_the_remote_prefix_into_host(redis_server: RedisServer,
                                                                  daemon_factory) -> None:
     """`lookup(..., prefetch=True)` (a disaggregated decode instance waiting for its producer's

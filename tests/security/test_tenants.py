@@ -68,6 +68,7 @@ def test_no_hit_across_tenants_whatever_the_request_says(tenant_daemon):
     with KVClient(tcp, layout, token=TOKEN_B, tenant="shared", deadline_s=5) as b:
         assert b.keys(tokens) == keys  # identical requests on the wire...
         assert b.lookup(tokens) == 0  # ...and no hit, no probe by timing
+        assert b.held(tokens) == [False] * 4  # nor block by block
         assert b.fetch(tokens) == (0, None)
         assert b.clear() == 0  # B clearing "the same" namespace removes none of A's blocks
         other = random_kv(layout, 64, seed=7)

@@ -208,6 +208,8 @@ def test_pools_never_mix_and_bad_input_raises(daemon, pools) -> None:
         # expects of a backend (it shrinks such a transfer before the call when it can).
         assert backend.batch_set_v2([mamba_transfer(keys[:1], [1, 2])]) == {"mamba": [False]}
         assert backend.batch_get_v2([mamba_transfer(keys[:1], [1, 2])]) == {"mamba": [False]}
+        short = PoolTransfer(name=PoolName.KV, keys=keys[:2], host_indices=torch.arange(PAGE))
+        assert backend.batch_set_v2([short]) == {"kv": [False, False]}  # the KV pool alike
     finally:
         backend.close()
 
