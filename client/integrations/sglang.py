@@ -490,42 +490,36 @@ class KVStoreHiCache(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Each transfer's stored pages copied into its host pool; per pool, True for each
         page loaded (a prefix of its keys)."""
-        results: dict[str, list[bool]] = {}
-        for t in transfers:
-            name, pages = str(t.name), _check_keys(t.keys or [])
-            if name == PoolName.KV.value:
-                results[name] = self._kv_v2(self.batch_get_v1, pages, t, extra_info)
-                continue
-            client, fmt = self._sidecar(name)
-            starts = self._starts(fmt, pages, t.host_indices)
-            if starts is None:
-                results[name] = [False] * len(pages)
-                continue
-            consume = _page_by_page(_sidecar_copy(fmt, starts, into_pool=True))
-            loaded = self._run(client.fetch_with(_tokens(pages), consume), 0)
-            results[name] = [i < loaded for i in range(len(pages))]
-        return results
+        return self._move_v2(transfers, extra_info, store=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Each transfer's host pages stored; per pool, True for each page now stored."""
+        return self._move_v2(transfers, extra_info, store=True)
+
+    def _move_v2(self, transfers: list[PoolTransfer],
+                 extra_info: HiCacheStorageExtraInfo | None, store: bool) -> dict[str, list[bool]]:
+        """`batch_set_v2` (`store`) or `batch_get_v2`: a `kv` transfer through the v1 path,
+        a sidecar pool's page by page between its host pool and the daemon."""
         results: dict[str, list[bool]] = {}
         for t in transfers:
             name, pages = str(t.name), _check_keys(t.keys or [])
             if name == PoolName.KV.value:
-                results[name] = self._kv_v2(self.batch_set_v1, pages, t, extra_info)
+                v1 = self.batch_set_v1 if store else self.batch_get_v1
+                results[name] = self._kv_v2(v1, pages, t, extra_info)
                 continue
             client, fmt = self._sidecar(name)
             starts = self._starts(fmt, pages, t.host_indices)
             if starts is None:
                 results[name] = [False] * len(pages)
                 continue
-            if not self._writes(fmt):
+            if store and not self._writes(fmt):
                 results[name] = [True] * len(pages)
                 continue
-            produce = _page_by_page(_sidecar_copy(fmt, starts, into_pool=False))
-            stored = self._run(client.publish_with(_tokens(pages), produce), 0)
-            results[name] = [i < stored for i in range(len(pages))]
+            copy = _page_by_page(_sidecar_copy(fmt, starts, into_pool=not store))
+            moved = self._run(client.publish_with(_tokens(pages), copy) if store
+                              else client.fetch_with(_tokens(pages), copy), 0)
+            results[name] = [i < moved for i in range(len(pages))]
         return results
 
     # ---- the older interface: flat page tensors in the host pool's page order
