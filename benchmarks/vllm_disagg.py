@@ -52,6 +52,7 @@ from benchmarks.worker import JsonLineWorker
 ROOT = Path(__file__).resolve().parents[1]
 TOP_K = 5  # log-probabilities returned per generated token
 PREFILLED = "kvstore_prefilled_tokens"  # = kvstore.client.integrations.vllm.PREFILLED_TOKENS
+PREFILL_RATE = "kvstore_prefill_tokens_per_s"  # = ...integrations.vllm.PREFILL_RATE
 
 
 # ---- engine subprocess: `python -m benchmarks.vllm_disagg --engine '{json}'`

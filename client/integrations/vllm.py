@@ -65,9 +65,11 @@ producer's answer only once those blocks are committed, and its `request_finishe
 (decode instance) loads and saves nothing (the producer stored the prompt; generated tokens
 are never stored). A consumer request carrying those params that a lookup finds short (the
 producer's daemon still writing through to the remote tier) stays waiting, unscheduled, and is
-looked up again every 20 ms for up to `kvstore.consumer_wait_s`; then vLLM computes what is
-missing: a slow or dead producer costs time, never a wrong answer. Those lookups ask the daemon
-to prefetch what has arrived into host meanwhile, and an engine step that computes nothing
+looked up again every 20 ms, no longer than recomputing the missing tokens at the producer's
+rate would take (`kvstore_prefill_tokens_per_s`, which the producer returns too) and at most
+`kvstore.consumer_wait_s`; then vLLM computes what is missing: a slow or dead producer
+costs time, never a wrong answer. Those lookups ask the daemon to prefetch what has arrived
+into host meanwhile, and an engine step that computes nothing
 while they wait sleeps until the next lookup is due rather than spin. A producer with
 `kvstore.peer_target` (its daemon's TCP address) returns it too (`kvstore_peer`); a consumer
 that lists it in `kvstore.peers` and finds fewer tokens on its own daemon looks the prompt up
@@ -204,6 +206,11 @@ _DROP_LOG_S = 60.0  # saves dropped for a full queue after the first: a summary 
 PREFILLED_TOKENS = "kvstore_prefilled_tokens"
 """The `kv_transfer_params` key a producer returns and a consumer reads (disaggregated
 prefill): the tokens of the prompt's full blocks the producer published."""
+PREFILL_RATE = "kvstore_prefill_tokens_per_s"
+"""The `kv_transfer_params` key a producer returns beside `PREFILLED_TOKENS`: the tokens it
+computed for the prompt per second of its prefill (from its first scheduling to its answer).
+A consumer waits for the producer's blocks no longer than computing the missing tokens at
+that rate would take."""
 PEER = "kvstore_peer"
 """The `kv_transfer_params` key a producer with `kvstore.peer_target` returns: its daemon's
 address, which a consumer listing it in `kvstore.peers` loads the prompt from."""
@@ -212,6 +219,8 @@ END_SESSION = "kvstore_end_session"
 SHARED_TOKENS = "kvstore_shared_tokens"
 """With `END_SESSION`: the prompt's first tokens other conversations share (never marked)."""
 _WAIT_LOOKUP_S = 0.02  # a consumer waiting for a producer's blocks looks up this often
+_WAIT_NO_RATE_S = 2.0  # unset `consumer_wait_s`: the wait when the producer sent no rate
+_WAIT_MAX_S = 60.0  # unset `consumer_wait_s`: the most a producer's rate may justify
 _NULL_BLOCK = 0  # vLLM's null block (BlockPool's first, never handed out): a dropped block
 _PP_LOAD_TAG = 0x6B76  # tags the stages' load agreement apart from vLLM's own sends
 
@@ -246,11 +255,16 @@ class ConnectorConfig:
     synchronously, in the step that completes the prompt's blocks."""
     save_queue: int = 64
     """Saves waiting for the background thread at most; a save past it is dropped."""
-    consumer_wait_s: float = 2.0
-    """`kv_role="kv_consumer"`: how long a request whose `kv_transfer_params` say a producer
-    published its prompt (`kvstore_prefilled_tokens`) waits, unscheduled, for blocks a lookup
-    does not find yet (a write-through to the remote tier still on its way); then it loads
-    what is there and vLLM computes the rest."""
+    consumer_wait_s: float | None = None
+    """`kv_role="kv_consumer"`: how long at most a request whose `kv_transfer_params` say a
+    producer published its prompt (`kvstore_prefilled_tokens`) waits, unscheduled, for
+    blocks a lookup does not find yet (a write-through to the remote tier still on its way);
+    then it loads what is there and vLLM computes the rest. Whatever this is, a request whose
+    producer sent its prefill rate (`kvstore_prefill_tokens_per_s`, kvstore producers do)
+    waits no longer than computing the tokens missing at its first lookup would take at that
+    rate: a wait that outlasts the recompute it would save is given up. Unset: that bound, up
+    to 60 s (a long prompt on a slow engine is worth a long wait), and 2 s for requests
+    without a rate."""
     async_load: bool = False
     """Load in a background thread while the engine runs other requests: vLLM schedules a
     request once its load is done (`WAITING_FOR_REMOTE_KVS`), and a load that comes short is
@@ -315,9 +329,9 @@ class ConnectorConfig:
         if cfg.layerwise_min_tokens < 0:
             raise ConnectorConfigError(f"kvstore.layerwise_min_tokens must not be negative, "
                                        f"got {cfg.layerwise_min_tokens}")
-        if cfg.consumer_wait_s < 0:
-            raise ConnectorConfigError(f"kvstore.consumer_wait_s must not be negative, got "
-                                       f"{cfg.consumer_wait_s}")
+        if cfg.consumer_wait_s is not None and not 0 <= cfg.consumer_wait_s < math.inf:
+            raise ConnectorConfigError(f"kvstore.consumer_wait_s must be a non-negative number "
+                                       f"of seconds, got {cfg.consumer_wait_s}")
         if cfg.peers and not all(p.strip() for p in cfg.peers.split(",")):
             raise ConnectorConfigError(f"kvstore.peers must list daemon addresses separated by "
                                        f"commas, got {cfg.peers!r}")
@@ -708,6 +722,16 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class _Wait:
+    """A consumer request waiting for its producer's blocks (`_must_wait`)."""
+
+    began: float  # its first lookup (time.monotonic())
+    last: float  # its latest lookup
+    budget: float  # seconds from `began` it waits at most
+    why: str  # what set `budget`, for the log
+
+
+@dataclass
 class _Request:
     """Scheduler-side state of one request the connector follows."""
 
@@ -722,6 +746,8 @@ class _Request:
     save_issued: bool = False  # a SaveSpec went to the worker: it reports when it is done
     saved_to: int = 0  # hybrid: the prompt's tokens saves were issued for so far
     peer: str | None = None  # consumer: the producer's daemon its hit is on (`kvstore_peer`)
+    scheduled_at: float = 0.0  # producer: when it was first scheduled (time.monotonic())
+    reused: int = 0  # producer: prompt tokens it did not compute (vLLM's cache, kvstore's)
 
     @property
     def keys(self) -> list[PrefixKeys]:
@@ -745,6 +771,18 @@ def _prefilled_tokens(request: Request) -> int | None:
     params = request.kv_transfer_params
     want = params.get(PREFILLED_TOKENS) if isinstance(params, dict) else None
     return want if isinstance(want, int) and not isinstance(want, bool) else None
+
+
+def _prefill_rate(request: Request) -> float | None:
+    """The producer's prefill rate, tokens/s, sent with `request` (`PREFILL_RATE`), or None
+    when absent or not a positive finite number (params come with the request: a malformed
+    one only loses the bound it gives)."""
+    params = request.kv_transfer_params
+    rate = params.get(PREFILL_RATE) if isinstance(params, dict) else None
+    if isinstance(rate, bool) or not isinstance(rate, int | float) \
+            or not 0 < rate < math.inf:
+        return None
+    return float(rate)
 
 
 class _CopyGuard:
@@ -927,8 +965,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._producer, self._consumer = kv_role == "kv_producer", kv_role == "kv_consumer"
         self._saves = not self._consumer
         self._async_save = self._cfg.async_save and not self._producer and not self._hybrid
-        # consumer: req_id -> (its first lookup, its last lookup) while it waits
-        self._waiting: dict[str, tuple[float, float]] = {}
+        # consumer: the requests waiting for their producer's blocks
+        self._waiting: dict[str, _Wait] = {}
         # consumer: the producers' daemons it may load from, req_id -> the one a lookup found
         # a request's blocks on, and the unlisted ones requests named (warned about once)
         self._peers = self._cfg.peer_set()
@@ -1044,8 +1082,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         waiting = self._waiting.get(request.request_id)
         now = time.monotonic()
-        if waiting is not None and now - waiting[1] < _WAIT_LOOKUP_S \
-                and now - waiting[0] < self._cfg.consumer_wait_s:
+        if waiting is not None and now - waiting.last < _WAIT_LOOKUP_S \
+                and now - waiting.began < waiting.budget:
             return None, False  # a consumer waiting for its producer, looked up just now
         try:
             # A block missing in any group, or any shard of it (a TP rank's, a KV head's),
@@ -1114,25 +1152,44 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _must_wait(self, request: Request, found: int, now: float) -> bool:
         """Consumer: whether `request` stays unscheduled for blocks its producer published
         (`kvstore_prefilled_tokens` in its `kv_transfer_params`) that a lookup, `found`
-        tokens, does not reach yet; for `consumer_wait_s` from its first lookup at most."""
+        tokens, does not reach yet; from its first lookup for at most `_wait_budget`."""
         rid = request.request_id
         want = _prefilled_tokens(request)
-        entry = self._waiting.get(rid)
-        began = entry[0] if entry is not None else now
+        wait = self._waiting.get(rid)
         if want is None or found >= want:
-            if entry is not None:
+            if wait is not None:
                 log.info("kvstore: request %s waited %.1f ms for its producer's blocks",
-                         rid, (now - began) * 1e3)
+                         rid, (now - wait.began) * 1e3)
                 del self._waiting[rid]
             return False
-        if now - began < self._cfg.consumer_wait_s:
-            self._waiting[rid] = (began, now)
+        if wait is None:
+            wait = self._waiting[rid] = _Wait(now, now, *self._wait_budget(request, want - found))
+        if now - wait.began < wait.budget:
+            wait.last = now
             return True
-        self._waiting.pop(rid, None)
+        del self._waiting[rid]
         log.warning("kvstore: request %s found %d of the %d tokens its producer published "
-                    "after waiting %.1f s (kvstore.consumer_wait_s); vLLM computes the rest",
-                    rid, found, want, now - began)
+                    "after waiting %.3f s (%s); vLLM computes the rest",
+                    rid, found, want, now - wait.began, wait.why)
         return False
+
+    def _wait_budget(self, request: Request, missing: int) -> tuple[float, str]:
+        """The most a consumer request waits for `missing` tokens of its producer's, and why:
+        `consumer_wait_s`, and no longer than recomputing them at the producer's rate (a wait
+        past that costs more than the blocks could save); unset: that time up to
+        `_WAIT_MAX_S`, `_WAIT_NO_RATE_S` without a rate."""
+        cap, rate = self._cfg.consumer_wait_s, _prefill_rate(request)
+        if rate is None:
+            if cap is None:
+                return _WAIT_NO_RATE_S, "the default wait: the producer sent no prefill rate"
+            return cap, "kvstore.consumer_wait_s"
+        recompute = missing / rate
+        limit = _WAIT_MAX_S if cap is None else cap
+        if recompute <= limit:
+            return recompute, (f"recomputing {missing} tokens at the producer's {rate:.0f} "
+                               f"tokens/s would take that long")
+        return limit, ("kvstore.consumer_wait_s" if cap is not None
+                       else f"the most a producer's rate gives, {_WAIT_MAX_S:.0f} s")
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -1153,6 +1210,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                          block_ids=[list(ids) for ids in blocks.get_block_ids()],
                          saved_to=min(hit, save_end),
                          peer=self._from_peer.get(request.request_id))
+        if prev is not None:  # allocated again (after an asynchronous load, a preemption)
+            state.scheduled_at, state.reused = prev.scheduled_at, prev.reused
+        else:
+            state.scheduled_at = time.monotonic()
+            state.reused = local + num_external_tokens
         if num_external_tokens > 0:
             # vLLM counts external tokens from the block-aligned local hit it passed us.
             state.load = (local, local + num_external_tokens)
@@ -1211,7 +1273,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         moving those very blocks (on two cores that doubled the wait). Sleep until the next
         lookup is due instead: at most `_WAIT_LOOKUP_S`, and only when nothing is computed
         (a request arriving meanwhile is admitted that much later)."""
-        due = min(last for _, last in self._waiting.values()) + _WAIT_LOOKUP_S
+        due = min(w.last for w in self._waiting.values()) + _WAIT_LOOKUP_S
         pause = due - time.monotonic()
         if pause > 0:
             time.sleep(min(pause, _WAIT_LOOKUP_S))
@@ -1306,6 +1368,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # waits for these tokens' blocks. Not "do_remote_prefill": vLLM would then report
             # the producer's cache hits as the consumer's.
             params = {PREFILLED_TOKENS: state.save_end}
+            if (rate := self._prefill_rate(state)) is not None:
+                params[PREFILL_RATE] = rate
             if self._cfg.peer_target:
                 params[PEER] = self._cfg.peer_target
         saving = bool(self._async_save and state is not None and state.save_issued)
@@ -1315,6 +1379,19 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._end_session(*ending)
         return saving, params
+
+    @staticmethod
+    def _prefill_rate(state: _Request) -> float | None:
+        """Producer: the tokens it computed for a finished request per second from its first
+        scheduling to now (its answer: the prefill, any queueing behind others' chunks, the
+        synchronous save), what recomputing them costs a consumer like it; None when it
+        computed less than a block (a rate over a few tokens says little)."""
+        computed = state.num_tokens - state.reused
+        seconds = time.monotonic() - state.scheduled_at
+        block = state.keys[0].block_tokens if state.keys else 1
+        if computed < block or seconds <= 0:
+            return None
+        return round(computed / seconds, 1)
 
     def _ends_session(self, request: Request,
                       ) -> tuple[tuple[str, str], list[list[PrefixKeys]], int] | None:

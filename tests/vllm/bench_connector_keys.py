@@ -29,7 +29,8 @@ from tests.vllm.vllm_runner import make_model
 
 
 def scheduler_connector(model: Path, target: str, block: int, max_len: int,
-                        deadline_s: float = 10.0, role: str = "kv_both") -> Any:
+                        deadline_s: float = 10.0, role: str = "kv_both",
+                        extra: dict[str, Any] | None = None) -> Any:
     """A scheduler-role `KVStoreConnector` for `make_model`'s tiny Llama (2 layers, 2 KV heads,
     head_dim 64, float32) with vLLM blocks of `block` tokens. A long deadline: tests and
     timings run on loaded machines, where a miss by deadline would change what they count.
@@ -39,14 +40,14 @@ def scheduler_connector(model: Path, target: str, block: int, max_len: int,
     process's later subprocesses (the kernels' ASan shim refuses that LD_PRELOAD)."""
     environ = dict(os.environ)
     try:
-        return _scheduler_connector(model, target, block, max_len, deadline_s, role)
+        return _scheduler_connector(model, target, block, max_len, deadline_s, role, extra)
     finally:
         os.environ.clear()
         os.environ.update(environ)
 
 
 def _scheduler_connector(model: Path, target: str, block: int, max_len: int,
-                         deadline_s: float, role: str) -> Any:
+                         deadline_s: float, role: str, more: dict[str, Any] | None) -> Any:
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -54,7 +55,7 @@ def _scheduler_connector(model: Path, target: str, block: int, max_len: int,
 
     from kvstore.client.integrations.vllm import KVStoreConnector
 
-    extra = {"kvstore.target": target, "kvstore.deadline_s": deadline_s}
+    extra = {"kvstore.target": target, "kvstore.deadline_s": deadline_s, **(more or {})}
     ktc = KVTransferConfig(kv_connector="KVStoreConnector",
                            kv_connector_module_path="kvstore.client.integrations.vllm",
                            kv_role=role, kv_connector_extra_config=extra)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -197,5 +198,70 @@ def test_a_step_that_computes_nothing_sleeps_while_a_consumer_waits(
         assert not conn._waiting
         conn.build_connector_meta(empty_step())  # nobody waits: vLLM's loop idles by itself
         assert len(slept) == 1
+    finally:
+        conn.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_consumer_waits_no_longer_than_recomputing_at_the_producers_rate(
+        model_dir: Path, daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """A consumer request whose producer sent its prefill rate waits for the missing tokens
+    no longer than recomputing them at that rate takes; `consumer_wait_s` still caps it; a
+    malformed rate is ignored (the default 2 s). And a producer sends the rate it measured
+    from scheduling to its answer, only when it computed a block or more."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(3, 900) for _ in range(8 * BLOCK + 1)]
+    want = 8 * BLOCK
+
+    def waits(conn: Any, rid: str, rate: object, after_s: float) -> bool:
+        """Whether a request with `rate` still waits `after_s` after its first lookup."""
+        req = request(rid, tokens)
+        req.kv_transfer_params = {"kvstore_prefilled_tokens": want,
+                                  "kvstore_prefill_tokens_per_s": rate}
+        assert conn.get_num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(after_s)
+        got = conn.get_num_new_matched_tokens(req, 0)
+        conn.request_finished(req, [])
+        return got == (None, False)
+
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048, role="kv_consumer")
+    try:
+        assert waits(conn, "c1", want / 5.0, 0.3)  # recomputing takes 5 s: it waits
+        assert not waits(conn, "c2", want / 0.2, 0.3)  # 0.2 s: it has given up
+        assert f"recomputing {want} tokens at the producer's {want / 0.2:.0f} tokens/s" \
+            in caplog.text
+        for bad in ("fast", -1.0, 0, float("nan"), float("inf"), True, None):
+            assert waits(conn, f"bad{bad}", bad, 0.3), bad  # no bound: 2 s
+        assert not conn._waiting
+    finally:
+        conn.shutdown()
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048, role="kv_consumer",
+                               extra={"kvstore.consumer_wait_s": 0.1})
+    try:
+        assert not waits(conn, "c3", want / 5.0, 0.3)  # the cap is below the recompute
+        assert "kvstore.consumer_wait_s" in caplog.text
+    finally:
+        conn.shutdown()
+
+    conn = scheduler_connector(model_dir, daemon.target, BLOCK, 2048, role="kv_producer")
+    try:
+        def produced(rid: str, computed: int, prefill_s: float) -> dict[str, Any]:
+            """A producer's request whose first `len(tokens) - computed` tokens vLLM's own
+            cache held, answered `prefill_s` after it was scheduled."""
+            req = request(rid, tokens)
+            assert conn.get_num_new_matched_tokens(req, len(tokens) - computed) == (0, False)
+            blocks = list(range(9))
+            conn.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)),
+                                          0)
+            time.sleep(prefill_s)
+            _, params = conn.request_finished(req, blocks)
+            assert params is not None and params["kvstore_prefilled_tokens"] == want
+            return params
+
+        began = time.monotonic()
+        rate = produced("p1", len(tokens), 0.25)["kvstore_prefill_tokens_per_s"]
+        took = time.monotonic() - began
+        assert len(tokens) / took <= rate <= len(tokens) / 0.25, rate
+        assert "kvstore_prefill_tokens_per_s" not in produced("p2", BLOCK - 1, 0.05)
     finally:
         conn.shutdown()

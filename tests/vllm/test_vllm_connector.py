@@ -372,7 +372,8 @@ def test_chunked_prefill_saves_and_loads(model_dir: Path, tmp_path: Path) -> Non
 @pytest.mark.parametrize(("extra", "error"), [
     ({"kvstore.layerwise_min_tokens": -1}, "layerwise_min_tokens must not be negative"),
     ({"kvstore.save_queue": 0}, "save_queue must be positive"),
-    ({"kvstore.consumer_wait_s": -0.5}, "consumer_wait_s must not be negative"),
+    ({"kvstore.consumer_wait_s": -0.5}, "consumer_wait_s must be a non-negative number"),
+    ({"kvstore.consumer_wait_s": "nan"}, "consumer_wait_s must be a non-negative number"),
     ({"kvstore.transfer": "carrier pigeon"}, "transfer must be auto, shm or stream"),
     ({"kvstore.layerwise_min_tokens": "many"}, "layerwise_min_tokens"),
     ({"kvstore.peers": "10.0.0.5:7070,,10.0.0.6:7070"}, "peers must list daemon addresses"),

@@ -30,7 +30,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this interpreter: run `bash scripts/setup_vllm.sh`",
                 allow_module_level=True)
 
-from benchmarks.vllm_disagg import PREFILLED, Engine
+from benchmarks.vllm_disagg import PREFILL_RATE, PREFILLED, Engine
 from kvstore.server.process import DaemonProcess
 from tests import redis_servers
 from tests.redis_servers import RedisServer
@@ -59,6 +59,13 @@ def prompts(seed: int) -> list[list[int]]:
 def published(batch: list[list[int]]) -> list[dict[str, Any]]:
     """What a producer says it published: each prompt's full blocks."""
     return [{PREFILLED: len(ids) // BLOCK * BLOCK} for ids in batch]
+
+
+def without_rate(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A producer's `kv_transfer_params` less its prefill rate, which each must carry."""
+    for x in params:
+        assert isinstance(x.get(PREFILL_RATE), float) and x[PREFILL_RATE] > 0, params
+    return [{k: v for k, v in x.items() if k != PREFILL_RATE} for x in params]
 
 
 def stats(daemon: DaemonProcess) -> Any:
@@ -141,7 +148,7 @@ def slow_producer(producer: Engine, consumer: Engine, batch: list[list[int]],
     consumer.send(batch, MAX_TOKENS, published(batch))
     time.sleep(SLOW_S)
     p = producer.prefill(batch)
-    assert p["kv_transfer_params"] == published(batch)
+    assert without_rate(p["kv_transfer_params"]) == published(batch)
     return consumer.read()
 
 
@@ -190,7 +197,7 @@ class TestOneDaemon:
         assert stats(daemon_a).stored_blocks == stored, "the consumer saved blocks"
         p = producer.prefill(batch)
         # The producer's answer comes once its blocks are committed, and says how many.
-        assert p["kv_transfer_params"] == published(batch)
+        assert without_rate(p["kv_transfer_params"]) == published(batch)
         assert stats(daemon_a).stored_blocks - stored == sum(len(i) // BLOCK for i in batch)
         served = stats(daemon_a).hit_blocks
         got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
@@ -230,6 +237,25 @@ class TestOneDaemon:
         assert f"found 0 of the {6 * BLOCK} tokens its producer published" in log, log
 
     @pytest.mark.timeout(600)
+    def test_a_dead_producers_rate_bounds_the_wait_by_the_recompute(
+            self, producer: Engine, consumer: Engine) -> None:
+        """As above, but the params carry the producer's prefill rate, which says the prompt
+        recomputes in 0.4 s: the consumer gives up after that, not `consumer_wait_s`."""
+        batch = prompts(seed=5)
+        ref = reference(consumer, batch)
+        assert consumer.log_path is not None
+        _, seen = new_lines(consumer.log_path, 0)
+        params = [{**x, PREFILL_RATE: x[PREFILLED] / 0.4} for x in published(batch)]
+        began = time.monotonic()
+        got = consumer.generate(batch, MAX_TOKENS, params)
+        took = time.monotonic() - began
+        assert 0.4 <= took < WAIT_S, took
+        assert got["cached"] == [0, 0]
+        assert_same_generation(got, ref)
+        log = new_lines(consumer.log_path, seen)[0]
+        assert f"recomputing {6 * BLOCK} tokens at the producer's" in log, log
+
+    @pytest.mark.timeout(600)
     def test_producer_died_mid_save_consumer_loads_what_arrived(
             self, producer: Engine, consumer: Engine) -> None:
         """Only the first blocks of the prompt were published (what a producer that died
@@ -238,7 +264,7 @@ class TestOneDaemon:
         ref = reference(consumer, batch)
         part = 3 * BLOCK
         p = producer.prefill([batch[0][:part]])
-        assert p["kv_transfer_params"] == [{PREFILLED: part}]
+        assert without_rate(p["kv_transfer_params"]) == [{PREFILLED: part}]
         got = consumer.generate(batch, MAX_TOKENS, published(batch))
         assert got["cached"] == [part]
         assert_same_generation(got, ref)
@@ -259,7 +285,7 @@ class TestTwoDaemons:
         ref = reference(consumer, batch)
         before = stats(daemon_b)
         p = producer.prefill(batch)
-        assert p["kv_transfer_params"] == published(batch)
+        assert without_rate(p["kv_transfer_params"]) == published(batch)
         got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
         check_decode(got, ref, batch)
         after = stats(daemon_b)
@@ -291,7 +317,7 @@ class TestTwoDaemons:
         ref = reference(consumer, batch)
         redis.kill()
         p = producer.prefill(batch)
-        assert p["kv_transfer_params"] == published(batch)
+        assert without_rate(p["kv_transfer_params"]) == published(batch)
         began = time.monotonic()
         got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
         assert time.monotonic() - began < WAIT_S + 30
@@ -350,8 +376,8 @@ class TestPeer:
         assert consumer.log_path is not None
         _, seen = new_lines(consumer.log_path, 0)
         p = producer.prefill(batch)
-        assert p["kv_transfer_params"] == [{**x, "kvstore_peer": address}
-                                           for x in published(batch)]
+        assert without_rate(p["kv_transfer_params"]) == [{**x, "kvstore_peer": address}
+                                                         for x in published(batch)]
         served, own = stats(p_daemon).hit_blocks, stats(c_daemon).hit_blocks
         got = consumer.generate(batch, MAX_TOKENS, p["kv_transfer_params"])
         check_decode(got, ref, batch)
