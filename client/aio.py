@@ -89,6 +89,20 @@ _ROUTINE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FO
                       grpc.StatusCode.CANCELLED})
 DROP_LOG_S = 60.0  # dropped saves after the first: one summary line at most this often
 PROBE_TIMEOUT_S = 0.5  # a probe of a daemon that went away: an Info call this long at most
+PRESUMED_MAX_KEYS = 4096
+"""The daemon's `max_blocks_per_call` presumed until its `Info` reply says (its default).
+
+A call naming more keys than the daemon's limit is refused (INVALID_ARGUMENT), so the client
+splits a longer prompt into consecutive calls (`AsyncKVClient._key_limit`). It learns the
+limit from `InfoReply.max_blocks_per_call`, which every daemon sends: a same-node client
+asks Info anyway when it maps the arena; a TCP client, which otherwise never asks, asks it
+only before its first call naming more keys than this, so a prompt within the default limit
+costs its one round trip and no more. A daemon run with a smaller limit (or restarted with
+one) refuses a call: the client then asks Info again and, where the limit is now lower than
+the one it planned with, makes the call again within it. Chosen over parsing the refusal's
+text (a message, not an interface) and over always splitting at the default (a daemon
+configured lower would refuse every long prompt): the number comes from the daemon, and
+costs a round trip only where a prompt outgrows what the client knew."""
 
 
 PREFAULT_ENV = "KVCLIENT_PREFAULT_BYTES"  # not KVSTORE_*: the daemon reads those as its own
@@ -293,11 +307,27 @@ class _CopyStopped(Exception):
     """A copy stopped at its deadline before the blocks it was given were all copied."""
 
 
+class _DaemonFault(KVStoreError):
+    """A reply inconsistent with its request (more blocks than asked for, sizes that do not
+    match the layout, data past the blocks announced): a buggy or foreign peer. A miss,
+    counted (`AsyncKVClient.daemon_faults`) and logged once, never data past the prompt."""
+
+
 class _Progress:
     """Blocks of a fetch copied intact so far: what a fetch cut short still returns."""
 
     def __init__(self, start: int) -> None:
-        self.done = start
+        self.start = self.done = start
+
+    async def unless_fault(self, work: Awaitable[T]) -> T:
+        """`await work`; a daemon fault on the way (`_DaemonFault`) keeps nothing of the
+        fetch, not even blocks copied before it: a peer that sent an inconsistent reply is
+        not trusted for the rest of its answer either."""
+        try:
+            return await work
+        except _DaemonFault:
+            self.done = self.start
+            raise
 
 
 def normalize_target(target: str) -> tuple[str, bool]:
@@ -331,10 +361,12 @@ def _place_chunk(chunk: pb.FetchChunk, block: int, filled: int, size: int,
                  planes: np.ndarray) -> int:
     """Copy a streamed fetch's `chunk` into `planes`, block `block`'s place (`filled` of its
     `size` bytes in already); returns the bytes of the block in now. A chunk out of order, or
-    past the block's end, fails the fetch."""
+    past the block's end, or empty, fails the fetch (a daemon fault: a miss)."""
     if chunk.block_index != block or chunk.chunk_offset != filled \
-            or filled + len(chunk.data) > size:
-        raise KVStoreError("fetch stream out of order")
+            or not chunk.data or filled + len(chunk.data) > size:
+        raise _DaemonFault(f"fetch stream out of order: block {chunk.block_index} at "
+                           f"{chunk.chunk_offset}+{len(chunk.data)}, expected block {block} "
+                           f"at {filled} within {size} bytes")
     _copy_into_planes(planes, filled, np.frombuffer(chunk.data, np.uint8))
     return filled + len(chunk.data)
 
@@ -383,6 +415,10 @@ class AsyncKVClient:
         # a transfer's deadline is planned at.
         self._read_bandwidth: dict[str, float] = {}
         self._warned_no_each = False  # a daemon without `Lookup.each` (`held`), logged once
+        # The daemon's `max_blocks_per_call`, from its latest Info reply (0: not asked yet,
+        # `PRESUMED_MAX_KEYS` meanwhile): longer prompts are split into calls of this many.
+        self._max_keys = 0
+        self.daemon_faults = 0  # replies inconsistent with their request (`_DaemonFault`)
         self._drops = LogThrottle(DROP_LOG_S)
         self.dropped_blocks = 0
         self._channel: grpc.aio.Channel | None = None
@@ -476,8 +512,9 @@ class AsyncKVClient:
         until = self._until(len(keys), _budget(budget_s))
         progress = _Progress(0)
         out: list[torch.Tensor | None] = [into]
-        result = await self._guard(lambda: self._fetch(keys, out, until, progress), None,
-                                   until=until)
+        result = await self._guard(
+            lambda: progress.unless_fault(self._fetch(keys, out, until, progress)), None,
+            until=until)
         if result is not None:
             return result
         return self._kept(progress.done, out[0])
@@ -540,7 +577,8 @@ class AsyncKVClient:
         until = self._until(len(keys) - skip_blocks, _budget(budget_s))
         progress = _Progress(skip_blocks)
         blocks = await self._guard(
-            lambda: self._fetch_with(keys, consume, skip_blocks, until, progress, whole), None,
+            lambda: progress.unless_fault(
+                self._fetch_with(keys, consume, skip_blocks, until, progress, whole)), None,
             until=until)
         if blocks is None:  # cut short: what was copied intact still counts
             blocks = progress.done
@@ -606,8 +644,9 @@ class AsyncKVClient:
         fetch with hits."""
         return self._copy_rate.bandwidth.get("copy")
 
-    def _observe_copy(self, refs: Sequence[pb.BlockRef], seconds: float) -> None:
-        self._copy_rate.observe("copy", sum(r.length for r in refs), seconds)
+    def _observe_copy(self, blocks: int, seconds: float) -> None:
+        """`blocks` whole blocks copied (or received) in `seconds`."""
+        self._copy_rate.observe("copy", blocks * self.layout.block_bytes, seconds)
 
     def _bpt(self, bytes_per_token: int | None) -> int:
         return self.layout.bytes_per_token if bytes_per_token is None else bytes_per_token
@@ -646,9 +685,16 @@ class AsyncKVClient:
         keys = keys[shared_tokens // self.layout.block_tokens:]
         if not keys:
             return 0
-        reply: pb.EndSessionReply | None = await self._guard(
-            lambda: self._unary("EndSession", pb.EndSessionRequest(keys=keys)), None)
-        return 0 if reply is None else int(reply.marked)
+        async def mark() -> int:  # one call per `_key_limit` keys
+            limit = await self._key_limit(len(keys))
+            marked = 0
+            for start in range(0, len(keys), limit):
+                reply: pb.EndSessionReply = await self._unary(
+                    "EndSession", pb.EndSessionRequest(keys=keys[start : start + limit]))
+                marked += int(reply.marked)
+            return marked
+
+        return await self._guard(mark, 0)
 
     async def stats(self) -> pb.StatsReply | None:
         return await self._guard(lambda: self._unary("Stats", pb.StatsRequest()), None)
@@ -688,17 +734,25 @@ class AsyncKVClient:
         keys = self.keys(tokens)[: len(spans)]
         if not keys or not await self.kv_events():
             return 0
-        req = pb.DescribeBlocksRequest(namespace=self._ns, blocks=[
-            pb.EngineBlocks(key=k, block_hashes=s.block_hashes,
-                            parent_block_hash=s.parent_block_hash or b"",
-                            token_ids=s.token_ids, block_size=s.block_size,
-                            lora_name=s.lora_name or "", group_idx=s.group_idx,
-                            kv_cache_spec_kind=s.spec_kind or "",
-                            sliding_window=s.sliding_window or 0)
-            for k, s in zip(keys, spans, strict=False)])
-        reply: pb.DescribeBlocksReply | None = await self._guard(
-            lambda: self._unary("DescribeBlocks", req), None)
-        return 0 if reply is None else int(reply.described)
+        blocks = [pb.EngineBlocks(key=k, block_hashes=s.block_hashes,
+                                  parent_block_hash=s.parent_block_hash or b"",
+                                  token_ids=s.token_ids, block_size=s.block_size,
+                                  lora_name=s.lora_name or "", group_idx=s.group_idx,
+                                  kv_cache_spec_kind=s.spec_kind or "",
+                                  sliding_window=s.sliding_window or 0)
+                  for k, s in zip(keys, spans, strict=False)]
+
+        async def describe() -> int:  # one call per `_key_limit` blocks
+            limit = await self._key_limit(len(blocks))
+            described = 0
+            for start in range(0, len(blocks), limit):
+                reply: pb.DescribeBlocksReply = await self._unary(
+                    "DescribeBlocks", pb.DescribeBlocksRequest(
+                        namespace=self._ns, blocks=blocks[start : start + limit]))
+                described += int(reply.described)
+            return described
+
+        return await self._guard(describe, 0)
 
     async def ping(self) -> bool:
         return await self._guard(lambda: self._info(), None) is not None
@@ -782,9 +836,12 @@ class AsyncKVClient:
         timeout = self.deadline_s if until is None else self._left(until) + self.deadline_s
         try:
             async with asyncio.timeout(timeout):
-                result = await call()
+                result = await self._within_limit(call)
         except InvalidArgumentError:
             raise
+        except _DaemonFault as e:
+            self._fault(str(e))
+            return False, None
         except grpc.aio.AioRpcError as e:
             if until is not None and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # A transfer cut at its own deadline (its bytes' time, or what recomputing
@@ -814,6 +871,62 @@ class AsyncKVClient:
             return False, None
         self._breaker.success()
         return True, result
+
+    async def _within_limit(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`; made once more when the daemon refused it as invalid and its Info now
+        gives a lower `max_blocks_per_call` than the client split the call by (a daemon run,
+        or restarted, with a smaller limit: see `PRESUMED_MAX_KEYS`). A call goes on from
+        where it stopped (a fetch keeps the blocks it copied; a publish's stored blocks are
+        not asked for again)."""
+        before = self._max_keys or PRESUMED_MAX_KEYS  # what the call may be split by
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT \
+                    or not await self._limit_below(before):
+                raise
+        return await call()
+
+    async def _limit_below(self, limit: int) -> bool:
+        """Ask the daemon's `max_blocks_per_call` again; whether it is lower than `limit`."""
+        try:
+            await self._info()
+        except grpc.aio.AioRpcError:
+            return False
+        return (self._max_keys or PRESUMED_MAX_KEYS) < limit
+
+    async def _key_limit(self, n: int) -> int:
+        """Keys one call may name, for a call that would name `n`: the daemon's limit as its
+        latest Info said, else `PRESUMED_MAX_KEYS`, asking Info first (once) when `n` is more
+        than that."""
+        if not self._max_keys and n > PRESUMED_MAX_KEYS:
+            await self._info()
+        return self._max_keys or PRESUMED_MAX_KEYS
+
+    async def _span(self, keys: list[bytes], start: int) -> tuple[list[bytes], list[bytes]]:
+        """`(keys, prior_keys)` of one call from block `start` of a prompt: every key from
+        `start` on and every one before it, where the daemon takes them all in one call;
+        else as many as it takes (its limit counts `prior_keys` too): the first call a full
+        limit of keys, each later one half a limit of new keys after the half limit just
+        before them (the daemon keeps those in host and ranks them with the new ones)."""
+        limit = await self._key_limit(len(keys))
+        if len(keys) <= limit:
+            return keys[start:], keys[:start]
+        n = min(len(keys) - start, max(1, limit - min(start, limit // 2)))
+        prior = min(start, limit - n)
+        return keys[start : start + n], keys[start - prior : start]
+
+    def _fault(self, what: str) -> None:
+        """A reply inconsistent with its request (`_DaemonFault`): counted, a miss; the first
+        logged as a warning, the rest at debug."""
+        self.daemon_faults += 1
+        self._breaker.success()  # it answered: not an outage
+        if self.daemon_faults == 1:
+            log.warning("kvstore daemon at %s sent a reply inconsistent with its request (%s); "
+                        "a miss (further ones are logged at debug level, counted in "
+                        "daemon_faults)", self.target, what)
+        else:
+            log.debug("kvstore daemon fault: %s", what)
 
     def _failed(self, code: grpc.StatusCode, details: str, admin: bool) -> None:
         """A call the daemon failed: an outage (back off), or a refusal of this call only."""
@@ -931,21 +1044,51 @@ class AsyncKVClient:
         return cast(T, await fn(request, timeout=timeout, metadata=self._metadata))
 
     async def _info(self) -> pb.InfoReply:
-        return await self._unary("Info", pb.InfoRequest())
+        reply: pb.InfoReply = await self._unary("Info", pb.InfoRequest())
+        if reply.max_blocks_per_call:
+            self._max_keys = int(reply.max_blocks_per_call)
+        return reply
 
     async def _lookup(self, keys: list[bytes], prefetch: bool = False) -> pb.LookupReply:
-        request = pb.LookupRequest(namespace=self._ns, keys=keys)
-        if prefetch:
-            request.prefetch = True
-            request.layout.CopyFrom(self._layout_pb)
-        reply: pb.LookupReply = await self._unary("Lookup", request)
-        self._read_bandwidth.update(reply.read_bandwidth)
-        return reply
+        """The longest cached prefix of `keys`: one Lookup, or one per `_key_limit` keys in
+        order, stopping after the first not hit in full (their replies as one)."""
+        limit = await self._key_limit(len(keys))
+        out = pb.LookupReply()
+        for start in range(0, len(keys), limit):
+            part = keys[start : start + limit]
+            request = pb.LookupRequest(namespace=self._ns, keys=part)
+            if prefetch:
+                request.prefetch = True
+                request.layout.CopyFrom(self._layout_pb)
+            reply: pb.LookupReply = await self._unary("Lookup", request)
+            if reply.hits > len(part) or len(reply.tiers) > reply.hits:
+                raise _DaemonFault(f"a lookup of {len(part)} keys answered {reply.hits} hits "
+                                   f"in {len(reply.tiers)} tiers")
+            if len(keys) <= limit:
+                self._read_bandwidth.update(reply.read_bandwidth)
+                return reply
+            out.hits += reply.hits
+            out.tiers.extend(reply.tiers)
+            out.read_bandwidth.update(reply.read_bandwidth)
+            if reply.hits < len(part):
+                break
+        self._read_bandwidth.update(out.read_bandwidth)
+        return out
 
     async def _lookup_each(self, keys: list[bytes]) -> pb.LookupReply:
-        request = pb.LookupRequest(namespace=self._ns, keys=keys, each=True)
-        reply: pb.LookupReply = await self._unary("Lookup", request)
-        return reply
+        """`held`'s probe: one Lookup with `each`, or one per `_key_limit` keys (their flags
+        as one reply; none when a reply has no flag per key: a daemon older than `each`)."""
+        limit = await self._key_limit(len(keys))
+        found: list[bool] = []
+        for start in range(0, len(keys), limit):
+            part = keys[start : start + limit]
+            request = pb.LookupRequest(namespace=self._ns, keys=part, each=True)
+            reply: pb.LookupReply = await self._unary("Lookup", request)
+            if len(reply.found) != len(part):
+                return pb.LookupReply()  # `held` asks block by block
+            found += reply.found
+        leading = found.index(False) if False in found else len(found)
+        return pb.LookupReply(hits=leading, found=found)
 
     async def _writer_name(self) -> str:
         """This process's writer lock for a Reserve (`kvstore.writer_lock`); asks Info where
@@ -1169,12 +1312,33 @@ class AsyncKVClient:
         reads a window of disk or remote hits before it answers: the transfer's deadline."""
         # `prior_keys`: the blocks before `start`, which the daemon then keeps in host rather
         # than evict to make room for the rest (a prompt larger than its host tier).
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_SHM, prior_keys=keys[:start],
+        part, prior = await self._span(keys, start)
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=part,
+                              transfer=pb.TRANSFER_SHM, prior_keys=prior,
                               slab_ok=self._slab is not None, whole=whole)
         timeout = self.deadline_s if until is None else self._left(until)
         call = self._stub_().Fetch(req, timeout=timeout, metadata=self._metadata)
-        return await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
+        head: pb.FetchChunk = await self._leased(anext(call.__aiter__()), lambda h: h.lease_id)
+        try:
+            self._check_head(head, len(part), shm=True)
+        except _DaemonFault:
+            if head.lease_id:
+                self._release_later(head.lease_id)
+            raise
+        if head.hits == len(part) and start + len(part) < len(keys):
+            head.more = True  # a call of part of the prompt, hit in full: ask for the rest
+        return head
+
+    def _check_head(self, head: pb.FetchChunk, asked: int, shm: bool) -> None:
+        """A fetch reply's header, checked against its request: no more blocks than asked
+        for; over SHM, one ref per block, each a block of the layout (`_DaemonFault`)."""
+        if head.hits > asked:
+            raise _DaemonFault(f"a fetch of {asked} blocks answered {head.hits}")
+        if shm and (len(head.blocks) != head.hits
+                    or any(r.length != self.layout.block_bytes for r in head.blocks)):
+            raise _DaemonFault(f"a fetch answered {head.hits} blocks with "
+                               f"{len(head.blocks)} refs, not all of the layout's "
+                               f"{self.layout.block_bytes} bytes")
 
     def _drop_head(self, ahead: asyncio.Future[pb.FetchChunk]) -> None:
         """Give back a window asked for ahead but not taken (the fetch ended before it)."""
@@ -1200,9 +1364,13 @@ class AsyncKVClient:
             if any(ref.in_slab for ref in head.blocks) and (
                     slab is None or head.slab_id != self._slab_id):
                 return 0  # a slab this client no longer maps (the daemon restarted): a miss
+            for ref in head.blocks:
+                if ref.offset + ref.length > _memory(arena, slab, ref).numel():
+                    raise _DaemonFault(f"a block at {ref.offset}+{ref.length}, past the end "
+                                       f"of the {'slab' if ref.in_slab else 'arena'}")
             began = time.perf_counter()
             got = await take(arena, slab, head, first)
-            self._observe_copy(head.blocks[:got], time.perf_counter() - began)
+            self._observe_copy(got, time.perf_counter() - began)
             reply: pb.ReleaseReply = await self._unary(
                 "Release", pb.ReleaseRequest(lease_id=head.lease_id))
             released = True
@@ -1228,7 +1396,7 @@ class AsyncKVClient:
             out = self._new_out(len(keys))
         began = time.perf_counter()
         await self._receive(stream, n, out, start)
-        self._observe_copy(head.blocks, time.perf_counter() - began)
+        self._observe_copy(n, time.perf_counter() - began)
         return n, head.more, out
 
     async def _fetch_stream(self, keys: list[bytes], start: int, until: float,
@@ -1236,11 +1404,20 @@ class AsyncKVClient:
                                        AsyncIterator[pb.FetchChunk], pb.FetchChunk]:
         """A streamed Fetch (TCP) of `keys[start:]`: the call, its messages, and the first
         (the hits). The stream holds the daemon's lease on the blocks until it ends."""
-        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=keys[start:],
-                              transfer=pb.TRANSFER_STREAM, prior_keys=keys[:start])
+        part, prior = await self._span(keys, start)
+        req = pb.FetchRequest(namespace=self._ns, layout=self._layout_pb, keys=part,
+                              transfer=pb.TRANSFER_STREAM, prior_keys=prior)
         call = self._stub_().Fetch(req, timeout=self._left(until), metadata=self._metadata)
         stream: AsyncIterator[pb.FetchChunk] = call.__aiter__()
-        return call, stream, await anext(stream)
+        try:
+            head = await anext(stream)
+            self._check_head(head, len(part), shm=False)
+        except BaseException:
+            call.cancel()  # ends the daemon's lease with the stream
+            raise
+        if head.hits == len(part) and start + len(part) < len(keys):
+            head.more = True  # a call of part of the prompt, hit in full: ask for the rest
+        return call, stream, head
 
     async def _stream_groups(self, keys: list[bytes], consume: BlockCopy, until: float,
                              progress: _Progress) -> bool:
@@ -1273,8 +1450,11 @@ class AsyncKVClient:
         began = time.perf_counter()
         block, filled, first, side = 0, 0, 0, 0  # `first`: the block buffers[side] starts at
         try:
-            planes = self._block_planes(buffers[side], 0)
+            planes = self._own_planes(buffers[side], 0)
             async for chunk in stream:
+                if block == n:
+                    raise _DaemonFault(f"a fetch stream sent data past the {n} blocks "
+                                       "announced")
                 filled = _place_chunk(chunk, block, filled, size, planes)
                 if filled < size:
                     continue
@@ -1289,10 +1469,10 @@ class AsyncKVClient:
                         consume, len(blocks), blocks, views, until=until)), len(blocks))
                     side, first = 1 - side, block
                 if block < n:
-                    planes = self._block_planes(buffers[side], block - first)
+                    planes = self._own_planes(buffers[side], block - first)
             if block != n:
-                raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
-            self._observe_copy(head.blocks, time.perf_counter() - began)
+                raise _DaemonFault(f"fetch stream ended after {block} of {n} blocks")
+            self._observe_copy(n, time.perf_counter() - began)
             return await settled() and head.more
         finally:
             # Cut short (the daemon went away, the stream broke, the caller was cancelled):
@@ -1328,25 +1508,57 @@ class AsyncKVClient:
                        out: torch.Tensor, start: int) -> None:
         size = self.layout.block_bytes
         block, filled = 0, 0
-        planes = self._block_planes(out, start)
+        # A block goes straight into its place in `out` (no staging copy between), unless
+        # `out` is laid out otherwise (a caller's `into`, token-major say): then through one
+        # block of staging, copied into `out` as it completes.
+        stage: np.ndarray | None = None
+        staged: torch.Tensor | None = None
+
+        def planes_of(b: int) -> np.ndarray:
+            nonlocal stage, staged
+            rows = self._block_planes(out, start + b)
+            if rows is not None:
+                return rows
+            if stage is None:  # contiguous `[L, kv, T, H, D]`: a (layer, K/V) plane per row
+                staged = torch.empty(self.layout.block_shape, dtype=self.layout.torch_dtype)
+                stage = staged.view(torch.uint8).reshape(staged.shape[0] * staged.shape[1],
+                                                         -1).numpy()
+            return stage
+
+        planes = planes_of(0)
         async for chunk in stream:
-            # Straight into the block's place in `out` (no staging copy between).
+            if block == n:
+                raise _DaemonFault(f"a fetch stream sent data past the {n} blocks announced")
             filled = _place_chunk(chunk, block, filled, size, planes)
             if filled == size:
+                if staged is not None and planes is stage:
+                    out[:, :, self._tokens_slice(start + block)].copy_(staged)
                 block, filled = block + 1, 0
                 if block < n:
-                    planes = self._block_planes(out, start + block)
+                    planes = planes_of(block)
         if block != n:
-            raise KVStoreError(f"fetch stream ended after {block} of {n} blocks")
+            raise _DaemonFault(f"fetch stream ended after {block} of {n} blocks")
 
-    def _block_planes(self, out: torch.Tensor, i: int) -> np.ndarray:
+    def _own_planes(self, buffer: torch.Tensor, i: int) -> np.ndarray:
+        """`_block_planes` of a buffer of this client's (contiguous: never None)."""
+        rows = self._block_planes(buffer, i)
+        if rows is None:
+            raise KVStoreError("a stream buffer is not laid out as [L, kv, tokens, H, D]")
+        return rows
+
+    def _block_planes(self, out: torch.Tensor, i: int) -> np.ndarray | None:
         """Block `i`'s place in `out` (`[L, kv, tokens, H, D]`) as the rows its bytes fill
         in order: one per (layer, K/V) plane, each `block_tokens * H * D` elements long and
-        contiguous in `out`, as uint8 (a view: writing it writes `out`)."""
-        region = out[:, :, self._tokens_slice(i)].view(torch.uint8)
-        rows = region.flatten(2).flatten(0, 1)
-        if rows.data_ptr() != region.data_ptr() or rows.stride(0) != region.stride(1):
-            raise AssertionError("fetch output is not laid out as [L, kv, tokens, H, D]")
+        contiguous in `out`, as uint8 (a view: writing it writes `out`). None where `out`'s
+        memory is not laid out so (another order of its dimensions, or strides between)."""
+        try:
+            region = out[:, :, self._tokens_slice(i)].view(torch.uint8)
+            rows = region.flatten(2).flatten(0, 1)  # a copy where no view can be made
+        except RuntimeError:  # `view(uint8)`: its last dimension is not contiguous
+            return None
+        if rows.data_ptr() != region.data_ptr() or rows.stride(0) != region.stride(1) \
+                or rows.stride(1) != 1:
+            return None
         return rows.numpy()
 
     async def _publish(self, keys: list[bytes], kv: torch.Tensor, until: float) -> int:
@@ -1370,26 +1582,40 @@ class AsyncKVClient:
         lacks (prompt indices `todo`, arena offsets `refs`), commit; returns (blocks covered,
         more). A write that fails or is cancelled gives its reservation back. Reserve may make
         room by writing other blocks to disk: it has the transfer's deadline."""
+        writer = await self._writer_name()  # its first time, Info: the daemon's limit too
+        part, prior = await self._span(keys, start)
         reply: pb.ReserveReply = await self._leased(self._unary(
             "Reserve", pb.ReserveRequest(namespace=self._ns, layout=self._layout_pb,
-                                         keys=keys[start:], prior_keys=keys[:start],
-                                         writer=await self._writer_name()), until),
+                                         keys=part, prior_keys=prior, writer=writer), until),
             lambda r: r.lease_id)
+        # A call of part of the prompt, covered in full: the rest in the next round.
+        more = reply.more or (len(reply.needed) == len(part) and start + len(part) < len(keys))
+        if len(reply.needed) > len(part):
+            if reply.lease_id:
+                self._release_later(reply.lease_id)
+            raise _DaemonFault(f"a reserve of {len(part)} blocks answered "
+                               f"{len(reply.needed)}")
         if not reply.lease_id:  # nothing to write: every block is stored or being written
-            return len(reply.needed), reply.more
+            return len(reply.needed), more
         committed = False
         try:
             arena = await self._arena_for(reply.arena_id)
             if arena is None:
                 return 0, False
             todo = [start + i for i, needed in enumerate(reply.needed) if needed]
+            if len(reply.blocks) != len(todo) or any(
+                    r.in_slab or r.length != self.layout.block_bytes
+                    or r.offset + r.length > arena.size for r in reply.blocks):
+                raise _DaemonFault(f"a reserve of {len(todo)} blocks answered "
+                                   f"{len(reply.blocks)} refs, not all of the layout's "
+                                   f"{self.layout.block_bytes} bytes within the arena")
             await write(arena, todo, list(reply.blocks))
             await self._unary("Commit", pb.CommitRequest(lease_id=reply.lease_id))
             committed = True
         finally:
             if not committed:
                 self._release_later(reply.lease_id)
-        return len(reply.needed), reply.more
+        return len(reply.needed), more
 
     def _copy_in(self, arena: Arena, todo: list[int], refs: list[pb.BlockRef],
                  kv: torch.Tensor, stop: threading.Event) -> int:
@@ -1422,33 +1648,47 @@ class AsyncKVClient:
         """Over TCP: the blocks the daemon lacks, filled by `produce` a group at a time
         (`STREAM_GROUP_BYTES`) into two pooled buffers, each group streamed while the next is
         filled. The daemon commits each block as its last byte arrives, so a `produce` stopped
-        part-way (its deadline) still stores the blocks before the one it stopped in."""
-        have = (await self._lookup(keys)).hits
-        if have == len(keys):
-            return have
+        part-way (its deadline) still stores the blocks before the one it stopped in.
+        A prompt of more blocks than the daemon takes in one call goes in consecutive
+        streams (`_span`), each after the one before stored all of its blocks."""
+        done = (await self._lookup(keys)).hits
+        while done < len(keys):
+            part, prior = await self._span(keys, done)
+            end = done + len(part)
+            done += await self._publish_stream_part(keys, done, end, prior, produce, until)
+            if done < end:
+                break
+        return done
+
+    async def _publish_stream_part(self, keys: list[bytes], have: int, end: int,
+                                   prior: list[bytes], produce: BlockCopy,
+                                   until: float) -> int:
+        """One Publish stream of blocks `[have, end)` of `keys` (`_publish_with_stream`);
+        returns how many of them the daemon has now (stored, or there already)."""
         size, group = self.layout.block_bytes, _group_blocks(self.layout)
         raw = [_stream_buffers.take(group * size) for _ in range(2)]
         # Block-major: each block's bytes contiguous, in the order the stream sends them.
         buffers = [b.view(self.layout.torch_dtype).view(group, *self.layout.block_shape)
                    for b in raw]
-        starts = list(range(have, len(keys), group))
+        starts = list(range(have, end, group))
+        sent = 0  # blocks streamed whole
         filling: asyncio.Future[int] | None = None
         ended = False  # the call is over: its buffers may be another transfer's from now on
         failed: list[Exception] = []  # `produce` raised: the caller's bug, raised to it below
 
         def fill(g: int) -> asyncio.Future[int]:
-            blocks = list(range(starts[g], min(starts[g] + group, len(keys))))
+            blocks = list(range(starts[g], min(starts[g] + group, end)))
             views = [buffers[g % 2][j] for j in range(len(blocks))]
             return asyncio.ensure_future(self._copy(produce, len(blocks), blocks, views,
                                                     until=until, save=True))
 
         async def messages() -> AsyncIterator[pb.PublishChunk]:
-            nonlocal filling
-            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb, keys=keys[have:],
-                                  prior_keys=keys[:have])
+            nonlocal filling, sent
+            yield pb.PublishChunk(namespace=self._ns, layout=self._layout_pb,
+                                  keys=keys[have:end], prior_keys=prior)
             current = filling = fill(0)
             for g, first in enumerate(starts):
-                count = min(group, len(keys) - first)
+                count = min(group, end - first)
                 try:
                     got = await asyncio.shield(current)
                 except Exception as e:  # gRPC would take it for a cancel of the call: a miss
@@ -1461,6 +1701,7 @@ class AsyncKVClient:
                     current = filling = fill(g + 1)  # into the other buffer, as this one goes
                 flat = raw[g % 2].numpy()
                 for j in range(got):  # the blocks filled whole; the stream ends after them
+                    sent += 1
                     for off in range(0, size, STREAM_CHUNK):
                         yield pb.PublishChunk(
                             block_index=first - have + j, chunk_offset=off,
@@ -1486,7 +1727,10 @@ class AsyncKVClient:
                     _stream_buffers.give(b)
         if failed:
             raise failed[0]
-        return have + reply.present + reply.stored
+        if reply.present + reply.stored > sent:
+            raise _DaemonFault(f"a publish of {sent} blocks answered {reply.stored} stored "
+                               f"and {reply.present} present")
+        return reply.present + reply.stored
 
     # ---- zero-copy variants: the caller copies straight to or from the daemon's memory
     def _block_view(self, arena: Arena, ref: pb.BlockRef,
