@@ -954,7 +954,10 @@ class TieredStore:
                 break
             if self.placement.source(keys[j]) is None:
                 todo.append(j)
-        remote.read = {}
+        # Blocks of the last batch not taken yet (a key it skipped as local was evicted by
+        # its own room-making, so the fetch reads that key now): given back, not dropped
+        # with their pins; a local tier holds them now, so a later batch skips them.
+        remote.abandon(self)
         began = time.perf_counter()
         try:
             held = await remote.remote.held(remote.namespace, [keys[j] for j in todo],
