@@ -571,11 +571,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise PermissionDeniedError("Clear(all) is for the admin token or the Unix socket; "
                                         "a tenant clears its namespaces one at a time")
         ns = None if request.all else scope.namespace(self._namespace(request.namespace))
-        removed = self.store.clear(ns)
         # The shared tier too, or read-through would bring the cleared blocks straight back.
         # `removed` is then local blocks plus remote values: a block in both counts twice.
-        removed += await self.store.clear_remote(ns)
-        return pb.ClearReply(removed=removed)
+        local, remote = await self.store.clear_everywhere(ns)
+        return pb.ClearReply(removed=local + remote)
 
     @rpc
     async def EndSession(self, request: pb.EndSessionRequest,

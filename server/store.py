@@ -43,7 +43,7 @@ from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, 
 from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from kvstore.server.fences import Fences
-from kvstore.server.remote_writer import RemoteWriter
+from kvstore.server.remote_writer import WRITE_BATCH_BYTES, RemoteWriter
 from kvstore.server.tenancy import owner_tag
 from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains, owner_of
@@ -1393,6 +1393,23 @@ class TieredStore:
                     self._disk_watch_failed = True
 
     # ---- admin
+    async def clear_everywhere(self, namespace: bytes | None) -> tuple[int, int]:
+        """`clear`, then `clear_remote`: (local blocks removed, remote values removed). The
+        write-through of the namespace's queued blocks is dropped first, and the batches
+        already taken are waited for: a batch framed before the Clear would land in the
+        remote tier after it, and its blocks, pinned while framed, would outlive the local
+        clear."""
+        if self.write_queue is not None and self.writer is not None \
+                and self.remote is not None:
+            for tier in self.tiers:
+                for key in tier.keys(namespace):
+                    self.write_queue.discard(key)
+            if not await self.writer.settled(2 * self.remote.deadline_s(WRITE_BATCH_BYTES)):
+                log.warning("clearing while write-through batches are still being sent: some "
+                            "cleared blocks may come back")
+        removed = self.clear(namespace)
+        return removed, await self.clear_remote(namespace)
+
     def clear(self, namespace: bytes | None) -> int:
         """Remove the unpinned blocks of a namespace (all when None) from every tier."""
         removed: set[bytes] = set()
