@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
-    asyncio.run(daemon.run(reload_pending=lambda: bool(early_hups)))
+    try:
+        asyncio.run(daemon.run(reload_pending=lambda: bool(early_hups)))
+    except ConfigError as e:  # a port in use: the daemon gave back what it held
+        print(f"kvstore-server: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
