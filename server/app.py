@@ -383,10 +383,17 @@ class Daemon:
             tenants = (load_tenant_tokens(config.tenant_tokens_file)
                        if config.tenant_tokens_file else None)
             table = TokenTable(admin_token(config), tenants)
-            owner_weights(parse_tenant_weights(config.tenant_weights), table.tenants)
         except ConfigError as e:
             log.error("SIGHUP: tokens not reloaded, the ones in use stay: %s", e)
             return False
+        # A weighted tenant removed from the file is revoked all the same: revocation must
+        # not wait for a restart. (At start, weights naming unlisted tenants are refused.)
+        weighted = parse_tenant_weights(config.tenant_weights)  # checked at start
+        if unlisted := sorted(t for t in weighted if t and t not in table.tenants):
+            log.warning("SIGHUP: tenant_weights names %s, which the tokens file no longer "
+                        "lists: revoked all the same; take it out of tenant_weights before the "
+                        "next restart, which refuses weights of unlisted tenants",
+                        ", ".join(map(repr, unlisted)))
         before = self.tokens.tenants
         self.tokens.replace(table)
         self.metrics.names.add(table.tenants)
