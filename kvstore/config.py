@@ -32,8 +32,9 @@ MIN_TOKEN_CHARS = 16  # as for tenant tokens (`server.tenancy`): no guessable ad
 
 
 def parse_size(value: int | float | str, option: str = "size") -> int:
-    """Bytes from `1048576`, `"64GiB"`, `"512 MiB"` or `"1.5GB"`; raises `ConfigError`. A size
-    must come to a whole number of bytes (`1073741824.5` and `"0.3KiB"` do not)."""
+    """Bytes from `1048576`, `"64GiB"`, `"512 MiB"` or `"1.5GB"`; raises `ConfigError`. A
+    number of bytes must be whole (`1073741824.5` is refused); a size with a unit is rounded
+    down to whole bytes (`"1.3GiB"`)."""
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a size, got {value!r}")
     if isinstance(value, int | float):
@@ -50,9 +51,9 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
                               "64GiB)")
         exact = Fraction(m.group(1)) * _UNITS[unit]  # exact: "4.35KB" is 4350, not 4349
     if exact.denominator != 1:
-        scaled = _UNITS[unit] > 1
+        if _UNITS[unit] > 1:  # "1.3GiB": whole bytes are not what its writer thinks in
+            return math.floor(exact)
         raise ConfigError(f"{option}: a size must be a whole number of bytes, got {value!r}"
-                          + (f" ({float(exact):.1f} bytes)" if scaled else "")
                           + (f"; {math.floor(exact)} would do" if exact >= 1 else ""))
     return int(exact)
 
