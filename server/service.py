@@ -415,6 +415,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 # Release answers False and it discards the copy.
                 if lease.entries:
                     self.store.hand_over(lease, hold=False)
+                    self.store.count_served(lease)
                 return
             with self.admission.stream():
                 await self._send(context, pb.FetchChunk(hits=len(refs), blocks=refs,
@@ -424,6 +425,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     for off in range(0, entry.length, STREAM_CHUNK):
                         await self._send(context, data_chunk(i, off,
                                                              data[off : off + STREAM_CHUNK]))
+                    self.store.count_served(lease, i)
         finally:
             if lease.held:
                 self.store.release(lease.id)

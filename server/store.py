@@ -590,6 +590,18 @@ class TieredStore:
         self.touch_chain([*prior, *keys[:served]])
         return self.hand_over(lease, hold)
 
+    def count_served(self, lease: FetchLease, block: int | None = None) -> None:
+        """Count as read from host the bytes of `lease`'s host hits (all, or its `block`)
+        now handed to the client: an SHM lease once its reply is sent (the client copies them
+        out of the arena), a streamed block once its last chunk is. Once per block served: a
+        block read from another tier for the fetch was counted as that tier's read (and host's
+        write, when promoted) as it was read, and a gpu block read in the slab is no host's."""
+        picked = range(len(lease.entries)) if block is None else (block,)
+        n = sum(lease.entries[i].length for i in picked
+                if lease.tiers[i] == self.host.name and not lease.in_slab[i])
+        if n:
+            self.counters.add(self.counters.bytes_read, self.host.name, n)
+
     def _request_lift(self, gpu: GpuTier, lease: FetchLease, prompt: list[bytes],
                       keys: Sequence[bytes], prior: Sequence[bytes]) -> None:
         """Plan the blocks this fetch lifts into the gpu tier (`Hierarchy.lift`: those it
@@ -925,6 +937,7 @@ class TieredStore:
         self.host.prepare_load(s.dst.key)
         s.holds = "pinned"
         self.counters.promotions += 1
+        self.counters.add(self.counters.bytes_written, self.host.name, s.dst.length)
         return None
 
     async def _stage_remote(self, remote: _RemoteReads, i: int, lease: FetchLease,
@@ -1008,6 +1021,7 @@ class TieredStore:
                 continue
             self.host.complete_store(s.dst)
             self.counters.promotions += 1
+            self.counters.add(self.counters.bytes_written, self.host.name, s.dst.length)
             s.dst, s.holds = self.host.prepare_load(s.dst.key), "pinned"
         remote.read = dict(zip(todo, batch[:hits], strict=False))
 
