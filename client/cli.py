@@ -128,12 +128,15 @@ def _add_global_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.")
+    # allow_abbrev=False here and on every subcommand: a prefix of a flag (`--tim 1`,
+    # `--name ...`) is refused, not taken for the flag it starts.
+    p = argparse.ArgumentParser(prog="kvstore", description="Talk to a kvstore daemon.",
+                                allow_abbrev=False)
     _add_global_flags(p, defaults=True)
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(parent: Any, name: str, text: str) -> argparse.ArgumentParser:
-        c: argparse.ArgumentParser = parent.add_parser(name, help=text)
+        c: argparse.ArgumentParser = parent.add_parser(name, help=text, allow_abbrev=False)
         _add_global_flags(c, defaults=False)
         return c
 
@@ -235,7 +238,7 @@ def _namespace(args: argparse.Namespace) -> tuple[bytes | None, str]:
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from kvstore.config import admin_token, load_config, parse_tenant_weights
+    from kvstore.config import admin_token, load_config, parse_tenant_weights, problems
     from kvstore.errors import ConfigError
 
     try:
@@ -250,7 +253,7 @@ def _config_check(args: argparse.Namespace) -> int:
             owner_weights(parse_tenant_weights(config.tenant_weights), None)
     except ConfigError as e:
         print(json.dumps({"ok": False, "error": str(e)}) if args.json
-              else f"{args.file}: invalid: {e}", file=sys.stderr)
+              else f"{args.file}: invalid: {problems(e)}", file=sys.stderr)
         return 2
     print(json.dumps({"ok": True, "config": config.redacted()}) if args.json
           else f"{args.file}: ok")

@@ -9,12 +9,14 @@ points read files and the environment (`load_config`); library code takes a `Ser
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ MIN_TOKEN_CHARS = 16  # as for tenant tokens (`server.tenancy`): no guessable ad
 
 
 def parse_size(value: int | float | str, option: str = "size") -> int:
-    """Bytes from `1048576`, `"64GiB"`, `"512 MiB"` or `"1.5GB"`; raises `ConfigError`."""
+    """Bytes from `1048576`, `"64GiB"`, `"512 MiB"` or `"1.5GB"`; raises `ConfigError`. A
+    number of bytes must be whole (`1073741824.5` is refused); a size with a unit is rounded
+    down to whole bytes (`"1.3GiB"`)."""
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a size, got {value!r}")
     if isinstance(value, int | float):
@@ -38,12 +42,20 @@ def parse_size(value: int | float | str, option: str = "size") -> int:
             raise ConfigError(f"{option}: a size must be finite, got {value!r}")
         if value < 0:
             raise ConfigError(f"{option}: a size cannot be negative ({value})")
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ConfigError(f"{option}: cannot parse size {value!r} (try 1048576, 512MiB or 64GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+        exact, unit = Fraction(value), ""
+    else:
+        m = _SIZE_RE.match(str(value))
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"{option}: cannot parse size {value!r} (try 1048576, 512MiB or "
+                              "64GiB)")
+        exact = Fraction(m.group(1)) * _UNITS[unit]  # exact: "4.35KB" is 4350, not 4349
+    if exact.denominator != 1:
+        if _UNITS[unit] > 1:  # "1.3GiB": whole bytes are not what its writer thinks in
+            return math.floor(exact)
+        raise ConfigError(f"{option}: a size must be a whole number of bytes, got {value!r}"
+                          + (f"; {math.floor(exact)} would do" if exact >= 1 else ""))
+    return int(exact)
 
 
 # In `tenant_weights`, the unscoped callers: no tenant is named so (`@` is outside tenant names),
@@ -74,6 +86,14 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             raise ConfigError(f"tenant_weights: {name!r} is given twice")
         out[tenant] = weight
     return out
+
+
+# Options whose minimum has a reason worth telling, in place of "is below the minimum".
+_BELOW_MIN = {
+    "host_bytes": "host_bytes: must be positive, got {value}: every block lands in host first "
+                  "(a publish, a promotion from disk or the remote tier), so a daemon without "
+                  "host space stores nothing",
+}
 
 
 def _opt(default: Any, doc: str, *, unit: str = "", lo: float | None = None,
@@ -114,8 +134,9 @@ class ServerConfig:
                                "than theirs. The write-through queue (`remote`) is shared by "
                                "the same weights. Needs `listen` and `tenant_tokens_file`, "
                                "which must list every tenant named.")
-    host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena).", unit="bytes",
-                           lo=0, hi=1 << 44)
+    host_bytes: int = _opt(1 << 30, "Host RAM tier capacity (shared-memory arena). Must be "
+                           "positive: every block lands in host first (a publish, a promotion "
+                           "from disk or the remote tier).", unit="bytes", lo=1, hi=1 << 44)
     gpu_bytes: int = _opt(0, "GPU HBM tier capacity: a device slab above the host tier (victims "
                           "demoted to host, fetched blocks promoted into it). 0: no GPU tier, "
                           "the default: on an H100 the same HBM saved ~16x more per GiB in the "
@@ -244,17 +265,31 @@ class ServerConfig:
     log_format: str = _opt("text", "Log line format.", choices=("text", "json"))
 
     def __post_init__(self) -> None:
+        """Check every option; one `ConfigError` lists every problem found, one a line."""
+        errors: list[str] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
             if meta["choices"] and value not in meta["choices"]:
-                raise ConfigError(f"{f.name}: {value!r} is not one of {list(meta['choices'])}")
-            if isinstance(value, float) and math.isnan(value):  # passes every bound check
-                raise ConfigError(f"{f.name}: expected a number, got nan")
-            if meta["min"] is not None and value < meta["min"]:
-                raise ConfigError(f"{f.name}: {value} is below the minimum {meta['min']}")
-            if meta["max"] is not None and value > meta["max"]:
-                raise ConfigError(f"{f.name}: {value} is above the maximum {meta['max']}")
+                errors.append(f"{f.name}: {value!r} is not one of {list(meta['choices'])}")
+            elif isinstance(value, float) and math.isnan(value):  # passes every bound check
+                errors.append(f"{f.name}: expected a number, got nan")
+            elif meta["min"] is not None and value < meta["min"]:
+                errors.append(_BELOW_MIN.get(f.name, "{name}: {value} is below the minimum "
+                                             "{min}").format(name=f.name, value=value,
+                                                              min=meta["min"]))
+            elif meta["max"] is not None and value > meta["max"]:
+                errors.append(f"{f.name}: {value} is above the maximum {meta['max']}")
+        for check in (self._check_listen, self._check_tokens, self._check_gpu_device,
+                      self._check_remote, self._check_kv_events):
+            try:
+                check()
+            except ConfigError as e:
+                errors.append(str(e))
+        if errors:
+            raise ConfigError("\n".join(errors))
+
+    def _check_listen(self) -> None:
         if self.listen:
             host, _, port = self.listen.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -262,6 +297,8 @@ class ServerConfig:
             if not self.token and not self.token_file and not self.tenant_tokens_file:
                 raise ConfigError("listen: a TCP listener requires `token`, `token_file` or "
                                   "`tenant_tokens_file` (clients authenticate)")
+
+    def _check_tokens(self) -> None:
         if self.tenant_weights:
             parse_tenant_weights(self.tenant_weights)  # raises a ConfigError naming the pair
             if not self.tenant_tokens_file:
@@ -270,10 +307,16 @@ class ServerConfig:
         if self.token and self.token_file:
             raise ConfigError("token_file: `token` is set as well; give the admin token one "
                               "way, not both")
+
+    def _check_gpu_device(self) -> None:
         if not re.fullmatch(r"cuda(:[0-9]+)?|cpu", self.gpu_device):
             raise ConfigError(f"gpu_device: expected cuda, cuda:N or cpu, got {self.gpu_device!r}")
+
+    def _check_remote(self) -> None:
         if self.remote:
             parse_remote_url(self.remote)  # raises a ConfigError naming what is wrong
+
+    def _check_kv_events(self) -> None:
         for name in ("kv_events", "kv_events_replay"):
             endpoint = getattr(self, name)
             if endpoint and not endpoint.startswith(("tcp://", "ipc://")):
@@ -294,6 +337,15 @@ class ServerConfig:
                 out[f.name] = "***"
         out["remote"] = redact_url(self.remote)  # keep the address, hide a password
         return out
+
+
+def problems(error: ConfigError) -> str:
+    """A `ConfigError` as printed after "invalid configuration: ": its problem, or, when it
+    lists several (`load_config`), how many and then each on an indented line of its own."""
+    lines = str(error).splitlines()
+    if len(lines) < 2:
+        return str(error)
+    return f"{len(lines)} problems:" + "".join(f"\n  {line}" for line in lines)
 
 
 def read_token_file(path: str | Path, option: str = "token_file") -> str:
@@ -331,7 +383,7 @@ def admin_token(config: ServerConfig) -> str:
 def _coerce(name: str, raw: Any) -> Any:
     f = {f.name: f for f in dataclasses.fields(ServerConfig)}.get(name)
     if f is None:
-        raise ConfigError(f"unknown option {name!r}")
+        raise ConfigError(f"unknown option {name!r}{_did_you_mean(name)}")
     if f.metadata["unit"] == "bytes":
         return parse_size(raw, name)
     kind: Any = type(f.default)  # str, int, float or bool: the field's declared type
@@ -341,6 +393,17 @@ def _coerce(name: str, raw: Any) -> Any:
         return kind(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+
+
+def _did_you_mean(name: str, env: bool = False) -> str:
+    """"; did you mean 'host_bytes'?" for an unknown option close to one (`env`: as its
+    variable, `KVSTORE_HOST_BYTES`), else ""."""
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(ServerConfig)],
+                                      n=1)
+    if not close:
+        return ""
+    option = f"KVSTORE_{close[0].upper()}" if env else close[0]
+    return f"; did you mean {option!r}?"
 
 
 OTHER_ENV = {
@@ -362,8 +425,18 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
-    """Merge defaults < TOML file < `KVSTORE_*` environment < `overrides` (flags)."""
+    """Merge defaults < TOML file < `KVSTORE_*` environment < `overrides` (flags).
+
+    Every bad value is reported, not just the first: one `ConfigError`, one line each."""
     values: dict[str, Any] = {}
+    errors: list[str] = []
+
+    def take(name: str, raw: Any, where: str = "") -> None:
+        try:
+            values[name] = _coerce(name, raw)
+        except ConfigError as e:
+            errors.append(f"{e}{where}")
+
     if file:
         try:
             data = tomllib.loads(Path(file).read_text())
@@ -371,15 +444,22 @@ def load_config(
             raise ConfigError(f"config file {file}: {e}") from None
         data = data.get("server", data)
         for k, v in data.items():
-            values[k.replace("-", "_")] = _coerce(k.replace("-", "_"), v)
+            take(k.replace("-", "_"), v)
     for k, v in (env or {}).items():
         if k.startswith("KVSTORE_") and k not in OTHER_ENV:
             name = k.removeprefix("KVSTORE_").lower()
-            try:
-                values[name] = _coerce(name, v)
-            except ConfigError as e:
-                raise ConfigError(f"{e} (environment variable {k})") from None
+            if not any(f.name == name for f in dataclasses.fields(ServerConfig)):
+                errors.append(f"unknown option {name!r} (environment variable {k})"
+                              f"{_did_you_mean(name, env=True)}")
+                continue
+            take(name, v, f" (environment variable {k})")
     for k, v in (overrides or {}).items():
         if v is not None:
-            values[k] = _coerce(k, v)
-    return ServerConfig(**values)
+            take(k, v)
+    try:
+        config = ServerConfig(**values)
+    except ConfigError as e:  # the values that parsed, checked: their problems too
+        errors.append(str(e))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return config

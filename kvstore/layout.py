@@ -32,6 +32,11 @@ DTYPE_BYTES: dict[str, int] = {
 DTYPES = DTYPE_BYTES  # the supported names
 
 MAX_BLOCK_BYTES = 1 << 30  # 1 GiB: far above any real model's block; guards absurd layouts.
+# Longest string field (`model`, `model_revision`, ...), in UTF-8 bytes: Linux's PATH_MAX, so
+# any local path a model is loaded from fits, as do Hugging Face ids (at most 96 + 96
+# characters) and revisions. A daemon keeps the layouts it is named (Inspect), so an unbounded
+# string would let one call make it keep up to `max_message_bytes`.
+MAX_STRING_BYTES = 4096
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -67,6 +72,12 @@ class KVLayout:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("model", "model_revision", "dtype", "kv_kind"):  # first: errors quote them
+            value = getattr(self, name)
+            if isinstance(value, str) and (
+                    n := len(value.encode(errors="surrogatepass"))) > MAX_STRING_BYTES:
+                raise InvalidArgumentError(f"KVLayout.{name} is {n} bytes; the limit is "
+                                           f"{MAX_STRING_BYTES}")
         dtype_name(self.dtype)  # validates
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgumentError("KVLayout.model must be a non-empty string")

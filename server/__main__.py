@@ -11,13 +11,16 @@ import os
 import signal
 import sys
 
-from kvstore.config import ServerConfig, load_config
+from kvstore.config import ServerConfig, load_config, problems
 from kvstore.errors import ConfigError
 from kvstore.server.logsetup import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore-server", description="kvstore storage daemon")
+    # No prefixes of flags: `--host-byte 2GiB` or `--data /x` must be refused, not taken for
+    # `--host-bytes` or `--data-dir` (a typo that happens to be a prefix configures silently).
+    p = argparse.ArgumentParser(prog="kvstore-server", description="kvstore storage daemon",
+                                allow_abbrev=False)
     p.add_argument("--config", help="TOML configuration file")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective configuration (secrets redacted) and exit")
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config or os.environ.get("KVSTORE_CONFIG"), os.environ, flags)
     except ConfigError as e:
-        print(f"kvstore-server: invalid configuration: {e}", file=sys.stderr)
+        print(f"kvstore-server: invalid configuration: {problems(e)}", file=sys.stderr)
         return 2
     if args.print_config:
         print(json.dumps(config.redacted(), indent=2))
@@ -61,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvstore-server: {e}", file=sys.stderr)
         return 2
-    asyncio.run(daemon.run(reload_pending=lambda: bool(early_hups)))
+    try:
+        asyncio.run(daemon.run(reload_pending=lambda: bool(early_hups)))
+    except ConfigError as e:  # a port in use: the daemon gave back what it held
+        print(f"kvstore-server: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

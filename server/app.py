@@ -244,7 +244,13 @@ class Daemon:
 
     def _start_events(self) -> None:
         # Imported here: pyzmq and msgspec are needed only with `kv_events` set.
-        from kvstore.server.kv_events import EventTracker, ZmqEventPublisher
+        try:
+            from kvstore.server.kv_events import EventTracker, ZmqEventPublisher
+        except ImportError as e:
+            self.store.close()
+            os.close(self._lock_fd)
+            raise ConfigError(f"kv_events needs the events extra ({e.name or e} is not "
+                              f"installed): pip install 'kvstore-cache[events]'") from None
 
         cfg = self.config
         try:
@@ -299,10 +305,20 @@ class Daemon:
                                      # GOAWAY: a client reconnects at its next call.
                                      ("grpc.max_connection_idle_ms",
                                       int(self.config.tcp_idle_timeout_s * 1000))])
-            tcp.add_insecure_port(self.config.listen)
+            try:
+                tcp.add_insecure_port(self.config.listen)
+            except RuntimeError:  # grpc says "Failed to bind", not why
+                raise ConfigError(f"listen {self.config.listen}: cannot bind it (in use by "
+                                  f"another process, or not an address of this machine)"
+                                  ) from None
             await tcp.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            try:
+                self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            except OSError as e:
+                raise ConfigError(f"metrics_port {self.config.metrics_port} on "
+                                  f"{self.config.metrics_host}: cannot bind it: "
+                                  f"{e.strerror or e}") from None
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         gpu = self.store.gpu
@@ -326,7 +342,11 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload_tokens)
         if reload_pending():
             self.reload_tokens()
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self._abort_start()
+            raise
         reaper = asyncio.create_task(self.store.reaper())
         watch = (asyncio.create_task(self.store.disk_watch(self.config.disk_recheck_s))
                  if self.store.disk is not None and self.config.disk_recheck_s > 0 else None)
@@ -337,6 +357,18 @@ class Daemon:
         if watch is not None:
             watch.cancel()
         await self.drain()
+
+    async def _abort_start(self) -> None:
+        """A start that failed (a port in use): release what `__init__` and `start` took, the
+        arena and the socket above all, as a clean stop would."""
+        await asyncio.gather(*(s.stop(None) for s in self.servers), return_exceptions=True)
+        if self.store.events is not None:
+            self.store.events.close(host_gone=True)
+            self.store.events.publisher.close()
+        self.store.close()
+        with contextlib.suppress(OSError):
+            self.config.socket_path.unlink(missing_ok=True)
+        os.close(self._lock_fd)
 
     def reload_tokens(self) -> bool:
         """SIGHUP: read `token_file` and `tenant_tokens_file` again and check them as at start;
@@ -351,10 +383,17 @@ class Daemon:
             tenants = (load_tenant_tokens(config.tenant_tokens_file)
                        if config.tenant_tokens_file else None)
             table = TokenTable(admin_token(config), tenants)
-            owner_weights(parse_tenant_weights(config.tenant_weights), table.tenants)
         except ConfigError as e:
             log.error("SIGHUP: tokens not reloaded, the ones in use stay: %s", e)
             return False
+        # A weighted tenant removed from the file is revoked all the same: revocation must
+        # not wait for a restart. (At start, weights naming unlisted tenants are refused.)
+        weighted = parse_tenant_weights(config.tenant_weights)  # checked at start
+        if unlisted := sorted(t for t in weighted if t and t not in table.tenants):
+            log.warning("SIGHUP: tenant_weights names %s, which the tokens file no longer "
+                        "lists: revoked all the same; take it out of tenant_weights before the "
+                        "next restart, which refuses weights of unlisted tenants",
+                        ", ".join(map(repr, unlisted)))
         before = self.tokens.tenants
         self.tokens.replace(table)
         self.metrics.names.add(table.tenants)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvstore.layout import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.store import TieredStore
 from kvstore.server.tenancy import OwnerNames, Scope, owner_tag
@@ -22,13 +23,16 @@ MAX_NAMESPACES = 4096  # layouts remembered; the oldest is forgotten past it (bl
 
 @dataclass(frozen=True)
 class Seen:
-    layout: pb.Layout
+    # The layout as validated (its strings at most `MAX_STRING_BYTES`), never the request's
+    # message: a protobuf field keeps its whole request alive (data chunks, thousands of keys).
+    layout: KVLayout
     tenant: str
     client_namespace: bytes  # the digest as the client sent it (before tenant scoping)
 
 
 class NamespaceBook:
-    """Layout and tenant of each namespace (by stored digest) seen since start."""
+    """Layout and tenant of each namespace (by stored digest) seen since start: at most
+    `limit` of them, each a few KiB at most (a layout's strings are bounded)."""
 
     def __init__(self, limit: int = MAX_NAMESPACES, tenants: Iterable[str] = ()) -> None:
         self.limit = limit
@@ -40,7 +44,7 @@ class NamespaceBook:
         seen = self._seen.get(stored_ns)
         return seen.tenant if seen is not None else self.names(owner_of(stored_ns))
 
-    def note(self, stored_ns: bytes, layout: pb.Layout, scope: Scope, client_ns: bytes) -> None:
+    def note(self, stored_ns: bytes, layout: KVLayout, scope: Scope, client_ns: bytes) -> None:
         if stored_ns in self._seen:
             self._seen[stored_ns] = self._seen.pop(stored_ns)  # most recent last
             return
@@ -70,7 +74,7 @@ def inspect_reply(store: TieredStore, book: NamespaceBook, scope: Scope) -> pb.I
         tenant = scope.tenant or book.tenant_of(ns)
         out.append(pb.NamespaceStats(
             namespace=seen.client_namespace if scope.scoped and seen else ns,
-            layout=seen.layout if seen else None, tenant=tenant,
+            layout=pb.Layout(**seen.layout.to_dict()) if seen else None, tenant=tenant,
             tiers=[pb.TierBlocks(tier=t, blocks=c[0], bytes=c[1])
                    for t, c in per_tier.items()]))
     return pb.InspectReply(namespaces=out)

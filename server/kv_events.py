@@ -56,8 +56,12 @@ log = logging.getLogger(__name__)
 MEDIUMS = {"gpu": "GPU", "host": "CPU", "disk": "STORAGE"}
 END_SEQ = event_sockets.END_SEQ  # vLLM's replay end-of-sequence marker
 # Descriptions of blocks no tier holds (described before commit, or after a miss): kept this
-# many, oldest dropped, so a client describing blocks it never publishes costs bounded memory.
+# many, and this many bytes (`description_bytes`), oldest dropped, so a client describing
+# blocks it never publishes costs bounded memory. 64 MiB: ~6,500 descriptions of 256-token
+# blocks, some 1.7M tokens described ahead of their commit (a connector describes a request's
+# blocks as it plans their save, a step or so before they are stored).
 PENDING_LIMIT = 1 << 16
+PENDING_BYTES = 64 << 20
 
 
 # ---- vLLM's event structs, field for field (vllm/distributed/kv_events.py, vLLM 0.32)
@@ -117,6 +121,13 @@ class EngineBlocks(msgspec.Struct, array_like=True, frozen=True):
     group_idx: int | None = None
     spec_kind: str | None = None
     sliding_window: int | None = None
+
+
+def description_bytes(meta: EngineBlocks) -> int:
+    """About what `meta` takes in memory, with its entries in the tracker's maps: a token id
+    is a Python int in a list (up to 40 bytes), a hash a bytes object in one (about 80)."""
+    return (400 + 40 * len(meta.token_ids) + 80 * len(meta.block_hashes)
+            + len(meta.lora_name or "") + len(meta.spec_kind or ""))
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
@@ -361,7 +372,10 @@ class EventTracker:
         self.publisher = publisher
         self.tiers = list(tiers)
         self.meta: dict[bytes, EngineBlocks] = {}  # blocks some tier holds, or pending
-        self._pending: OrderedDict[bytes, None] = OrderedDict()  # described, in no tier yet
+        # Described, in no tier yet: each one's `description_bytes`, oldest first.
+        self._pending: OrderedDict[bytes, int] = OrderedDict()
+        self.pending_bytes = 0
+        self.pending_dropped = 0  # pending descriptions dropped past the limits
         self.db = _MetaDB(meta_path) if meta_path is not None else None
         self._batch = _Batching([])
         # During a clear of everything, its removals (one AllBlocksCleared replaces them).
@@ -378,13 +392,26 @@ class EventTracker:
         held = [t for t in self.tiers if t.contains(key)]
         for tier in held:
             self._stored(tier, key, meta)
+        self._unpend(key)  # (re-)described: its latest description, newest
         if not held:
-            self._pending[key] = None
-            self._pending.move_to_end(key)
-            while len(self._pending) > PENDING_LIMIT:
-                old, _ = self._pending.popitem(last=False)
+            self._pending[key] = cost = description_bytes(meta)
+            self.pending_bytes += cost
+            while len(self._pending) > PENDING_LIMIT or self.pending_bytes > PENDING_BYTES:
+                old, cost = self._pending.popitem(last=False)
+                self.pending_bytes -= cost
+                if not self.pending_dropped:
+                    log.warning("kv events: more blocks described than stored (over %d "
+                                "descriptions or %d MiB kept for blocks no tier holds); the "
+                                "oldest are dropped, and their blocks, if stored later, send "
+                                "no events", PENDING_LIMIT, PENDING_BYTES >> 20)
+                self.pending_dropped += 1
                 if not any(t.contains(old) for t in self.tiers):
                     self.meta.pop(old, None)
+
+    def _unpend(self, key: bytes) -> None:
+        cost = self._pending.pop(key, None)
+        if cost is not None:
+            self.pending_bytes -= cost
 
     # ---- tier changes
     def _on_change(self, tier: Tier, entry: BlockEntry, stored: bool) -> None:
@@ -401,7 +428,7 @@ class EventTracker:
                 self.meta[key] = meta
         if stored:
             if meta is not None:
-                self._pending.pop(key, None)
+                self._unpend(key)
                 self._stored(tier, key, meta)
             return
         if tier.name == "disk" and self.db is not None and meta is not None:

@@ -57,6 +57,9 @@ class RemoteWriter:
                  run_io: Callable[..., Awaitable[Any]]) -> None:
         self.store, self.remote, self.queue = store, remote, queue
         self._run_io = run_io  # the store's byte-movement workers
+        # Batches taken from the queue and not yet sent or given up (by id), each with a
+        # future that ends with it: a Clear waits for those before it clears the remote tier.
+        self._in_flight: dict[int, asyncio.Future[None]] = {}
 
     async def run(self) -> None:
         """Frame queued blocks a batch at a time, and send each framed batch, until cancelled;
@@ -71,6 +74,7 @@ class RemoteWriter:
                     continue
                 batch = await self.queue.take(WRITE_BATCH_BLOCKS, WRITE_BATCH_BYTES,
                                               self._local_length)
+                self._in_flight[id(batch)] = asyncio.get_running_loop().create_future()
                 try:
                     writes = await self._frame(batch)
                     await framed.put((batch, writes))
@@ -87,8 +91,9 @@ class RemoteWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await sender  # its batch settled
             while not framed.empty():  # framed, never sent: back in the queue
-                self.queue.done()
-                self.queue.requeue(framed.get_nowait()[0])
+                batch = framed.get_nowait()[0]
+                self._done(batch)
+                self.queue.requeue(batch)
 
     async def _send_framed(self, framed: asyncio.Queue[tuple[list[QueuedWrite],
                                                             list[RemoteWrite]]]) -> None:
@@ -102,8 +107,25 @@ class RemoteWriter:
                 if not isinstance(e, Exception):
                     raise
                 continue
-            self.queue.done()
+            self._done(batch)
             self.queue.requeue(retry)
+
+    def _done(self, batch: list[QueuedWrite]) -> None:
+        """A batch's turn is over: sent, given up or back in the queue."""
+        self.queue.done()
+        if (ended := self._in_flight.pop(id(batch), None)) is not None and not ended.done():
+            ended.set_result(None)
+
+    async def settled(self, budget_s: float) -> bool:
+        """Wait up to `budget_s` for the batches taken so far to be sent or given up (not
+        those taken meanwhile); True if they were. A Clear calls it before clearing the
+        remote tier: a batch framed before the Clear would land after it otherwise. (A write
+        past its deadline may still land, from the write thread, within its socket timeout.)"""
+        pending = list(self._in_flight.values())
+        if not pending:
+            return True
+        _, late = await asyncio.wait(pending, timeout=budget_s)
+        return not late
 
     async def _settle(self, batch: list[QueuedWrite], error: BaseException) -> None:
         """A batch whose framing or sending raised: requeued for another attempt, or given up
@@ -119,7 +141,7 @@ class RemoteWriter:
             self.store.counters.remote_dropped_writes += len(batch)
         else:  # cancelled: queued again, for a writer that runs later
             retry = batch
-        self.queue.done()
+        self._done(batch)
         self.queue.requeue(retry)
         if isinstance(error, RemoteSkippedError):
             await asyncio.sleep(0.05)

@@ -23,7 +23,7 @@ import numpy as np
 from kvstore import __version__
 from kvstore.errors import InvalidArgumentError, KVStoreError, PermissionDeniedError
 from kvstore.keys import KEY_BYTES
-from kvstore.layout import KVLayout
+from kvstore.layout import MAX_STRING_BYTES, KVLayout
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server.inspect import NamespaceBook, inspect_reply
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 # alternating runs on 2 loaded cores).
 STREAM_CHUNK = 1 << 20
 FETCH_ANSWER_SHARE = 0.5  # of a Fetch's time left, for its disk reads to start in
+# DescribeBlocks (KV events): tokens one description may cover when the namespace's layout is
+# not known (its `block_tokens` is the limit when it is): 256 times the default block, more
+# than a real model's 1 GiB block (`MAX_BLOCK_BYTES`) holds at its tens of KiB per token.
+DESCRIBED_TOKENS = 1 << 16
+DESCRIBE_CALL_TOKENS = 1 << 21  # per call: a 2M-token prompt's blocks in one call
+ENGINE_HASH_BYTES = 64  # an engine block hash (vLLM's: 32-byte SHA-256, or 8 bytes)
 
 
 def layout_from_proto(msg: pb.Layout) -> KVLayout:
@@ -383,7 +389,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if shm:
             self._zero_copy_allowed(context, "a TRANSFER_SHM fetch")
         if len(ns) == KEY_BYTES:
-            self.namespaces.note(ns, request.layout, scope, request.namespace)
+            self.namespaces.note(ns, layout, scope, request.namespace)
         # Only an SHM fetch may get slab blocks (a stream's bytes come from the host arena).
         slab_ok = shm and request.slab_ok and self.store.gpu is not None
         # Reads that would start after half the client's time are left to its next call: it
@@ -409,6 +415,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 # Release answers False and it discards the copy.
                 if lease.entries:
                     self.store.hand_over(lease, hold=False)
+                    self.store.count_served(lease)
                 return
             with self.admission.stream():
                 await self._send(context, pb.FetchChunk(hits=len(refs), blocks=refs,
@@ -418,6 +425,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     for off in range(0, entry.length, STREAM_CHUNK):
                         await self._send(context, data_chunk(i, off,
                                                              data[off : off + STREAM_CHUNK]))
+                    self.store.count_served(lease, i)
         finally:
             if lease.held:
                 self.store.release(lease.id)
@@ -467,7 +475,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = scope.keys(self._keys(first.keys))
         prior = scope.keys(self._keys(first.prior_keys, len(keys), "prior_keys"))
         ns = scope.namespace(self._namespace(first.namespace))
-        self.namespaces.note(ns, first.layout, scope, first.namespace)
+        self.namespaces.note(ns, layout, scope, first.namespace)
         digest, length = layout.digest(), layout.block_bytes
         stored = present = 0
         block, filled = -1, 0
@@ -528,7 +536,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = scope.keys(self._keys(request.keys))
         prior = scope.keys(self._keys(request.prior_keys, len(keys), "prior_keys"))
         ns = scope.namespace(self._namespace(request.namespace))
-        self.namespaces.note(ns, request.layout, scope, request.namespace)
+        self.namespaces.note(ns, layout, scope, request.namespace)
         lease = await self.store.reserve(ns, layout.digest(), keys, layout.block_bytes,
                                          owner=scope.tenant, prior=prior,
                                          writer=request.writer)
@@ -571,11 +579,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise PermissionDeniedError("Clear(all) is for the admin token or the Unix socket; "
                                         "a tenant clears its namespaces one at a time")
         ns = None if request.all else scope.namespace(self._namespace(request.namespace))
-        removed = self.store.clear(ns)
         # The shared tier too, or read-through would bring the cleared blocks straight back.
         # `removed` is then local blocks plus remote values: a block in both counts twice.
-        removed += await self.store.clear_remote(ns)
-        return pb.ClearReply(removed=removed)
+        local, remote = await self.store.clear_everywhere(ns)
+        return pb.ClearReply(removed=local + remote)
 
     @rpc
     async def EndSession(self, request: pb.EndSessionRequest,
@@ -592,16 +599,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @rpc
     async def DescribeBlocks(self, request: pb.DescribeBlocksRequest,
                              context: Any) -> pb.DescribeBlocksReply:
+        scope = current_scope()
+        keys = scope.keys(self._keys([b.key for b in request.blocks]))
+        self._check_descriptions(request, scope)
         events = self.store.events
         if events is None:  # events off: nothing to keep (clients ask Info first)
             return pb.DescribeBlocksReply(described=0)
         from kvstore.server.kv_events import EngineBlocks  # pyzmq/msgspec: only when events on
 
-        keys = current_scope().keys(self._keys([b.key for b in request.blocks]))
         for key, b in zip(keys, request.blocks, strict=True):
-            if not b.block_hashes or not b.block_size:
-                raise InvalidArgumentError("DescribeBlocks: every block needs block_hashes "
-                                           "and block_size")
             events.describe(key, EngineBlocks(
                 block_hashes=list(b.block_hashes),
                 parent_block_hash=b.parent_block_hash or None,
@@ -611,6 +617,46 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 spec_kind=b.kv_cache_spec_kind or None,
                 sliding_window=b.sliding_window or None))
         return pb.DescribeBlocksReply(described=len(keys))
+
+    def _check_descriptions(self, request: pb.DescribeBlocksRequest, scope: Scope) -> None:
+        """Sizes first (lengths only, nothing copied): a description is kept as long as its
+        block is, so none may name more than its block holds. The engine blocks of one cover
+        `len(block_hashes) * block_size` tokens: at most the namespace's `block_tokens` when
+        a call named its layout since start (Inspect's book), else `DESCRIBED_TOKENS`; its
+        token ids are at most those tokens. A call covers at most `DESCRIBE_CALL_TOKENS`."""
+        ns = scope.namespace(request.namespace)
+        seen = self.namespaces.get(ns) if len(ns) == KEY_BYTES else None
+        limit, why = ((seen.layout.block_tokens, "the namespace's block_tokens") if seen
+                      else (DESCRIBED_TOKENS, "the limit for a block"))
+        total = 0
+        for i, b in enumerate(request.blocks):
+            hashes, size = len(b.block_hashes), b.block_size
+            if not hashes or not size:
+                raise InvalidArgumentError("DescribeBlocks: every block needs block_hashes "
+                                           "and block_size")
+            if hashes * size > limit:
+                raise InvalidArgumentError(
+                    f"blocks[{i}].block_hashes: {hashes} engine blocks of {size} tokens "
+                    f"(block_size) cover {hashes * size} tokens, more than one block holds "
+                    f"({limit}: {why})")
+            if len(b.token_ids) > hashes * size:
+                raise InvalidArgumentError(
+                    f"blocks[{i}].token_ids: {len(b.token_ids)} ids, more than its {hashes} "
+                    f"engine blocks of {size} tokens hold ({hashes * size})")
+            total += hashes * size
+            if total > DESCRIBE_CALL_TOKENS:
+                raise InvalidArgumentError(
+                    f"blocks: over {DESCRIBE_CALL_TOKENS} tokens described in one call "
+                    "(block_hashes times block_size, summed); describe fewer blocks per call")
+            for name, longest in (("parent_block_hash", len(b.parent_block_hash)),
+                                  ("block_hashes", max(map(len, b.block_hashes)))):
+                if longest > ENGINE_HASH_BYTES:
+                    raise InvalidArgumentError(f"blocks[{i}].{name}: a hash of {longest} "
+                                               f"bytes; the limit is {ENGINE_HASH_BYTES}")
+            for name in ("lora_name", "kv_cache_spec_kind"):
+                if (n := len(getattr(b, name).encode())) > MAX_STRING_BYTES:
+                    raise InvalidArgumentError(f"blocks[{i}].{name} is {n} bytes; the limit "
+                                               f"is {MAX_STRING_BYTES}")
 
 
 _STARTED = time.monotonic()

@@ -43,7 +43,7 @@ from kvstore.errors import CapacityError, IntegrityError, InvalidArgumentError, 
 from kvstore.keys import KEY_BYTES
 from kvstore.planner import BandwidthModel
 from kvstore.server.fences import Fences
-from kvstore.server.remote_writer import RemoteWriter
+from kvstore.server.remote_writer import WRITE_BATCH_BYTES, RemoteWriter
 from kvstore.server.tenancy import owner_tag
 from kvstore.server.write_through import WriteThroughQueue
 from kvstore.tiering import RecentChains, owner_of
@@ -590,6 +590,18 @@ class TieredStore:
         self.touch_chain([*prior, *keys[:served]])
         return self.hand_over(lease, hold)
 
+    def count_served(self, lease: FetchLease, block: int | None = None) -> None:
+        """Count as read from host the bytes of `lease`'s host hits (all, or its `block`)
+        now handed to the client: an SHM lease once its reply is sent (the client copies them
+        out of the arena), a streamed block once its last chunk is. Once per block served: a
+        block read from another tier for the fetch was counted as that tier's read (and host's
+        write, when promoted) as it was read, and a gpu block read in the slab is no host's."""
+        picked = range(len(lease.entries)) if block is None else (block,)
+        n = sum(lease.entries[i].length for i in picked
+                if lease.tiers[i] == self.host.name and not lease.in_slab[i])
+        if n:
+            self.counters.add(self.counters.bytes_read, self.host.name, n)
+
     def _request_lift(self, gpu: GpuTier, lease: FetchLease, prompt: list[bytes],
                       keys: Sequence[bytes], prior: Sequence[bytes]) -> None:
         """Plan the blocks this fetch lifts into the gpu tier (`Hierarchy.lift`: those it
@@ -925,6 +937,7 @@ class TieredStore:
         self.host.prepare_load(s.dst.key)
         s.holds = "pinned"
         self.counters.promotions += 1
+        self.counters.add(self.counters.bytes_written, self.host.name, s.dst.length)
         return None
 
     async def _stage_remote(self, remote: _RemoteReads, i: int, lease: FetchLease,
@@ -954,7 +967,10 @@ class TieredStore:
                 break
             if self.placement.source(keys[j]) is None:
                 todo.append(j)
-        remote.read = {}
+        # Blocks of the last batch not taken yet (a key it skipped as local was evicted by
+        # its own room-making, so the fetch reads that key now): given back, not dropped
+        # with their pins; a local tier holds them now, so a later batch skips them.
+        remote.abandon(self)
         began = time.perf_counter()
         try:
             held = await remote.remote.held(remote.namespace, [keys[j] for j in todo],
@@ -1005,6 +1021,7 @@ class TieredStore:
                 continue
             self.host.complete_store(s.dst)
             self.counters.promotions += 1
+            self.counters.add(self.counters.bytes_written, self.host.name, s.dst.length)
             s.dst, s.holds = self.host.prepare_load(s.dst.key), "pinned"
         remote.read = dict(zip(todo, batch[:hits], strict=False))
 
@@ -1390,6 +1407,23 @@ class TieredStore:
                     self._disk_watch_failed = True
 
     # ---- admin
+    async def clear_everywhere(self, namespace: bytes | None) -> tuple[int, int]:
+        """`clear`, then `clear_remote`: (local blocks removed, remote values removed). The
+        write-through of the namespace's queued blocks is dropped first, and the batches
+        already taken are waited for: a batch framed before the Clear would land in the
+        remote tier after it, and its blocks, pinned while framed, would outlive the local
+        clear."""
+        if self.write_queue is not None and self.writer is not None \
+                and self.remote is not None:
+            for tier in self.tiers:
+                for key in tier.keys(namespace):
+                    self.write_queue.discard(key)
+            if not await self.writer.settled(2 * self.remote.deadline_s(WRITE_BATCH_BYTES)):
+                log.warning("clearing while write-through batches are still being sent: some "
+                            "cleared blocks may come back")
+        removed = self.clear(namespace)
+        return removed, await self.clear_remote(namespace)
+
     def clear(self, namespace: bytes | None) -> int:
         """Remove the unpinned blocks of a namespace (all when None) from every tier."""
         removed: set[bytes] = set()

@@ -262,6 +262,7 @@ class Index:
             sync.sync = True
             self.db.write(batch, sync)
             self.writable = True
+            self.read_only_reason = ""  # the damaged index's failed open is over
         except Exception as e:
             self.close(None)
             self.writable = False

@@ -40,8 +40,8 @@ def _space_error(shm_dir: Path, size: int, err: OSError) -> ConfigError:
     if err.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
         return ConfigError(
             f"host_bytes: {_mib(size)} cannot be reserved in {shm_dir} ({room}); lower "
-            "host_bytes or enlarge the shared memory (docker: --shm-size; Kubernetes: an "
-            "emptyDir with medium: Memory and a sizeLimit)")
+            "host_bytes or enlarge the shared memory (docker: --shm-size; Kubernetes: the "
+            "node's /dev/shm, through a hostPath volume as in deploy/kubernetes)")
     return ConfigError(f"shm_dir: cannot create the host arena in {shm_dir}: "
                        f"{err.strerror or err}")
 

@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvstore.client.integrations.disagg_proxy",
         description="Disaggregated prefill proxy for vLLM OpenAI servers running the kvstore "
-                    "connector (kv_producer / kv_consumer).")
+                    "connector (kv_producer / kv_consumer).", allow_abbrev=False)
     p.add_argument("--prefill", action="append", required=True, metavar="URL",
                    help="a prefill (kv_producer) server, e.g. http://127.0.0.1:8100; repeat "
                         "for several (round robin)")

@@ -143,7 +143,12 @@ def test_damaged_index_is_quarantined_and_rebuilt(published, tmp_path, damage) -
         assert list((data_dir / "disk").glob("index.damaged-*")) or damage == "index-deleted"
         assert _metric(port, "kvstore_disk_index_rebuilds_total") == 1
         assert _metric(port, "kvstore_disk_index_recovered_blocks_total") == len(expected)
-        assert tier(stats(d.target), "disk").blocks == len(expected)
+        disk = tier(stats(d.target), "disk")
+        assert disk.blocks == len(expected)
+        # The rebuilt index takes writes at once (a missing CURRENT left the tier degraded
+        # until its first recheck: the failed read-write open's reason outlived the rebuild).
+        assert not disk.degraded, disk.degraded_reason
+        assert _metric(port, "kvstore_disk_degraded") == 0
         assert _serve_all(d, expected) == len(expected)
         assert d.stop() == 0
         d.start()  # the rebuilt index is a clean one: no second rebuild

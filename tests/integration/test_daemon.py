@@ -406,3 +406,51 @@ def test_a_stopped_daemon_frees_its_arena_while_a_client_still_maps_it(daemon_fa
         d.start()
         n, again = c.fetch(tokens)  # the next daemon, from disk
         assert n == 64 and same_bytes(again, kv)
+
+
+def _start_fails(tmp_path: Path, *args: str, prelude: str = "") -> str:
+    """Start a daemon that must fail: its stderr, after checking that it exited 2 with one
+    clear line (no traceback) and left neither arena nor socket behind."""
+    import subprocess
+    import sys
+
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    data = tmp_path / "data"
+    code = (f"import sys\n{prelude}\nfrom kvstore.server.__main__ import main\n"
+            f"sys.exit(main())")
+    p = subprocess.run([sys.executable, "-c", code, "--data-dir", str(data), "--shm-dir",
+                        str(shm), "--host-bytes", "16MiB", "--disk-bytes", "0", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert not list(shm.iterdir()), "the arena was left behind"
+    assert not (data / "kv.sock").exists(), "the socket was left behind"
+    return p.stderr.strip().splitlines()[-1]
+
+
+def test_a_port_in_use_is_one_clear_line_and_leaves_nothing_behind(tmp_path):
+    """A metrics or TCP port another process holds, a metrics host that is not this
+    machine's: the daemon says which option and why in one line and gives the arena and
+    the socket back (it used to end in a traceback, leaving both for the next daemon)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _start_fails(tmp_path, "--metrics-port", str(port))
+        assert f"metrics_port {port} on 127.0.0.1: cannot bind it: Address already in use" \
+            in line, line
+        line = _start_fails(tmp_path, "--listen", f"127.0.0.1:{port}", "--token", "t" * 32)
+        assert f"listen 127.0.0.1:{port}: cannot bind it" in line, line
+    line = _start_fails(tmp_path, "--metrics-port", "9", "--metrics-host", "192.0.2.1")
+    assert "metrics_port 9 on 192.0.2.1: cannot bind it" in line, line
+
+
+def test_kv_events_without_the_events_extra_names_the_extra(tmp_path):
+    """`kv_events` where msgspec is not installed (made unimportable here): the daemon says
+    which extra to install, and gives the arena back."""
+    line = _start_fails(tmp_path, "--kv-events", "tcp://127.0.0.1:0",
+                        prelude="sys.modules['msgspec'] = None")
+    assert "kv_events needs the events extra (msgspec is not installed)" in line, line
+    assert "pip install 'kvstore-cache[events]'" in line, line

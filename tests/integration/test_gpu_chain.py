@@ -103,7 +103,7 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, de
         lifted(d.target, 4)
         assert placement(d.target) == {"p1": {"gpu": 4, "host": 4}}
         assert counters(d.target) == {
-            "tiers": {"gpu": [4, 0, 0, 4 * BB], "host": [4, 4, 0, 4 * BB],
+            "tiers": {"gpu": [4, 0, 0, 4 * BB], "host": [4, 4, 4 * BB, 4 * BB],
                       "disk": [0, 0, 0, 0]}, "promotions": 4, "demotions": 0}
         # Host full: a publish pushes its least-recent blocks (P1's tail) down to disk.
         assert c2.publish(t2, kv2) == len(t2)
@@ -116,7 +116,7 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, de
         assert placement(d.target) == {"p1": {"gpu": 4, "host": 2, "disk": 2},
                                        "p2": {"host": 2, "disk": 2}}
         assert counters(d.target) == {
-            "tiers": {"gpu": [4, 2, 2 * BB, 4 * BB], "host": [4, 6, 0, 8 * BB],
+            "tiers": {"gpu": [4, 2, 2 * BB, 4 * BB], "host": [4, 6, 6 * BB, 8 * BB],
                       "disk": [4, 0, 0, 4 * BB]}, "promotions": 4, "demotions": 4}
         assert tier(wait_quiescent(d.target, 2.0), "host").used_bytes == 4 * BB
         # P2: its tail promoted from disk into host, then all of it copied up into gpu. gpu's
@@ -126,10 +126,11 @@ def test_chain_demotes_down_promotes_back_and_counts_per_tier(daemon_factory, de
         lifted(d.target, 4 + 2 + 4)
         assert placement(d.target) == {"p1": {"host": 2, "disk": 4},
                                        "p2": {"gpu": 4, "host": 4, "disk": 2}}
-        # Written: into gpu by lifts, into host by publishes and gpu's demotions (a promotion
-        # from disk counts as disk's read), into disk by host's demotions.
+        # Written: into gpu by lifts, into host by publishes, gpu's demotions and promotions
+        # from disk (read: disk's), into disk by host's demotions. Read from host: its hits,
+        # each block once as its fetch served it.
         assert counters(d.target) == {
-            "tiers": {"gpu": [4, 2, 2 * BB, 8 * BB], "host": [6, 8, 0, 12 * BB],
+            "tiers": {"gpu": [4, 2, 2 * BB, 8 * BB], "host": [6, 8, 8 * BB, 14 * BB],
                       "disk": [6, 2, 2 * BB, 6 * BB]},
             "promotions": 4 + 2 + 4, "demotions": 4 + 4 + 2}
 

@@ -117,14 +117,15 @@ def test_prompt_goes_down_to_remote_and_comes_back_up_to_gpu(redis_server, daemo
             assert placement(d.target) == {"p1": {"gpu": 4, "host": 4},
                                            "p2": {"host": 2, "disk": 2}, "p4": {"disk": 2}}
             # Per tier [blocks, hits, bytes read, bytes written]. Before: gpu took 8 lifted
-            # blocks (P1, P2), host 16 published and 4 gpu victims, disk 10 host victims, Redis
-            # 16 written through. The fetch: 4 blocks read from Redis and promoted into host, 4
-            # lifted into gpu, gpu's 4 victims written down into host, 8 of host's to disk.
-            assert before["tiers"] == {"gpu": [4, 0, 0, 8 * BB], "host": [6, 8, 0, 20 * BB],
+            # blocks (P1, P2), host 16 published and 4 gpu victims (and served its 8 hits), disk
+            # 10 host victims, Redis 16 written through. The fetch: 4 blocks read from Redis and
+            # promoted into host, 4 lifted into gpu, gpu's 4 victims written down into host, 8
+            # of host's to disk.
+            assert before["tiers"] == {"gpu": [4, 0, 0, 8 * BB], "host": [6, 8, 8 * BB, 20 * BB],
                                        "disk": [4, 0, 0, 10 * BB],
                                        "remote": [0, 0, 0, 16 * BB]}
             assert counters(d.target) == {
-                "tiers": {"gpu": [4, 0, 0, 12 * BB], "host": [6, 8, 0, 24 * BB],
+                "tiers": {"gpu": [4, 0, 0, 12 * BB], "host": [6, 8, 8 * BB, 28 * BB],
                           "disk": [4, 0, 0, 18 * BB], "remote": [0, 4, 4 * BB, 16 * BB]},
                 "promotions": 16, "demotions": 26}
             # Promoted: the next fetch is gpu's (this client maps the slab: it reads the blocks

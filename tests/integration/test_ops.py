@@ -207,3 +207,52 @@ def test_cli_clear_takes_the_namespace_inspect_prints(daemon_factory):
         r = kvstore_cli("--target", d.target, "clear", "--namespace", ns_a[:16])
         assert r.returncode == 0 and "removed 4 blocks" in r.stdout, r.stdout + r.stderr
         assert a.lookup(list(range(64))) == 0 and b.lookup(list(range(32))) == 32
+
+
+def test_tier_bytes_count_host_reads_and_promotions_into_host(daemon_factory):
+    """Host hits served (an SHM lease, a stream over TCP) are host reads, once per block
+    served; promotions from disk are host writes. Both stayed 0: `kvstore stats` showed 0 B
+    read from host however much it served, and `kvstore top`'s "moved" left it out."""
+    port, metrics, token = _free_port(), _free_port(), "s3cret-0123456789abcdef"
+    layout = small_layout()
+    bb = layout.block_bytes  # 8 KiB: host holds 8 blocks
+    d = daemon_factory("--listen", f"127.0.0.1:{port}", "--token", token, "--metrics-port",
+                       str(metrics), "--host-bytes", str(8 * bb), "--disk-bytes", "1MiB").start()
+    p, q = list(range(64)), list(range(1000, 1128))  # 4 blocks, 8 blocks
+    kv_p, kv_q = random_kv(layout, 64), random_kv(layout, 128, seed=1)
+
+    def tiers() -> dict[str, tuple[int, int]]:
+        with KVClient(d.target, layout) as c:
+            return {t.name: (t.bytes_read, t.bytes_written) for t in c.stats().tiers}
+
+    with KVClient(d.target, layout, transfer="shm") as c:
+        assert c.publish(p, kv_p) == 64
+        assert tiers()["host"] == (0, 4 * bb)  # published: written, nothing read yet
+        n, got = c.fetch(p)
+        assert n == 64 and same_bytes(got, kv_p)
+    assert tiers()["host"] == (4 * bb, 4 * bb)  # the SHM lease's 4 host blocks
+    with KVClient(f"127.0.0.1:{port}", layout, token=token) as tcp:
+        assert tcp.streams
+        n, got = tcp.fetch(p)
+        assert n == 64 and same_bytes(got, kv_p)
+    assert tiers()["host"] == (8 * bb, 4 * bb)  # and the 4 streamed over TCP
+
+    with KVClient(d.target, layout, transfer="shm") as c:
+        assert c.publish(q, kv_q) == 128  # fills host: p goes down to disk
+        before = tiers()
+        assert before["host"] == (8 * bb, 12 * bb) and before["disk"][1] >= 4 * bb
+        n, got = c.fetch(p)  # from disk: read there, promoted into host
+        assert n == 64 and same_bytes(got, kv_p)
+        after = tiers()
+        assert after["disk"][0] - before["disk"][0] == 4 * bb
+        assert after["host"] == (8 * bb, 16 * bb)  # written by the promotions, not read
+        assert c.fetch(p)[0] == 64  # from host now
+    stats = tiers()
+    assert stats["host"] == (12 * bb, 16 * bb)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
+                                  timeout=10).read().decode()
+    assert f'kvstore_tier_bytes_total{{direction="read",tier="host"}} {12.0 * bb}' in text
+    assert f'kvstore_tier_bytes_total{{direction="write",tier="host"}} {16.0 * bb}' in text
+    r = kvstore_cli("--target", d.target, "stats")
+    host_row = next(line.split() for line in r.stdout.splitlines() if line.startswith("host "))
+    assert host_row[-6:-2] == ["96.0", "KiB", "128.0", "KiB"]  # read, written

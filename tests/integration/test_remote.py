@@ -337,6 +337,29 @@ def test_a_tenants_clear_of_one_namespace_leaves_its_others_in_redis(
         assert b.lookup(tokens) == 0
 
 
+def test_a_clear_right_after_a_publish_leaves_nothing_in_redis(redis_server: RedisServer,
+                                                              daemon_factory) -> None:
+    """A Clear right after a 256-block publish, its write-through still being framed and
+    sent: the blocks of batches in flight landed in Redis after the Clear's SCAN/UNLINK
+    and came back for every daemon (2 of 5 such trials on the code before; now the Clear
+    waits for the batches taken before it). Eight trials: none leaves a key in Redis, and
+    no daemon finds the prompt."""
+    args = ("--host-bytes", "16MiB", "--disk-bytes", "0", "--remote", redis_server.url)
+    a: DaemonProcess = daemon_factory(*args, name="A").start()
+    b: DaemonProcess = daemon_factory(*args, name="B").start()
+    layout = small_layout()
+    with KVClient(a.target, layout, deadline_s=10) as ca, \
+            KVClient(b.target, layout, deadline_s=10) as cb:
+        for trial in range(8):
+            tokens = list(range(trial * 10_000, trial * 10_000 + 256 * 16))
+            assert ca.publish(tokens, random_kv(layout, len(tokens), seed=trial)) == len(tokens)
+            assert ca.clear() >= 256
+            _wait_for(lambda: (s := ca.stats()) is not None and s.remote.queue_depth == 0)
+            time.sleep(0.3)  # a batch taken from the queue last is sent by now
+            keys = cli(redis_server.port, "DBSIZE").strip()
+            assert (keys, ca.lookup(tokens), cb.lookup(tokens)) == ("0", 0, 0), trial
+
+
 def test_two_machines_share_one_cluster_and_survive_a_node(redis_cluster: RedisClusterNodes,
                                                            daemon_factory) -> None:
     args = _daemon_args(redis_cluster.url)
@@ -447,6 +470,74 @@ def test_a_prefetching_lookup_brings_the_remote_prefix_into_host(redis_server: R
             stub.Lookup(pb.LookupRequest(namespace=NS, keys=[_key(1)], prefetch=True), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "layout" in e.value.details()
+
+
+def test_a_remote_batch_that_evicts_a_block_it_skipped_leaves_nothing_pinned(
+        redis_server: RedisServer, daemon_factory) -> None:
+    """Pages stored one by one (SGLang's keys): daemon B holds page 1 only, and a fetch of
+    pages 0-3 reads 0, 2 and 3 from Redis in one batch, whose room-making evicts page 1 (B's
+    host holds 3 blocks). The fetch then reads page 1 in a new batch. Every page arrives
+    byte-identical, and once the fetch is done nothing stays pinned: the first batch's
+    pages 2 and 3, read but not taken yet, were dropped with their pins before the fix."""
+    import hashlib
+
+    from kvstore.client.aio import AsyncKVClient
+    from kvstore.keys import KEY_VERSION
+
+    class PageKeys(tuple[str, ...]):
+        pass
+
+    class PageKeyClient(AsyncKVClient):  # as client/integrations/sglang.py's
+        def keys(self, tokens: object) -> list[bytes]:
+            assert isinstance(tokens, PageKeys)
+            prefix = KEY_VERSION + self.namespace.digest()
+            return [hashlib.sha256(prefix + page.encode()).digest() for page in tokens]
+
+    layout = small_layout()
+    bt = layout.block_tokens
+    kv = random_kv(layout, 4 * bt, seed=5)
+    pages = [kv[:, :, i * bt:(i + 1) * bt].contiguous() for i in range(4)]
+    block = pages[0].numel() * pages[0].element_size()
+    a: DaemonProcess = daemon_factory(*_daemon_args(redis_server.url), name="A").start()
+    b: DaemonProcess = daemon_factory("--host-bytes", str(3 * block), "--disk-bytes", "0",
+                                      "--remote", redis_server.url, name="B").start()
+
+    def produce(which: list[int]) -> Callable[..., None]:
+        def copy(blocks: list[int], views: list[object], stop: object) -> None:
+            for i, view in zip(blocks, views, strict=True):
+                view.copy_(pages[which[i]])  # type: ignore[attr-defined]
+        return copy
+
+    got: dict[int, object] = {}
+
+    def consume(blocks: list[int], views: list[object], stop: object) -> None:
+        for i, view in zip(blocks, views, strict=True):
+            got[i] = view.clone()  # type: ignore[attr-defined]
+
+    async def run() -> int:
+        ca, cb = PageKeyClient(a.target, layout), PageKeyClient(b.target, layout)
+        try:
+            names = PageKeys(f"p{i}" for i in range(4))
+            assert await ca.publish_with(names, produce([0, 1, 2, 3])) == 4 * bt
+            for _ in range(200):  # A's write-through
+                if (st := await ca.stats()) is not None and st.remote.written_blocks >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert await cb.publish_with(PageKeys(["p1"]), produce([1])) == bt
+            return await cb.fetch_with(names, consume)
+        finally:
+            await ca.close()
+            await cb.close()
+
+    assert asyncio.run(run()) == 4 * bt
+    assert all(same_bytes(got[i], pages[i]) for i in range(4))  # type: ignore[arg-type]
+    with KVClient(b.target, layout) as cb:
+        stats = cb.stats()
+        assert stats is not None and stats.active_leases == 0
+        host = next(t for t in stats.tiers if t.name == "host")
+        assert host.pinned_blocks == 0, host
+        remote = next(t for t in stats.tiers if t.name == "remote")
+        assert remote.hits >= 3  # pages 0, 2 and 3 did come from Redis
 
 
 def test_a_cluster_with_no_node_up_is_a_miss_not_an_error(daemon_factory) -> None:

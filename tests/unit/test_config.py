@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,3 +257,117 @@ def test_bad_tenant_weights_name_the_pair(text: str, match: str) -> None:
 def test_tenant_weights_need_tenants() -> None:
     with pytest.raises(ConfigError, match="tenant_weights: needs `tenant_tokens_file`"):
         ServerConfig(tenant_weights="alpha=2")
+
+
+def test_unknown_option_suggests_the_close_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown option 'host_byte'; did you mean "
+                                          r"'host_bytes'\?"):
+        load_config(_toml(tmp_path, 'host-byte = "2MiB"\n'))
+    with pytest.raises(ConfigError, match=r"unknown option 'host_byte' \(environment variable "
+                                          r"KVSTORE_HOST_BYTE\); did you mean "
+                                          r"'KVSTORE_HOST_BYTES'\?"):
+        load_config(env={"KVSTORE_HOST_BYTE": "2MiB"})
+    with pytest.raises(ConfigError) as e:  # nothing close: no guess
+        load_config(env={"KVSTORE_CACHE_SIZE": "1GiB"})
+    assert "did you mean" not in str(e.value)
+
+
+def test_every_bad_value_of_a_file_is_reported_one_a_line(tmp_path: Path) -> None:
+    from kvstore.config import problems
+
+    f = _toml(tmp_path, 'host_byte = 5\nhost_bytes = "lots"\nlog_level = "trace"\n'
+                        'metrics_port = 70000\nlisten = "x"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(f, {"KVSTORE_LEASE_TIMEOUT_S": "soon"})
+    assert str(e.value).splitlines() == [
+        "unknown option 'host_byte'; did you mean 'host_bytes'?",
+        "host_bytes: cannot parse size 'lots' (try 1048576, 512MiB or 64GiB)",
+        "lease_timeout_s: expected float, got 'soon' (environment variable "
+        "KVSTORE_LEASE_TIMEOUT_S)",
+        "metrics_port: 70000 is above the maximum 65535",
+        "log_level: 'trace' is not one of ['debug', 'info', 'warning', 'error']",
+        "listen: expected HOST:PORT, got 'x'"]
+    assert problems(e.value).startswith("6 problems:\n  unknown option 'host_byte'")
+    with pytest.raises(ConfigError) as one:  # one problem: one line, as before
+        load_config(overrides={"log_level": "trace"})
+    assert problems(one.value) == str(one.value) == (
+        "log_level: 'trace' is not one of ['debug', 'info', 'warning', 'error']")
+
+
+def test_a_config_check_lists_every_problem(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    f = _toml(tmp_path, 'host_bytes = 1073741824.5\nlog_level = "trace"\n')
+    out = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "config", "check", str(f)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"{f}: invalid: 2 problems:",
+        "  host_bytes: a size must be a whole number of bytes, got 1073741824.5; 1073741824 "
+        "would do",
+        "  log_level: 'trace' is not one of ['debug', 'info', 'warning', 'error']"]
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (1073741824.5, r"^host_bytes: a size must be a whole number of bytes, got 1073741824\.5; "
+                   r"1073741824 would do$"),
+    ("1073741824.5", "whole number of bytes, got '1073741824.5'"),
+    ("0.5", r"whole number of bytes, got '0\.5'$"),
+])
+def test_sizes_are_whole_bytes(value: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_size(value, "host_bytes")  # type: ignore[arg-type]
+
+
+def test_size_strings_resolve_exactly(tmp_path: Path) -> None:
+    # Decimal arithmetic: float("4.35") * 1000 is 4349.999..., which truncated to 4349.
+    assert parse_size("4.35KB") == 4350
+    assert parse_size("1.1MB") == 1_100_000
+    assert parse_size("0.3KiB") == 307  # a unit: rounded down, not refused
+    assert parse_size("1.3GiB") == 1395864371
+    assert load_config(_toml(tmp_path, 'host_bytes = "1.5GiB"\n')).host_bytes == 3 * 2**29
+    with pytest.raises(ConfigError, match="host_bytes: a size must be a whole number"):
+        load_config(_toml(tmp_path, "host_bytes = 1073741824.5\n"))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"overrides": {"host_bytes": "0"}},
+    {"env": {"KVSTORE_HOST_BYTES": "0B"}},
+])
+def test_host_bytes_must_be_positive(kwargs: dict[str, Any]) -> None:
+    """Every block lands in host first: with none, the daemon started and dropped every
+    publish ("the daemon lacked space")."""
+    with pytest.raises(ConfigError, match=r"^host_bytes: must be positive, got 0: every block "
+                                          "lands in host first"):
+        load_config(**kwargs)
+    assert load_config(overrides={"host_bytes": "1"}).host_bytes == 1
+
+
+def test_the_daemon_refuses_host_bytes_0_and_flag_prefixes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    def daemon(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvstore.server", "--data-dir",
+                               str(tmp_path), *args, "--print-config"],
+                              capture_output=True, text=True, timeout=60)
+
+    out = daemon("--host-bytes", "0", "--disk-bytes", "64MiB")
+    assert out.returncode == 2
+    assert "invalid configuration: host_bytes: must be positive" in out.stderr
+    for args in (["--host-byte", "2GiB"], ["--data", "/tmp/x"]):  # prefixes of real flags
+        out = daemon(*args)
+        assert out.returncode == 2
+        assert f"unrecognized arguments: {' '.join(args)}" in out.stderr
+
+
+def test_the_cli_refuses_flag_prefixes() -> None:
+    from kvstore.client.cli import build_parser
+
+    for argv in (["--tim", "1", "stats"], ["stats", "--tim", "1"], ["clear", "--name", "ab"],
+                 ["top", "--inter", "2"], ["--js", "ping"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+    assert build_parser().parse_args(["top", "--interval", "2"]).interval == 2
