@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import logging
 import math
@@ -351,6 +352,10 @@ class Daemon:
         watch = (asyncio.create_task(self.store.disk_watch(self.config.disk_recheck_s))
                  if self.store.disk is not None and self.config.disk_recheck_s > 0 else None)
         self._writer = asyncio.create_task(self.store.remote_writer())  # returns without remote
+        # Start-up's garbage collected, its live objects frozen: they live as long as the
+        # daemon, and later collections (`service._collect_soon`) skip them.
+        gc.collect()
+        gc.freeze()
         print(f"READY {self.config.socket_path}", flush=True)  # tests and scripts wait for this
         await self._stopping.wait()
         reaper.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -276,9 +277,32 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             self.metrics.latency.labels(fn.__name__, code).observe(time.perf_counter() - start)
         if status is not None:
             _fail(context, status)
+            if status[0] in _BAD_INPUT:
+                _collect_soon()
         return None
 
     return unary
+
+
+# Refusals of what a client sent (not of load: shedding must not add pauses to an overload).
+_BAD_INPUT = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE})
+_COLLECT_EVERY_S = 1.0
+_last_collect = 0.0
+
+
+def _collect_soon() -> None:
+    """After a call refused for its input: a full garbage collection once the call is over,
+    at most one each `_COLLECT_EVERY_S`. Each call's state in gRPC sits in a reference cycle,
+    so a refused request, up to `max_message_bytes`, stayed in memory until the cyclic
+    collector ran, which counts objects, not bytes: 40 refused 16 MiB publishes held 0.7 GB.
+    The daemon's start-up objects are frozen (`gc.freeze`), so this scans only later ones."""
+    global _last_collect
+    now = time.monotonic()
+    if now - _last_collect < _COLLECT_EVERY_S:
+        return
+    _last_collect = now
+    asyncio.get_running_loop().call_later(0.05, gc.collect)
 
 
 def _fail(context: grpc.aio.ServicerContext[Any, Any], status: tuple[grpc.StatusCode, str]) -> None:

@@ -250,3 +250,28 @@ def test_the_limits_are_the_documented_ones():
     assert (service.DESCRIBED_TOKENS, service.DESCRIBE_CALL_TOKENS) == (
         DESCRIBED_TOKENS, DESCRIBE_CALL_TOKENS)
     assert kv_events.PENDING_BYTES == PENDING_BYTES
+
+
+def test_refused_large_publishes_are_not_kept_until_the_collector_happens_to_run(
+        daemon_factory):
+    """Publish streams refused for their first message (a malformed key), each carrying a
+    16 MiB chunk: gRPC keeps each call's state in a reference cycle, so every refused
+    request stayed in memory until Python's cyclic collector ran, which counts objects, not
+    bytes (+426 MiB over 35 such calls before; about one collection per second now)."""
+    import time
+
+    d = daemon_factory("--host-bytes", "16MiB", "--disk-bytes", "0").start()
+    layout = small_layout()
+    with grpc.insecure_channel(d.target, options=BIG_MESSAGES) as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        payload = os.urandom(16 * MiB)
+
+        def refused() -> None:
+            msg = pb.PublishChunk(namespace=bytes(32), layout=layout_pb(layout), keys=[b"short"],
+                                  block_index=0, chunk_offset=0, data=payload)
+            code, details = _code(lambda: stub.Publish(iter([msg]), timeout=30))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            time.sleep(0.05)
+
+        grown = _growth(d.proc.pid, refused, calls=35, warmup=10)
+    assert grown < 192 * MiB, f"+{grown / MiB:.0f} MiB over 35 refused 16 MiB publishes"
