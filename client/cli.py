@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     group = clear.add_mutually_exclusive_group(required=True)
     group.add_argument("--namespace", help="namespace digest: 64 hex characters, or the "
                        "start of one `kvstore inspect` lists (its 16, say)")
-    group.add_argument("--all", action="store_true", help="every block in every namespace")
+    group.add_argument("--all", action="store_true",
+                       help="every block in every namespace (the shared remote tier too: every "
+                       "daemon's blocks there)")
     return p
 
 
