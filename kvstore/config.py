@@ -189,7 +189,8 @@ class ServerConfig:
     max_message_bytes: int = _opt(64 << 20, "Largest gRPC message accepted or sent.",
                                   unit="bytes", lo=1 << 20, hi=1 << 30)
     max_concurrent_rpcs: int = _opt(256, "Concurrent calls that create work (Lookup, Fetch, "
-                                    "Publish, Reserve, Clear) before RESOURCE_EXHAUSTED; "
+                                    "Publish, Reserve, Clear, Inspect) before "
+                                    "RESOURCE_EXHAUSTED; "
                                     "Release, Commit, Info, Stats and health are always served. "
                                     "One tenant holds at most half of them, the tenants "
                                     "together three quarters.",

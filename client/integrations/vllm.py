@@ -61,7 +61,8 @@ Disaggregated prefill (`kv_role`; docs/ENGINES.md): `kv_both` loads and saves as
 `kv_producer` (prefill instance) loads too (a prefix cached already is not recomputed) and
 saves synchronously, in the step that completes the prompt's blocks: the proxy gets the
 producer's answer only once those blocks are committed, and its `request_finished` returns
-`{"kvstore_prefilled_tokens": N}` as the request's `kv_transfer_params`. A `kv_consumer`
+`{"kvstore_prefilled_tokens": N, "kvstore_prefill_tokens_per_s": R}` as the request's
+`kv_transfer_params`. A `kv_consumer`
 (decode instance) loads and saves nothing (the producer stored the prompt; generated tokens
 are never stored). A consumer request carrying those params that a lookup finds short (the
 producer's daemon still writing through to the remote tier) stays waiting, unscheduled, and is
