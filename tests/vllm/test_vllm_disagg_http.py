@@ -223,7 +223,8 @@ def test_proxy_completion_decodes_like_one_instance_from_kvstore(pd: Stack) -> N
     assert "max_tokens=1," in prefill["params"] and \
         "'kv_transfer_params': {'do_remote_decode': True" in prefill["params"]
     assert f"max_tokens={MAX_TOKENS}," in decode["params"] and \
-        f"'kv_transfer_params': {{'{PREFILLED}': {len(ids)}}}" in decode["params"]
+        f"'kv_transfer_params': {{'{PREFILLED}': {len(ids)}, " \
+        "'kvstore_prefill_tokens_per_s': " in decode["params"]  # the producer's rate too
     assert_same_generation(generation(got["choices"]), want)
     assert cached_tokens(got) == expected_cached(len(ids)) == len(ids) - 1
     after = stats(pd.daemon)
