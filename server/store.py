@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import secrets
@@ -1029,7 +1030,7 @@ class TieredStore:
         self.counters.integrity_failures += 1
         log.warning("integrity failure in %s tier, block %s: %s; deleting it", tier.name,
                     entry.key.hex()[:16], error)
-        tier.remove(entry.key)  # a no-op while another reader pins it; it fails verification too
+        tier.discard(entry.key)  # hidden now; freed once other readers (failing too) let go
 
     # ---- publish (two-phase)
     def present(self, key: bytes) -> bool:
@@ -1425,13 +1426,25 @@ class TieredStore:
         return removed, await self.clear_remote(namespace)
 
     def clear(self, namespace: bytes | None) -> int:
-        """Remove the unpinned blocks of a namespace (all when None) from every tier."""
+        """Remove the blocks of a namespace (all when None) from every tier. A block a
+        reader pins is gone for every later lookup at once; its space is freed when the
+        reader lets go (`Tier.discard`). A block being written now (a promotion, a
+        demotion's copy, a publish) goes once it lands: it holds what was there before the
+        Clear. Returns the blocks removed now."""
         removed: set[bytes] = set()
+        loop = asyncio.get_running_loop()
         with (self.events.clearing_all() if self.events is not None and namespace is None
               else contextlib.nullcontext()):
             for tier in self.tiers:
-                for key in list(tier.keys(namespace)):
-                    if tier.remove(key):
+                for key, entry in list(tier.entries.items()):
+                    if namespace is not None and entry.namespace != namespace:
+                        continue
+                    if not entry.committed:
+                        # On the next turn of the loop: whoever wrote it pins it first
+                        # (a promotion is committed, then pinned for its reader).
+                        tier.when_landed(key, functools.partial(loop.call_soon, tier.discard,
+                                                                key))
+                    elif tier.discard(key):
                         removed.add(key)
         if self.write_queue is not None:
             for key in removed:

@@ -74,7 +74,10 @@ class Tier(ABC):
         self.listener: Callable[[Tier, BlockEntry, bool], None] | None = None
         self.listener_failures = 0  # errors `_tell` kept out of the tier
         # Called once when a write in flight ends (`when_landed`).
-        self._landing: dict[bytes, list[Callable[[], None]]] = {}
+        self._landing: dict[bytes, list[Callable[[], object]]] = {}
+        # Committed blocks removed (`discard`) while a reader pinned them: gone for every
+        # query now, their space freed when the last pin goes (`complete_load`).
+        self._doomed: set[bytes] = set()
 
     # ---- sizes
     def units_for(self, length: int) -> int:
@@ -84,7 +87,7 @@ class Tier(ABC):
     # ---- queries
     def contains(self, key: bytes) -> bool:
         e = self.entries.get(key)
-        return e is not None and e.committed
+        return e is not None and e.committed and key not in self._doomed
 
     def holds(self, key: bytes) -> bool:
         """Committed or being written."""
@@ -92,12 +95,13 @@ class Tier(ABC):
 
     def get(self, key: bytes) -> BlockEntry | None:
         e = self.entries.get(key)
-        return e if e is not None and e.committed else None
+        return e if e is not None and e.committed and key not in self._doomed else None
 
     def keys(self, namespace: bytes | None = None) -> Iterator[bytes]:
         """Committed keys, of one namespace when given."""
         for k, e in list(self.entries.items()):
-            if e.committed and (namespace is None or e.namespace == namespace):
+            if e.committed and (namespace is None or e.namespace == namespace) \
+                    and k not in self._doomed:
                 yield k
 
     # ---- store
@@ -127,7 +131,7 @@ class Tier(ABC):
         self.policy.unpin(entry.key)
         self._landed(entry.key)
 
-    def when_landed(self, key: bytes, fn: Callable[[], None]) -> None:
+    def when_landed(self, key: bytes, fn: Callable[[], object]) -> None:
         """Call `fn` once the write of `key` in flight here ends: committed, aborted or
         detached (at once if none is in flight)."""
         e = self.entries.get(key)
@@ -156,6 +160,7 @@ class Tier(ABC):
             self._landed(key)
         self.committed_blocks = 0
         self.by_namespace.clear()
+        self._doomed.clear()
 
     def abort_store(self, entry: BlockEntry) -> None:
         if self.entries.get(entry.key) is entry:
@@ -217,6 +222,9 @@ class Tier(ABC):
     def complete_load(self, entry: BlockEntry) -> None:
         if self.entries.get(entry.key) is entry:
             self.policy.unpin(entry.key)
+            if entry.key in self._doomed and not self.policy.is_pinned(entry.key):
+                self._doomed.discard(entry.key)
+                self._drop(entry, counted=False)  # its last reader let go
 
     # ---- eviction and removal
     def next_victim(self) -> bytes | None:
@@ -230,10 +238,26 @@ class Tier(ABC):
 
     def remove(self, key: bytes) -> bool:
         """Forget a committed, unpinned block; False when absent or pinned."""
-        entry = self.entries.get(key)
-        if entry is None or not entry.committed or self.policy.is_pinned(key):
+        entry = self.get(key)
+        if entry is None or self.policy.is_pinned(key):
             return False
         self._drop(entry)
+        return True
+
+    def discard(self, key: bytes) -> bool:
+        """Forget a committed block even while readers pin it (a Clear, a corrupt block):
+        gone at once for every query, counts and listener; its space (and on disk its
+        record) stays until the last reader lets go, so no read in flight sees it reused.
+        False when absent."""
+        entry = self.get(key)
+        if entry is None:
+            return False
+        if not self.policy.is_pinned(key):
+            self._drop(entry)
+            return True
+        self._doomed.add(key)
+        self._count(entry, -1)
+        self._tell(entry, False)
         return True
 
     def evict(self, key: bytes) -> bool:
@@ -242,17 +266,19 @@ class Tier(ABC):
             self.policy.count_eviction()
         return removed
 
-    def _drop(self, entry: BlockEntry) -> None:
+    def _drop(self, entry: BlockEntry, counted: bool = True) -> None:
+        """Free `entry`; `counted` False: already taken out of the counts and told
+        (`discard`)."""
         del self.entries[entry.key]
-        if entry.committed:
+        if entry.committed and counted:
             self._count(entry, -1)
         self.policy.remove(entry.key)
         self.alloc.free(entry.unit, entry.units)
         self._on_drop(entry)
-        if entry.committed:
-            self._tell(entry, False)
-        else:
+        if not entry.committed:
             self._landed(entry.key)
+        elif counted:
+            self._tell(entry, False)
 
     def _tell(self, entry: BlockEntry, stored: bool) -> None:
         """The listener, which must not undo a change half made: an error in it (the KV

@@ -11,6 +11,7 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import KVClient
@@ -256,3 +257,33 @@ def test_tier_bytes_count_host_reads_and_promotions_into_host(daemon_factory):
     r = kvstore_cli("--target", d.target, "stats")
     host_row = next(line.split() for line in r.stdout.splitlines() if line.startswith("host "))
     assert host_row[-6:-2] == ["96.0", "KiB", "128.0", "KiB"]  # read, written
+
+
+def test_a_clear_while_a_client_reads_leaves_nothing_behind(daemon_factory):
+    """A Clear while a client holds a fetch lease on the blocks (reading them out of the
+    daemon's memory): every later lookup misses at once, the reader still copies the bytes
+    it was given, and the blocks' space is freed when it lets go. Before, the blocks it
+    held survived the Clear and were served again."""
+    d = daemon_factory().start()
+    layout = small_layout()
+    tokens, kv = list(range(64)), random_kv(layout, 64)
+    copied: dict[int, torch.Tensor] = {}
+    bt = layout.block_tokens
+    with KVClient(d.target, layout, transfer="shm") as reader, \
+            KVClient(d.target, layout) as other:
+        assert reader.publish(tokens, kv) == 64
+
+        def consume(blocks, views, stop):
+            assert other.clear() == 4  # while this lease pins all four
+            assert other.lookup(tokens) == 0
+            copied.update((b, v.clone()) for b, v in zip(blocks, views, strict=True))
+            return None
+
+        assert reader.fetch_with(tokens, consume, whole=True) == 64
+        assert other.lookup(tokens) == 0
+        host = next(t for t in other.stats().tiers if t.name == "host")
+        assert (host.blocks, host.used_bytes, host.pinned_blocks) == (0, 0, 0)
+        assert sorted(copied) == [0, 1, 2, 3]  # what the lease was given, intact:
+        assert all(same_bytes(copied[b], kv[:, :, b * bt : (b + 1) * bt]) for b in copied)
+        assert reader.publish(tokens, kv) == 64  # and it can be stored again
+        assert other.lookup(tokens) == 64

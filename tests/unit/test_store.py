@@ -428,16 +428,57 @@ def test_clear_namespace_removes_only_that_namespace(tiny: TieredStore) -> None:
         assert list(tiny.disk.keys(NS_A)) == []
         lease = await tiny.fetch(b, LAYOUT)
         assert fetched_bytes(tiny, lease) == [payload(k) for k in b]
-        # Pinned blocks survive a clear; the rest of the namespace goes.
-        tiny.clear(None)
-        assert tiny.host.contains(b[0])
-        assert tiny.host.contains(b[1])
+        # Blocks a reader pins go too: gone for every lookup at once, their bytes the
+        # reader's until it lets go, their space freed then.
+        used = tiny.host.stats().used_bytes
+        assert tiny.clear(None) == 2
+        assert tiny.lookup(b) == []
+        assert not any(tiny.host.contains(k) for k in b)
+        assert list(tiny.host.keys()) == [] and tiny.host.stats().blocks == 0
+        assert tiny.host.stats().used_bytes == used  # still the reader's
+        assert fetched_bytes(tiny, lease) == [payload(k) for k in b]
+        assert (await tiny.fetch(b, LAYOUT)).entries == []
+        assert tiny.clear(None) == 0  # counted once
         tiny.release(lease.id)
-        tiny.clear(None)
-        assert list(tiny.host.keys()) == []
-        assert list(tiny.disk.keys()) == []
+        assert tiny.host.stats().used_bytes == 0
+        assert tiny.host.entries == {}
+        assert (await publish(tiny, b, NS_B)).needed == [True, True]  # writable again
+        assert tiny.lookup(b) == ["host", "host"]
 
     asyncio.run(main())
+
+
+def test_a_clear_during_a_promotion_leaves_nothing_once_the_reader_lets_go(
+        tmp_path: Path) -> None:
+    """A Clear while a fetch reads a prefix from disk into host: the fetch still gets the
+    bytes it asked for, and neither the disk records it read nor the host copies it
+    promoted them into outlive it (they came back, as host blocks, before)."""
+    store = make_store(tmp_path, host_blocks=4, disk_read_delay_s=0.5)
+    chain = [key(i) for i in range(2)]
+
+    async def main() -> None:
+        await publish(store, chain)
+        await publish(store, [key(i) for i in range(2, 6)])  # demote the chain
+        assert store.disk is not None and all(store.disk.contains(k) for k in chain)
+        reading = asyncio.ensure_future(store.fetch(chain, LAYOUT))
+        await asyncio.sleep(0.2)  # its host reservations made, its disk reads stalled
+        assert store.clear(None) >= 2
+        assert store.lookup(chain) == []
+        lease = await reading
+        assert lease.tiers == ["disk", "disk"]
+        assert fetched_bytes(store, lease) == [payload(k) for k in chain]
+        await asyncio.sleep(0)  # the landed promotions' removal runs on the next turn
+        assert store.lookup(chain) == []
+        store.release(lease.id)
+        for tier in store.tiers:
+            assert tier.entries == {}, tier.name
+            assert tier.stats().used_bytes == 0, tier.name
+
+    asyncio.run(main())
+    store.close()
+    reopened = DiskTier(tmp_path / "disk", 16 * 3 * PAGE, sync="never")
+    assert list(reopened.keys()) == []  # the index forgot them too
+    reopened.close()
 
 
 def test_flush_writes_host_only_blocks_to_disk(store: TieredStore) -> None:
