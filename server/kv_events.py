@@ -378,6 +378,11 @@ class EventTracker:
         self.pending_dropped = 0  # pending descriptions dropped past the limits
         self.db = _MetaDB(meta_path) if meta_path is not None else None
         self._batch = _Batching([])
+        # Stored copies of each engine block per medium: two kvstore blocks can cover the same
+        # engine blocks (tenants sharing a system prompt, each in its own namespace), and a
+        # router told one copy left must not forget the other. Counted from this process's
+        # changes only: a disk block held since before a restart counts as unknown.
+        self._copies: dict[tuple[str, int | None, bytes | int], int] = {}
         # During a clear of everything, its removals (one AllBlocksCleared replaces them).
         self._clearing: list[BlockRemoved] | None = None
         for tier in self.tiers:
@@ -386,11 +391,14 @@ class EventTracker:
     # ---- descriptions from clients
     def describe(self, key: bytes, meta: EngineBlocks) -> None:
         """Attach `meta` to block `key`; tiers already holding it announce it now."""
-        if self.meta.get(key) == meta:
+        old = self.meta.get(key)
+        if old == meta:
             return
         self.meta[key] = meta
         held = [t for t in self.tiers if t.contains(key)]
         for tier in held:
+            if old is not None:  # re-described: its old engine blocks are no longer held
+                self._removed(tier, old)
             self._stored(tier, key, meta)
         self._unpend(key)  # (re-)described: its latest description, newest
         if not held:
@@ -435,13 +443,7 @@ class EventTracker:
             self.db.delete(key)
         if meta is None:
             return
-        removed = BlockRemoved(block_hashes=list(meta.block_hashes),
-                               medium=MEDIUMS.get(tier.name, tier.name.upper()),
-                               group_idx=meta.group_idx)
-        if self._clearing is not None:
-            self._clearing.append(removed)
-        else:
-            self._emit(removed)
+        self._removed(tier, meta)
         if not any(t.contains(key) for t in self.tiers):
             self.meta.pop(key, None)
 
@@ -452,6 +454,11 @@ class EventTracker:
     def _stored(self, tier: Tier, key: bytes, meta: EngineBlocks) -> None:
         if tier.name == "disk" and self.db is not None:
             self.db.put(key, meta)
+        medium = MEDIUMS.get(tier.name, tier.name.upper())
+        for h in meta.block_hashes:
+            copy = (medium, meta.group_idx, h)
+            self._copies[copy] = self._copies.get(copy, 0) + 1
+        # Sent for every copy: a router takes a second BlockStored as the same fact.
         self._emit(BlockStored(block_hashes=list(meta.block_hashes),
                                parent_block_hash=meta.parent_block_hash,
                                token_ids=list(meta.token_ids), block_size=meta.block_size,
@@ -460,9 +467,30 @@ class EventTracker:
                                kv_cache_spec_kind=meta.spec_kind,
                                kv_cache_spec_sliding_window=meta.sliding_window))
 
+    def _removed(self, tier: Tier, meta: EngineBlocks) -> None:
+        """A copy of `meta`'s engine blocks left `tier`: announce those no other copy there
+        covers (an engine block never counted, held since before a restart, is announced)."""
+        medium = MEDIUMS.get(tier.name, tier.name.upper())
+        gone: list[bytes | int] = []
+        for h in meta.block_hashes:
+            copy = (medium, meta.group_idx, h)
+            left = self._copies.get(copy, 0) - 1
+            if left > 0:
+                self._copies[copy] = left
+                continue
+            self._copies.pop(copy, None)
+            gone.append(h)
+        if not gone:
+            return
+        removed = BlockRemoved(block_hashes=gone, medium=medium, group_idx=meta.group_idx)
+        if self._clearing is not None:
+            self._clearing.append(removed)
+        else:
+            self._emit(removed)
+
     def clearing_all(self) -> _ClearAll:
         """Context for `TieredStore.clear(None)`: its removals become one AllBlocksCleared
-        when every tier ends empty (pinned blocks survive a clear: then one by one)."""
+        when every tier ends empty (else, a copy of a block still held, one by one)."""
         return _ClearAll(self)
 
     # ---- batching: one KVEventBatch per event-loop turn
@@ -488,10 +516,7 @@ class EventTracker:
                 if tier.name in ("gpu", "host"):  # memory tiers; disk blocks stay stored
                     for key, meta in self.meta.items():
                         if tier.contains(key):
-                            self._emit(BlockRemoved(
-                                block_hashes=list(meta.block_hashes),
-                                medium=MEDIUMS.get(tier.name, tier.name.upper()),
-                                group_idx=meta.group_idx))
+                            self._removed(tier, meta)
         self.flush()
         for tier in self.tiers:
             tier.listener = None
@@ -510,6 +535,7 @@ class _ClearAll:
     def __exit__(self, *exc: object) -> None:
         removed, self.tracker._clearing = self.tracker._clearing or [], None
         if all(t.committed_blocks == 0 for t in self.tracker.tiers):
+            self.tracker._copies.clear()
             self.tracker._emit(AllBlocksCleared())
         else:
             for event in removed:

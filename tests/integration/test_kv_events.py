@@ -177,6 +177,43 @@ def test_events_name_engine_blocks_per_tier(events_daemon):
         sub.close()
 
 
+def test_a_block_two_namespaces_hold_is_removed_when_the_last_copy_goes(events_daemon):
+    """Two namespaces (tenants sharing a system prompt, two models with one tokenizer) hold
+    blocks of the same engine hashes. One clearing its own must not tell routers the pod
+    lost blocks the other still holds: before, every copy leaving sent BlockRemoved."""
+    d, pub, _ = events_daemon
+    sub = Subscriber(pub)
+    prompt = list(range(3000, 3000 + 64))
+    engine = vllm_block_hashes(prompt, ENGINE_BLOCK)
+    spans = spans_for(prompt, engine, ENGINE_BLOCK, 64)
+    other_layout = small_layout(block_tokens=64, model="another-model")
+    try:
+        with KVClient(d.target, LAYOUT) as a, KVClient(d.target, other_layout) as b:
+            wait_connected(sub, a)
+            a.clear(all_namespaces=True)
+            sub.drain(lambda ev: any(e["type"] == "AllBlocksCleared" for e in ev))
+            sub.events.clear()
+            for c, layout in ((a, LAYOUT), (b, other_layout)):
+                assert c.publish(prompt, random_kv(layout, 64)) == 64
+                assert c.describe_blocks(prompt, spans) == 1
+            sub.drain(lambda ev: sum(e["type"] == "BlockStored" for e in ev) >= 2)
+            sub.events.clear()
+            assert a.clear() == 1  # a's copy only
+            assert b.lookup(prompt) == 64
+            b.publish(list(range(9000, 9064)), random_kv(other_layout, 64))  # a later batch
+            b.describe_blocks(list(range(9000, 9064)), spans_for(
+                list(range(9000, 9064)), vllm_block_hashes(list(range(9000, 9064)),
+                                                           ENGINE_BLOCK), ENGINE_BLOCK, 64))
+            events = sub.drain(lambda ev: any(e["type"] == "BlockStored" for e in ev))
+            assert any(e["type"] == "BlockStored" for e in events)  # ordered after the clear
+            assert not hashes_in(events, "BlockRemoved", "CPU") & set(engine)
+            assert b.clear() == 2  # the last copy goes: now it is removed
+            events = sub.drain(lambda ev: hashes_in(ev, "BlockRemoved", "CPU") >= set(engine))
+            assert hashes_in(events, "BlockRemoved", "CPU") >= set(engine)
+    finally:
+        sub.close()
+
+
 def test_a_hybrid_groups_blocks_carry_its_group_in_every_event(events_daemon):
     """A block described as one KV-cache group's of a hybrid model (as the vLLM connector
     describes Gemma-shaped models: `group_idx`, kind, window) is announced with them, in CPU
