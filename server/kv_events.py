@@ -391,14 +391,14 @@ class EventTracker:
     # ---- descriptions from clients
     def describe(self, key: bytes, meta: EngineBlocks) -> None:
         """Attach `meta` to block `key`; tiers already holding it announce it now."""
-        old = self.meta.get(key)
-        if old == meta:
+        before = self.meta.get(key)
+        if before == meta:
             return
         self.meta[key] = meta
         held = [t for t in self.tiers if t.contains(key)]
         for tier in held:
-            if old is not None:  # re-described: its old engine blocks are no longer held
-                self._removed(tier, old)
+            if before is not None:  # re-described: its old engine blocks are not held
+                self._removed(tier, before)
             self._stored(tier, key, meta)
         self._unpend(key)  # (re-)described: its latest description, newest
         if not held:
