@@ -248,6 +248,10 @@ class Admission:
             self._take(self.by_tenant, "", -1)
 
 
+class _ClientGone(Exception):
+    """A write to a call's stream failed: its client cancelled it or went away."""
+
+
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Admit (or shed) the call, time it, map kvstore errors to statuses, never let an internal
     error go unlogged."""
@@ -264,8 +268,16 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(request, Undecodable):
                 raise request.reject()
             return await fn(self, request, context)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
         except KVStoreError as e:
             code, status = e.grpc_code, (_code(e), str(e))
+        except _ClientGone:
+            # Its choice, not the daemon's fault: no error to log or alert on.
+            code = "CANCELLED"
+            log.debug("%s: the client went away mid-call", fn.__name__, exc_info=True)
+            return None
         except Exception:
             code = "INTERNAL"
             log.exception("%s failed", fn.__name__)
@@ -471,6 +483,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except TimeoutError:
             raise StalledError(f"the client read nothing for {self.store.lease_timeout_s:g} s "
                                "(lease_timeout_s); the fetch is ended") from None
+        except Exception as e:  # grpc's ExecuteBatchError, AbortError, UsageError: the
+            # stream is gone (cancelled, connection dropped), before the call knows it
+            raise _ClientGone from e
 
     async def _next(self, messages: AsyncIterator[Any], what: str) -> Any:
         """The next message of a client stream (None at its end), or `StalledError` after
