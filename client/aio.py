@@ -862,9 +862,9 @@ class AsyncKVClient:
             # deadline passed, say. The call failed; the caller gets a miss, not CancelledError.
             log.debug("kvstore call cancelled by gRPC")
             return False, None
-        except TimeoutError as e:
+        except TimeoutError:
             if until is None:
-                self._outage(f"TimeoutError: {e}", gone=False)
+                self._outage(f"no answer within deadline_s={timeout:g} s", gone=False)
             return False, None
         except (OSError, KVStoreError) as e:
             self._outage(f"{type(e).__name__}: {e}", gone=False)

@@ -31,7 +31,11 @@ class KVClient:
     """Synchronous kvstore client. Use as a context manager, or call `close()`."""
 
     def __init__(self, target: str, layout: KVLayout, **kwargs: Any) -> None:
-        self._aio = AsyncKVClient(target, layout, **kwargs)
+        """The options are `AsyncKVClient`'s (docs/API.md)."""
+        try:
+            self._aio = AsyncKVClient(target, layout, **kwargs)
+        except TypeError as e:  # a misspelt option: named as the caller wrote the call
+            raise TypeError(str(e).replace("AsyncKVClient.__init__()", "KVClient()")) from None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)

@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstore.errors import (
+    AuthError,
     CapacityError,
     ConfigError,
     IntegrityError,
     InvalidArgumentError,
     KVStoreError,
     LayoutMismatchError,
+    PermissionDeniedError,
 )
 from kvstore.layout import KVLayout
 from kvstore.lazy import lazy_exports
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from kvstore.keys import Namespace, chain_keys
 
 __all__ = [
+    "AuthError",
     "CapacityError",
     "ConfigError",
     "IntegrityError",
@@ -31,6 +34,7 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatchError",
     "Namespace",
+    "PermissionDeniedError",
     "chain_keys",
 ]
 __version__ = "0.1.0"

@@ -129,7 +129,8 @@ class KVBuffers:
         """`shapes`: each layer's keys and values, where they are not the layout's slot (an
         MLA latent, layers of different shapes: `layer_shapes(config)`)."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-            raise ValueError(f"KVBuffers needs a positive number of tokens, got {tokens!r}")
+            raise InvalidArgumentError(f"KVBuffers needs a positive number of tokens, got "
+                                       f"{tokens!r}")
         self.shapes = layer_map(layout, shapes).shapes  # validated
         self.layout, self.tokens, self.device = layout, tokens, torch.device(device)
         self._memory = torch.zeros(cache_elements(self.shapes, tokens),  # zeros: touched now
@@ -846,8 +847,8 @@ class CachedPrefill:
         if prefill_tokens_per_s is not None and prefill_tokens_per_s != "online" and not (
                 isinstance(prefill_tokens_per_s, int | float)
                 and math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s > 0):
-            raise ValueError(f"prefill_tokens_per_s must be a positive number, 'online' or "
-                             f"None, got {prefill_tokens_per_s!r}")
+            raise InvalidArgumentError(f"prefill_tokens_per_s must be a positive number, "
+                                       f"'online' or None, got {prefill_tokens_per_s!r}")
         self.model = model
         self.client = client
         self.prefill_tokens_per_s = prefill_tokens_per_s
@@ -860,7 +861,7 @@ class CachedPrefill:
         expected = layout_for_model(model, client.layout.block_tokens, client.layout.model,
                                     client.layout.model_revision)
         if expected != client.layout:
-            raise ValueError(f"client layout {client.layout} does not match the model's "
+            raise InvalidArgumentError(f"client layout {client.layout} does not match the model's "
                              f"KV cache {expected}")
         # Each cached layer's keys and values (an MLA latent, Gemma 4's head dims per layer);
         # the layers after them read earlier layers' K/V (Gemma 3n, Gemma 4's num_kv_shared_layers).
@@ -909,7 +910,7 @@ class CachedPrefill:
     def _prefill(self, input_ids: torch.Tensor, publish: bool,
                  decode_tokens: int) -> PrefillResult:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
+            raise InvalidArgumentError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
         tokens = input_ids[0].cpu()  # the keys are hashed on the CPU
         n = tokens.shape[0]
         start = time.perf_counter()
@@ -994,7 +995,7 @@ class CachedPrefill:
         or documents other conversations use too), are evicted first
         (`KVClient.end_session`). Returns the blocks marked; 0 when the daemon is down."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
+            raise InvalidArgumentError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
         return self.client.end_session(input_ids[0], shared_tokens)
 
     def plan(self, tokens: torch.Tensor) -> Plan | None:

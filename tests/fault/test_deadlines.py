@@ -10,6 +10,7 @@ deadline, and nothing they had pinned stays pinned.
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import threading
@@ -181,3 +182,22 @@ def test_daemon_lost_during_fetch_is_a_miss_within_deadline(daemon_factory, tran
     soak_record(f"daemon_lost_during_fetch[{transfer}-{how}]", operations=len(record),
                 kills=rounds if how == "kill" else 0, faults=rounds, misses=misses,
                 wrong=0, slowest_ms=round(slowest * 1000, 1))
+
+
+def test_a_hung_daemon_is_logged_as_no_answer_within_the_deadline(daemon_factory, caplog):
+    """A daemon that stops answering (SIGSTOP: a paused VM, a stuck disk): the client's one
+    warning says it gave no answer within the deadline (it said "TimeoutError: ", nothing)."""
+    d = daemon_factory("--disk-bytes", "0").start()
+    layout = small_layout()
+    with KVClient(d.target, layout, deadline_s=DEADLINE_S) as c:
+        assert c.ping()
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvstore.client"):
+                began = time.monotonic()
+                assert c.lookup(list(range(64))) == 0
+                assert time.monotonic() - began < DEADLINE_S + 1.0
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+    lines = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(lines) == 1 and f"no answer within deadline_s={DEADLINE_S:g} s" in lines[0], lines

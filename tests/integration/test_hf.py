@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from kvstore import InvalidArgumentError
 from kvstore.client import KVClient
 from kvstore.client.integrations.hf import (
     CachedPrefill,
@@ -269,7 +270,7 @@ def test_end_session_marks_the_conversations_own_blocks(daemon):
         stats = c.stats()
         assert stats is not None
         assert marked == stats.session_blocks_marked and marked in (1, 2), marked
-        with pytest.raises(ValueError, match=r"\[1, n\]"):
+        with pytest.raises(InvalidArgumentError, match=r"\[1, n\]"):
             engine.end_session(a[0])
         # The hint changes no output: the conversation's blocks still load, identically.
         r = engine.prefill(a, publish=False)
@@ -368,7 +369,7 @@ def test_planner_recompute_and_online_speed_keep_logits_identical(daemon):
         assert r.plan is not None  # whatever it chose, the output is the model's own
         assert r.cached_tokens == r.plan.load_tokens
         assert (r.logits - split_logits(model, ids, r.cached_tokens)).abs().max().item() == 0.0
-    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+    with pytest.raises(InvalidArgumentError, match="prefill_tokens_per_s"):
         CachedPrefill(model, c, prefill_tokens_per_s=0.0)
 
 
