@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import stat
 import tomllib
@@ -29,6 +30,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MIN_TOKEN_CHARS = 16  # as for tenant tokens (`server.tenancy`): no guessable admin secret
+# The largest `token_file` or `tenant_tokens_file` read: thousands of tokens fit, and a file
+# swapped for a huge one (or a link to /dev/zero) cannot take the daemon's memory.
+MAX_SECRET_FILE_BYTES = 1 << 20
 
 
 def parse_size(value: int | float | str, option: str = "size") -> int:
@@ -115,13 +119,14 @@ class ServerConfig:
                       "`token_file` or `KVSTORE_TOKEN`: a `--token` flag is readable by every "
                       "local user in /proc (the daemon warns).", secret=True)
     token_file: str = _opt("", "File holding the admin `token` (mode 0600, one line; "
-                           "surrounding whitespace ignored); read again at SIGHUP. Empty: "
-                           "none.")
-    tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
+                           "surrounding whitespace ignored; a regular file, or a symlink to "
+                           "one, of at most 1 MiB); read again at SIGHUP. Empty: none.")
+    tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600; a regular file, "
+                                   "or a symlink to one, of at most 1 MiB): a TCP client "
                                    "presenting a tenant's token is confined to that tenant's "
                                    "blocks, whatever its requests say. Read again at SIGHUP "
-                                   "(a file that fails a check changes nothing). Empty: no "
-                                   "tenants.")
+                                   "(a file that fails a check, or takes over 5 s to read, "
+                                   "changes nothing). Empty: no tenants.")
     tenant_weights: str = _opt("", "Each tenant's weight in the tiers, as `TENANT=WEIGHT` "
                                "pairs separated by commas (`alpha=3,bravo=1`); `@unscoped` "
                                "names the unscoped callers (the Unix socket, the admin token). "
@@ -349,19 +354,57 @@ def problems(error: ConfigError) -> str:
     return f"{len(lines)} problems:" + "".join(f"\n  {line}" for line in lines)
 
 
-def read_token_file(path: str | Path, option: str = "token_file") -> str:
-    """The token in a secret file: readable by its owner only, at least `MIN_TOKEN_CHARS`
-    characters. Raises `ConfigError` naming `option` (and never quoting the token)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-        text = p.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{option}: cannot read {p}: "
-                          f"{getattr(e, 'strerror', None) or e}") from None
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def _check_secret_file(p: Path, st: os.stat_result, option: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{option}: {p} is {_file_kind(st.st_mode)}, not a regular file")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{option}: {p} is accessible by group or others (mode "
                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    if st.st_size > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{option}: {p} is larger than {MAX_SECRET_FILE_BYTES >> 20} MiB "
+                          f"({st.st_size} bytes); is it the right file?")
+
+
+def read_secret_file(path: str | Path, option: str) -> str:
+    """The text of a secret file (`token_file`, `tenant_tokens_file`), checked before any of it
+    is read: a regular file (a symlink to one is fine: Kubernetes mounts secrets so), readable
+    by its owner only, at most `MAX_SECRET_FILE_BYTES`. Raises `ConfigError` naming `option`.
+
+    A FIFO or device in its place is refused, never read: opening a FIFO waits for a writer and
+    /dev/zero never ends, and at a reload (SIGHUP) either froze the daemon. The checks are made
+    again on the opened descriptor, as the path may be swapped after the first; it is opened
+    non-blocking, so a FIFO swapped in meanwhile does not block the open either."""
+    p = Path(path)
+    try:
+        _check_secret_file(p, os.stat(p), option)  # a device is refused before it is opened
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, "rb") as f:  # closes fd
+            _check_secret_file(p, os.fstat(fd), option)  # what was opened
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot read {p}: {e.strerror or e}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:  # it grew after the fstat
+        raise ConfigError(f"{option}: {p} is larger than {MAX_SECRET_FILE_BYTES >> 20} MiB; is "
+                          "it the right file?")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{option}: {p} is not UTF-8 text") from None
+
+
+def read_token_file(path: str | Path, option: str = "token_file") -> str:
+    """The token in a secret file (`read_secret_file`'s checks): at least `MIN_TOKEN_CHARS`
+    characters. Raises `ConfigError` naming `option` (and never quoting the token)."""
+    text = read_secret_file(path, option).strip()
     check_token(text, option)
     return text
 
