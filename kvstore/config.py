@@ -9,6 +9,7 @@ points read files and the environment (`load_config`); library code takes a `Ser
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -424,19 +425,51 @@ def admin_token(config: ServerConfig) -> str:
     return config.token
 
 
+def _shown(raw: Any) -> str:
+    """A value for a message, as TOML writes it (`true`, not Python's `True`), at most 40
+    characters."""
+    if isinstance(raw, bool):
+        return str(raw).lower()
+    if isinstance(raw, dict):
+        return "a table"
+    if isinstance(raw, list):
+        return "an array"
+    if isinstance(raw, datetime.date | datetime.time):
+        return f"a date or time ({raw.isoformat()})"
+    text = repr(raw)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _coerce(name: str, raw: Any) -> Any:
+    """`raw` (a TOML value, or the text of an environment variable or flag) as option `name`
+    holds it. A TOML value of another type is refused, not converted: `3.9` is no int (int()
+    made it 3), `true` no number (it made 1), `[1, 2]` no path (it made "[1, 2]"). Text is
+    parsed, as a variable's or a flag's must be."""
     f = {f.name: f for f in dataclasses.fields(ServerConfig)}.get(name)
     if f is None:
         raise ConfigError(f"unknown option {name!r}{_did_you_mean(name)}")
     if f.metadata["unit"] == "bytes":
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ConfigError(f"{name}: expected a size, got {_shown(raw)}")
         return parse_size(raw, name)
-    kind: Any = type(f.default)  # str, int, float or bool: the field's declared type
+    kind: type = type(f.default)  # str, int or float: the field's declared type
+    if kind is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{name}: expected str, got {_shown(raw)}")
+        if "\0" in raw:  # no path or address holds one; open() would raise ValueError
+            raise ConfigError(f"{name}: contains a NUL character")
+        return raw
+    # A float field takes an int (`30`); an int field no float, not even `4.0`: int() would
+    # round `3.9` down (and `inf` raise OverflowError) where the writer meant something else.
+    allowed: tuple[type, ...] = (str, int) if kind is int else (str, int, float)
+    if isinstance(raw, bool) or not isinstance(raw, allowed):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {_shown(raw)}")
     try:
-        if kind is bool:
-            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
         return kind(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+    except ValueError:  # text: "3.9" or "inf" for an int, "soon"
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {_shown(raw)}") from None
+    except OverflowError:  # an int too large for a float
+        raise ConfigError(f"{name}: {_shown(raw)} is out of range") from None
 
 
 def _did_you_mean(name: str, env: bool = False) -> str:
@@ -483,11 +516,16 @@ def load_config(
 
     if file:
         try:
-            data = tomllib.loads(Path(file).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            data = tomllib.loads(Path(file).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {file}: not UTF-8 text (byte {e.start})") from None
+        except (OSError, ValueError) as e:  # ValueError: TOMLDecodeError, an int of 5000 digits
             raise ConfigError(f"config file {file}: {e}") from None
-        data = data.get("server", data)
-        for k, v in data.items():
+        server = data.get("server", data)
+        if not isinstance(server, dict):  # `server = 1`: as unusable as a file that won't parse
+            raise ConfigError(f"config file {file}: server: expected a table of options "
+                              f"([server]), got {_shown(server)}")
+        for k, v in server.items():
             take(k.replace("-", "_"), v)
     for k, v in (env or {}).items():
         if k.startswith("KVSTORE_") and k not in OTHER_ENV:
