@@ -9,8 +9,10 @@ points read files and the environment (`load_config`); library code takes a `Ser
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
+import os
 import re
 import stat
 import tomllib
@@ -29,6 +31,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 MIN_TOKEN_CHARS = 16  # as for tenant tokens (`server.tenancy`): no guessable admin secret
+# The largest `token_file` or `tenant_tokens_file` read: thousands of tokens fit, and a file
+# swapped for a huge one (or a link to /dev/zero) cannot take the daemon's memory.
+MAX_SECRET_FILE_BYTES = 1 << 20
 
 
 def parse_size(value: int | float | str, option: str = "size") -> int:
@@ -115,13 +120,14 @@ class ServerConfig:
                       "`token_file` or `KVSTORE_TOKEN`: a `--token` flag is readable by every "
                       "local user in /proc (the daemon warns).", secret=True)
     token_file: str = _opt("", "File holding the admin `token` (mode 0600, one line; "
-                           "surrounding whitespace ignored); read again at SIGHUP. Empty: "
-                           "none.")
-    tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600): a TCP client "
+                           "surrounding whitespace ignored; a regular file, or a symlink to "
+                           "one, of at most 1 MiB); read again at SIGHUP. Empty: none.")
+    tenant_tokens_file: str = _opt("", "File of `TENANT TOKEN` lines (mode 0600; a regular file, "
+                                   "or a symlink to one, of at most 1 MiB): a TCP client "
                                    "presenting a tenant's token is confined to that tenant's "
                                    "blocks, whatever its requests say. Read again at SIGHUP "
-                                   "(a file that fails a check changes nothing). Empty: no "
-                                   "tenants.")
+                                   "(a file that fails a check, or takes over 5 s to read, "
+                                   "changes nothing). Empty: no tenants.")
     tenant_weights: str = _opt("", "Each tenant's weight in the tiers, as `TENANT=WEIGHT` "
                                "pairs separated by commas (`alpha=3,bravo=1`); `@unscoped` "
                                "names the unscoped callers (the Unix socket, the admin token). "
@@ -349,19 +355,57 @@ def problems(error: ConfigError) -> str:
     return f"{len(lines)} problems:" + "".join(f"\n  {line}" for line in lines)
 
 
-def read_token_file(path: str | Path, option: str = "token_file") -> str:
-    """The token in a secret file: readable by its owner only, at least `MIN_TOKEN_CHARS`
-    characters. Raises `ConfigError` naming `option` (and never quoting the token)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-        text = p.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{option}: cannot read {p}: "
-                          f"{getattr(e, 'strerror', None) or e}") from None
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def _check_secret_file(p: Path, st: os.stat_result, option: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{option}: {p} is {_file_kind(st.st_mode)}, not a regular file")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{option}: {p} is accessible by group or others (mode "
                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    if st.st_size > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{option}: {p} is larger than {MAX_SECRET_FILE_BYTES >> 20} MiB "
+                          f"({st.st_size} bytes); is it the right file?")
+
+
+def read_secret_file(path: str | Path, option: str) -> str:
+    """The text of a secret file (`token_file`, `tenant_tokens_file`), checked before any of it
+    is read: a regular file (a symlink to one is fine: Kubernetes mounts secrets so), readable
+    by its owner only, at most `MAX_SECRET_FILE_BYTES`. Raises `ConfigError` naming `option`.
+
+    A FIFO or device in its place is refused, never read: opening a FIFO waits for a writer and
+    /dev/zero never ends, and at a reload (SIGHUP) either froze the daemon. The checks are made
+    again on the opened descriptor, as the path may be swapped after the first; it is opened
+    non-blocking, so a FIFO swapped in meanwhile does not block the open either."""
+    p = Path(path)
+    try:
+        _check_secret_file(p, os.stat(p), option)  # a device is refused before it is opened
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, "rb") as f:  # closes fd
+            _check_secret_file(p, os.fstat(fd), option)  # what was opened
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot read {p}: {e.strerror or e}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:  # it grew after the fstat
+        raise ConfigError(f"{option}: {p} is larger than {MAX_SECRET_FILE_BYTES >> 20} MiB; is "
+                          "it the right file?")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{option}: {p} is not UTF-8 text") from None
+
+
+def read_token_file(path: str | Path, option: str = "token_file") -> str:
+    """The token in a secret file (`read_secret_file`'s checks): at least `MIN_TOKEN_CHARS`
+    characters. Raises `ConfigError` naming `option` (and never quoting the token)."""
+    text = read_secret_file(path, option).strip()
     check_token(text, option)
     return text
 
@@ -381,19 +425,51 @@ def admin_token(config: ServerConfig) -> str:
     return config.token
 
 
+def _shown(raw: Any) -> str:
+    """A value for a message, as TOML writes it (`true`, not Python's `True`), at most 40
+    characters."""
+    if isinstance(raw, bool):
+        return str(raw).lower()
+    if isinstance(raw, dict):
+        return "a table"
+    if isinstance(raw, list):
+        return "an array"
+    if isinstance(raw, datetime.date | datetime.time):
+        return f"a date or time ({raw.isoformat()})"
+    text = repr(raw)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _coerce(name: str, raw: Any) -> Any:
+    """`raw` (a TOML value, or the text of an environment variable or flag) as option `name`
+    holds it. A TOML value of another type is refused, not converted: `3.9` is no int (int()
+    made it 3), `true` no number (it made 1), `[1, 2]` no path (it made "[1, 2]"). Text is
+    parsed, as a variable's or a flag's must be."""
     f = {f.name: f for f in dataclasses.fields(ServerConfig)}.get(name)
     if f is None:
         raise ConfigError(f"unknown option {name!r}{_did_you_mean(name)}")
     if f.metadata["unit"] == "bytes":
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ConfigError(f"{name}: expected a size, got {_shown(raw)}")
         return parse_size(raw, name)
-    kind: Any = type(f.default)  # str, int, float or bool: the field's declared type
+    kind: type = type(f.default)  # str, int or float: the field's declared type
+    if kind is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{name}: expected str, got {_shown(raw)}")
+        if "\0" in raw:  # no path or address holds one; open() would raise ValueError
+            raise ConfigError(f"{name}: contains a NUL character")
+        return raw
+    # A float field takes an int (`30`); an int field no float, not even `4.0`: int() would
+    # round `3.9` down (and `inf` raise OverflowError) where the writer meant something else.
+    allowed: tuple[type, ...] = (str, int) if kind is int else (str, int, float)
+    if isinstance(raw, bool) or not isinstance(raw, allowed):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {_shown(raw)}")
     try:
-        if kind is bool:
-            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
         return kind(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {raw!r}") from None
+    except ValueError:  # text: "3.9" or "inf" for an int, "soon"
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {_shown(raw)}") from None
+    except OverflowError:  # an int too large for a float
+        raise ConfigError(f"{name}: {_shown(raw)} is out of range") from None
 
 
 def _did_you_mean(name: str, env: bool = False) -> str:
@@ -440,11 +516,16 @@ def load_config(
 
     if file:
         try:
-            data = tomllib.loads(Path(file).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
+            data = tomllib.loads(Path(file).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {file}: not UTF-8 text (byte {e.start})") from None
+        except (OSError, ValueError) as e:  # ValueError: TOMLDecodeError, an int of 5000 digits
             raise ConfigError(f"config file {file}: {e}") from None
-        data = data.get("server", data)
-        for k, v in data.items():
+        server = data.get("server", data)
+        if not isinstance(server, dict):  # `server = 1`: as unusable as a file that won't parse
+            raise ConfigError(f"config file {file}: server: expected a table of options "
+                              f"([server]), got {_shown(server)}")
+        for k, v in server.items():
             take(k.replace("-", "_"), v)
     for k, v in (env or {}).items():
         if k.startswith("KVSTORE_") and k not in OTHER_ENV:

@@ -20,10 +20,13 @@ Every option can be set, lowest precedence first, by its default, a TOML file
 (`kvstore-server --config FILE`; keys at the top level or under `[server]`), an environment
 variable `KVSTORE_<NAME>` (upper case), or a command-line flag `--<name-with-dashes>`.
 Sizes accept units: `1048576`, `512MiB`, `64GiB`, `1.5GB`; a number of bytes must be whole
-(`1073741824.5` is refused; `1.3GiB` is rounded down). Invalid values stop start-up with one
-message line each, naming the option (an unknown one with the closest option's name, if any);
-flags are matched whole, never by a prefix. `kvstore-server --print-config` shows the effective
-configuration with secrets redacted, and `kvstore config check FILE` validates a file.
+(`1073741824.5` is refused; `1.3GiB` is rounded down). A TOML value must be of the option's
+type (its default shows it), or a string holding one: an integer option refuses `3.9`, `inf`
+and `true` rather than round them, a float option takes an integer too, and a path or name is
+a string without NUL characters. Invalid values stop start-up with one message line each,
+naming the option (an unknown one with the closest option's name, if any); flags are matched
+whole, never by a prefix. `kvstore-server --print-config` shows the effective configuration
+with secrets redacted, and `kvstore config check FILE` validates a file.
 
 | option | flag | environment | default | unit | bounds | description |
 | --- | --- | --- | --- | --- | --- | --- |

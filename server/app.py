@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import gc
 import json
 import logging
@@ -23,6 +24,7 @@ import signal
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +51,9 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 # A TCP connection that has not completed gRPC's handshake within this is closed, so silent
 # ones (a flood) give their slot of `max_tcp_connections` back soon (gRPC's default: 120 s).
 HANDSHAKE_MS = 10_000
+# A SIGHUP's reading of the tokens files gives up after this and changes nothing: a hung NFS or
+# FUSE secrets mount must not hold the reload for good (the reading runs off the event loop).
+RELOAD_READ_TIMEOUT_S = 5.0
 
 
 def _grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -187,10 +192,7 @@ class Daemon:
         self.config = config
         self.data_dir = Path(config.data_dir)
         # Read before anything is opened: a bad tokens file stops start-up, naming the option.
-        self.tokens = (TokenTable(admin_token(config),
-                                  load_tenant_tokens(config.tenant_tokens_file)
-                                  if config.tenant_tokens_file else None)
-                       if config.listen else None)
+        self.tokens = self._token_table() if config.listen else None
         weights = owner_weights(parse_tenant_weights(config.tenant_weights),
                                 self.tokens.tenants if self.tokens is not None else None)
         self._lock_fd = _lock_data_dir(self.data_dir)
@@ -242,6 +244,9 @@ class Daemon:
         self.servers: list[grpc.aio.Server] = []
         self._stopping = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._reloads: set[asyncio.Task[bool]] = set()  # SIGHUPs' (a reference keeps each)
+        self._reload_lock = asyncio.Lock()  # one reload at a time, in the order they came
+        self._reader: threading.Thread | None = None  # the last reload's reading
 
     def _start_events(self) -> None:
         # Imported here: pyzmq and msgspec are needed only with `kv_events` set.
@@ -340,9 +345,9 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
-        loop.add_signal_handler(signal.SIGHUP, self.reload_tokens)
+        loop.add_signal_handler(signal.SIGHUP, self._sighup)
         if reload_pending():
-            self.reload_tokens()
+            self._sighup()
         try:
             await self.start()
         except BaseException:
@@ -375,39 +380,86 @@ class Daemon:
             self.config.socket_path.unlink(missing_ok=True)
         os.close(self._lock_fd)
 
-    def reload_tokens(self) -> bool:
+    def _token_table(self) -> TokenTable:
+        """`token_file` and `tenant_tokens_file` read and checked (at start, and in a thread of
+        its own at a reload); raises `ConfigError` naming what is wrong."""
+        config = self.config
+        return TokenTable(admin_token(config), load_tenant_tokens(config.tenant_tokens_file)
+                          if config.tenant_tokens_file else None)
+
+    def _sighup(self) -> None:
+        """SIGHUP's handler, on the event loop: the reload runs in a task, which reads the
+        files off the loop, so calls are served meanwhile whatever the files are."""
+        task = asyncio.create_task(self.reload_tokens())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _read_token_table(self) -> TokenTable:
+        """`_token_table` in a thread, within `RELOAD_READ_TIMEOUT_S`. A daemon thread, not
+        the loop's executor: a read hung for good (a dead mount) would hold an executor's
+        thread, and with it the daemon's exit (`asyncio.run` joins the executor's threads).
+        While such a read hangs, later reloads do not start another."""
+        files = " and ".join(f for f in (self.config.token_file,
+                                         self.config.tenant_tokens_file) if f)
+        if self._reader is not None and self._reader.is_alive():
+            raise ConfigError(f"a previous reload's reading of {files} has not returned yet "
+                              "(a hung mount?); not read again until it does")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[TokenTable] = loop.create_future()
+
+        def read() -> None:
+            try:
+                outcome = functools.partial(done.set_result, self._token_table())
+            except Exception as e:  # a ConfigError above all: handed to the reload
+                outcome = functools.partial(done.set_exception, e)
+
+            def settle() -> None:
+                if not done.done():  # done: the reload gave up waiting
+                    outcome()
+
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon exited
+                loop.call_soon_threadsafe(settle)
+
+        self._reader = threading.Thread(target=read, name="kvstore-token-reload", daemon=True)
+        self._reader.start()
+        try:
+            return await asyncio.wait_for(done, RELOAD_READ_TIMEOUT_S)
+        except TimeoutError:
+            raise ConfigError(f"reading {files} took over {RELOAD_READ_TIMEOUT_S:g} s (a hung "
+                              "mount?)") from None
+
+    async def reload_tokens(self) -> bool:
         """SIGHUP: read `token_file` and `tenant_tokens_file` again and check them as at start;
         calls from now on use the new tokens (a revoked one is refused at its next call).
-        A file that fails a check changes nothing: the tokens in use stay, and the log says
-        why. True when reloaded."""
+        A file that fails a check, or whose reading errs or hangs, changes nothing: the tokens
+        in use stay, and the log says why. True when reloaded."""
         if self.tokens is None:
             log.info("SIGHUP: nothing to reload (no `listen`, so no tokens)")
             return False
-        config = self.config
-        try:
-            tenants = (load_tenant_tokens(config.tenant_tokens_file)
-                       if config.tenant_tokens_file else None)
-            table = TokenTable(admin_token(config), tenants)
-        except ConfigError as e:
-            log.error("SIGHUP: tokens not reloaded, the ones in use stay: %s", e)
-            return False
-        # A weighted tenant removed from the file is revoked all the same: revocation must
-        # not wait for a restart. (At start, weights naming unlisted tenants are refused.)
-        weighted = parse_tenant_weights(config.tenant_weights)  # checked at start
-        if unlisted := sorted(t for t in weighted if t and t not in table.tenants):
-            log.warning("SIGHUP: tenant_weights names %s, which the tokens file no longer "
-                        "lists: revoked all the same; take it out of tenant_weights before the "
-                        "next restart, which refuses weights of unlisted tenants",
-                        ", ".join(map(repr, unlisted)))
-        before = self.tokens.tenants
-        self.tokens.replace(table)
-        self.metrics.names.add(table.tenants)
-        self.namespaces.names.add(table.tenants)
-        added, gone = sorted(table.tenants - before), sorted(before - table.tenants)
-        log.info("SIGHUP: tokens reloaded: %d tokens, %d tenants%s%s", table.token_count,
-                 len(table.tenants), f"; added {', '.join(added)}" if added else "",
-                 f"; removed {', '.join(gone)} (their blocks stay until evicted)"
-                 if gone else "")
+        async with self._reload_lock:  # else an older reading could land after a newer one
+            try:
+                table = await self._read_token_table()
+            except ConfigError as e:
+                log.error("SIGHUP: tokens not reloaded, the ones in use stay: %s", e)
+                return False
+            config = self.config
+            # A weighted tenant removed from the file is revoked all the same: revocation must
+            # not wait for a restart. (At start, weights naming unlisted tenants are refused.)
+            weighted = parse_tenant_weights(config.tenant_weights)  # checked at start
+            if unlisted := sorted(t for t in weighted if t and t not in table.tenants):
+                log.warning("SIGHUP: tenant_weights names %s, which the tokens file no longer "
+                            "lists: revoked all the same; take it out of tenant_weights before "
+                            "the next restart, which refuses weights of unlisted tenants",
+                            ", ".join(map(repr, unlisted)))
+            before = self.tokens.tenants
+            self.tokens.replace(table)
+            self.metrics.names.add(table.tenants)
+            self.namespaces.names.add(table.tenants)
+            added, gone = sorted(table.tenants - before), sorted(before - table.tenants)
+            log.info("SIGHUP: tokens reloaded: %d tokens, %d tenants%s%s", table.token_count,
+                     len(table.tenants), f"; added {', '.join(added)}" if added else "",
+                     f"; removed {', '.join(gone)} (their blocks stay until evicted)"
+                     if gone else "")
         return True
 
     async def drain(self) -> None:

@@ -23,11 +23,11 @@ import contextvars
 import hashlib
 import hmac
 import re
-import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.config import read_secret_file
 from kvstore.errors import ConfigError
 from kvstore.tiering import OWNER_BYTES, TENANT_NAMESPACE_TAG
 
@@ -118,22 +118,14 @@ def owner_weights(weights: dict[str, float], tenants: Iterable[str] | None,
 def load_tenant_tokens(path: str | Path) -> dict[str, str]:
     """Token -> tenant from a file of `TENANT TOKEN` lines (`#` comments, blank lines).
 
-    Refuses (ConfigError naming `tenant_tokens_file`) a file others can read, malformed lines,
-    tenant names outside `[A-Za-z0-9_.-]`, tokens shorter than 16 characters and a token
-    given twice. A tenant may have several tokens (rotation).
+    Refuses (ConfigError naming `tenant_tokens_file`) what `read_secret_file` refuses (a file
+    others can read, not a regular file, over 1 MiB), malformed lines, tenant names outside
+    `[A-Za-z0-9_.-]`, tokens shorter than 16 characters and a token given twice. A tenant may
+    have several tokens (rotation).
     """
     opt = "tenant_tokens_file"
     p = Path(path)
-    try:
-        st = p.stat()
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{opt}: cannot read {p}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{opt}: {p} is not UTF-8 text") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{opt}: {p} is accessible by group or others (mode "
-                          f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    text = read_secret_file(p, opt)
     tokens: dict[str, str] = {}
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()

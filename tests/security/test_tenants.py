@@ -390,3 +390,178 @@ def test_a_sighup_while_the_daemon_starts_does_not_end_it(daemon_factory, tmp_pa
     assert started == [None], f"the daemon did not start: {started}"
     assert d.proc.poll() is None, "SIGHUP during start-up ended the daemon"
     _wait_log(d, "tokens reloaded: 1 tokens, 1 tenants")
+
+
+def _k8s_secret(secrets: Path, version: str, text: str | None) -> None:
+    """Publish a version of a Kubernetes-style secret volume: `tenants` -> `..data/tenants`,
+    `..data` -> `..VERSION`, swapped atomically (as the kubelet does). `text` None: a FIFO
+    (mode 0600) in the file's place."""
+    d = secrets / f"..{version}"
+    d.mkdir(parents=True)
+    if text is None:
+        os.mkfifo(d / "tenants", 0o600)
+    else:
+        _tokens_file(d, text).rename(d / "tenants")
+    (secrets / "..data_tmp").symlink_to(d.name)
+    os.replace(secrets / "..data_tmp", secrets / "..data")
+    if not (secrets / "tenants").is_symlink():
+        (secrets / "tenants").symlink_to("..data/tenants")
+
+
+def _stats_within(daemon, seconds: float) -> None:
+    """A Stats call over the Unix socket answers within `seconds`: the event loop serves."""
+    with grpc.insecure_channel(daemon.target) as channel:
+        pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=seconds)
+
+
+@pytest.mark.integration
+def test_a_fifo_swapped_in_at_sighup_leaves_the_daemon_serving(daemon_factory, tmp_path):
+    """The tokens file, mounted as Kubernetes mounts secrets (symlinks), becomes a FIFO and
+    the daemon gets SIGHUP: the reload refuses it (it used to open it on the event loop and
+    wait there for a writer: every call stalled, Stats included). The tokens in use stay; a
+    regular file swapped in later is reloaded through the same symlinks."""
+    import signal
+
+    secrets = tmp_path / "secrets"
+    _k8s_secret(secrets, "v1", f"alpha {TOKEN_A}\n")
+    tcp = f"127.0.0.1:{_free_port()}"
+    d = daemon_factory("--listen", tcp, "--tenant-tokens-file", str(secrets / "tenants")).start()
+    layout = small_layout()
+    tokens = list(range(64))
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        assert a.publish(tokens, random_kv(layout, 64)) == 64
+    _k8s_secret(secrets, "v2", None)
+    d.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)  # the signal handled: before the fix, the loop is now stuck in open()
+    _stats_within(d, 2)
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=2) as a:
+        assert a.lookup(tokens) == 64, "the old token lost its access"
+    _wait_log(d, "tenants is a FIFO, not a regular file")
+    _wait_log(d, "tokens not reloaded")
+    _k8s_secret(secrets, "v3", f"bravo {TOKEN_B}\n")
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_log(d, "tokens reloaded: 1 tokens, 1 tenants; added bravo; removed alpha")
+    with KVClient(tcp, layout, token=TOKEN_B, deadline_s=5) as b:
+        assert b.lookup(tokens) == 0 and b.publish(tokens, random_kv(layout, 64)) == 64
+
+
+def _bad_tokens_file(f: Path, kind: str) -> str:
+    """Put a bad `kind` of file at `f`; the message its refusal logs."""
+    f.unlink(missing_ok=True)
+    if kind == "oversized":  # valid lines, then a comment past 1 MiB
+        _tokens_file(f.parent, f"alpha {TOKEN_A}\n# {'x' * (1 << 20)}\n").rename(f)
+        return f"tenant_tokens_file: {f} is larger than 1 MiB"
+    if kind == "fifo":
+        os.mkfifo(f, 0o600)
+        return f"tenant_tokens_file: {f} is a FIFO, not a regular file"
+    f.symlink_to("/dev/zero")  # its mode is 0666, but it was read to the end first: never
+    return f"tenant_tokens_file: {f} is a character device, not a regular file"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["oversized", "dev_zero"])
+def test_an_oversized_or_device_tokens_file_is_refused_at_sighup(daemon_factory, tmp_path,
+                                                                 kind):
+    import signal
+
+    f = _tokens_file(tmp_path, f"alpha {TOKEN_A}\n")
+    tcp = f"127.0.0.1:{_free_port()}"
+    d = daemon_factory("--listen", tcp, "--tenant-tokens-file", str(f)).start()
+    message = _bad_tokens_file(f, kind)
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_log(d, f"SIGHUP: tokens not reloaded, the ones in use stay: {message}")
+    _stats_within(d, 2)
+    layout = small_layout()
+    with KVClient(tcp, layout, token=TOKEN_A, deadline_s=5) as a:
+        assert a.publish(list(range(16)), random_kv(layout, 16)) == 16
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["oversized", "fifo", "dev_zero"])
+def test_an_oversized_fifo_or_device_tokens_file_stops_startup(daemon_factory, tmp_path,
+                                                               kind):
+    """With the one-line error of any file that fails a check: not a hang on the FIFO, nor
+    memory filled from /dev/zero, nor a daemon started with a 1 MiB+ file."""
+    f = tmp_path / "tenants.txt"
+    message = _bad_tokens_file(f, kind)
+    d = daemon_factory("--listen", f"127.0.0.1:{_free_port()}", "--tenant-tokens-file", str(f))
+    with pytest.raises(RuntimeError, match="did not start") as e:
+        d.start(timeout=20)
+    assert f"kvstore-server: {message}" in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_the_admin_token_file_gets_the_same_checks(tmp_path):
+    """`token_file` is read by the same code (the CLI's `--token-file` too). /dev/null, not
+    /dev/zero: the code before the fix read a device to its end."""
+    from kvstore.config import read_token_file
+
+    f = tmp_path / "admin.token"
+    f.write_text(ADMIN + "\n" + " " * (1 << 20))
+    os.chmod(f, 0o600)
+    with pytest.raises(ConfigError, match=f"^token_file: {re.escape(str(f))} is larger than 1 MiB"):
+        read_token_file(f)
+    f.unlink()
+    f.symlink_to("/dev/null")
+    with pytest.raises(ConfigError, match=f"^token_file: {re.escape(str(f))} is a "
+                                          "character device, not a regular file$"):
+        read_token_file(f)
+    real = tmp_path / "..data" / "admin.token"
+    real.parent.mkdir()
+    real.write_text(ADMIN + "\n")
+    os.chmod(real, 0o600)
+    f.unlink()
+    f.symlink_to(real)  # a secret mounted as a symlink works
+    assert read_token_file(f) == ADMIN
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    from kvstore.config import read_token_file
+
+    f = tmp_path / "fifo"
+    os.mkfifo(f, 0o600)
+    with pytest.raises(ConfigError, match=f"^tenant_tokens_file: {re.escape(str(f))} is a FIFO"):
+        load_tenant_tokens(f)
+    with pytest.raises(ConfigError, match=f"^token_file: {re.escape(str(f))} is a FIFO"):
+        read_token_file(f)
+
+
+def test_a_reload_whose_reading_hangs_gives_up_and_reads_no_more_until_it_returns(monkeypatch):
+    """A hung secrets mount (NFS, FUSE), simulated: the reload's reading, off the event loop,
+    gives up after `RELOAD_READ_TIMEOUT_S` (a SIGHUP then changes nothing), and while it
+    hangs a later reload starts no second reading (no thread piled up per SIGHUP)."""
+    import asyncio
+    import threading
+
+    import kvstore.server.app as app
+    from kvstore.config import ServerConfig
+
+    monkeypatch.setattr(app, "RELOAD_READ_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    reads: list[int] = []
+    daemon = app.Daemon.__new__(app.Daemon)  # no tiers, arena or servers: reading alone
+    daemon.config = ServerConfig(listen="127.0.0.1:7070", tenant_tokens_file="/mnt/tenants")
+    daemon._reader = None
+    table = TokenTable(tenant_tokens={TOKEN_A: "alpha"})
+
+    def hung_read() -> TokenTable:
+        reads.append(1)
+        release.wait(10)
+        return table
+
+    monkeypatch.setattr(daemon, "_token_table", hung_read)
+
+    async def reloads() -> None:
+        with pytest.raises(ConfigError, match=r"^reading /mnt/tenants took over 0\.2 s"):
+            await daemon._read_token_table()
+        with pytest.raises(ConfigError, match="previous reload's reading of /mnt/tenants has "
+                                              "not returned yet"):
+            await daemon._read_token_table()
+        release.set()
+        assert daemon._reader is not None
+        daemon._reader.join(5)
+        assert await daemon._read_token_table() is table
+
+    asyncio.run(reloads())
+    assert len(reads) == 2

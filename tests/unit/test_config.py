@@ -371,3 +371,89 @@ def test_the_cli_refuses_flag_prefixes() -> None:
             build_parser().parse_args(argv)
         assert e.value.code == 2
     assert build_parser().parse_args(["top", "--interval", "2"]).interval == 2
+
+
+def test_toml_values_of_another_type_are_refused_not_converted(tmp_path: Path) -> None:
+    """Each one line naming the option. Before: `inf` or `1e400` for an int raised
+    OverflowError (a traceback at start-up); `3.9` became 3, `true` 1, `[1, 2]` the path
+    "[1, 2]", and a NUL byte in a path passed, to fail start-up with "embedded null byte"."""
+    from kvstore.config import problems
+
+    f = _toml(tmp_path, "max_blocks_per_call = inf\nremote_queue_blocks = 1e400\n"
+                        "kv_events_queue = 3.9\nmax_concurrent_rpcs = true\nmetrics_port = 80.0\n"
+                        "lease_timeout_s = true\ndrain_grace_s = 1" + "0" * 400 + "\n"
+                        'data_dir = [1, 2]\nshm_dir = {a = 1}\nsocket = "\\u0000x"\n'
+                        "log_level = 1979-05-27\nhost_bytes = [1]\ndisk_bytes = false\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).splitlines() == [
+        "max_blocks_per_call: expected int, got inf",
+        "remote_queue_blocks: expected int, got inf",
+        "kv_events_queue: expected int, got 3.9",
+        "max_concurrent_rpcs: expected int, got true",
+        "metrics_port: expected int, got 80.0",
+        "lease_timeout_s: expected float, got true",
+        "drain_grace_s: 1000000000000000000000000000000000000... is out of range",
+        "data_dir: expected str, got an array",
+        "shm_dir: expected str, got a table",
+        "socket: contains a NUL character",
+        "log_level: expected str, got a date or time (1979-05-27)",
+        "host_bytes: expected a size, got an array",
+        "disk_bytes: expected a size, got false"]
+    assert problems(e.value).startswith("13 problems:\n  max_blocks_per_call: ")
+    # What is documented or natural stays accepted: an int for seconds, a size as text or a
+    # whole float, a number as text (as a variable or flag gives it).
+    ok = load_config(_toml(tmp_path, 'lease_timeout_s = 30\nhost_bytes = "64MiB"\n'
+                                     'disk_bytes = 4096.0\nmax_concurrent_rpcs = "7"\n'))
+    assert (ok.lease_timeout_s, ok.host_bytes, ok.disk_bytes, ok.max_concurrent_rpcs) == (
+        30.0, 64 << 20, 4096, 7)
+    assert isinstance(ok.lease_timeout_s, float)
+    # Variables and flags are text: the same option refused the same way, naming its source.
+    with pytest.raises(ConfigError, match=r"^max_blocks_per_call: expected int, got 'inf' "
+                                          r"\(environment variable KVSTORE_MAX_BLOCKS_PER_CALL\)$"):
+        load_config(env={"KVSTORE_MAX_BLOCKS_PER_CALL": "inf"})
+    for flag in ("inf", "3.9", "true", "1e400"):
+        with pytest.raises(ConfigError, match=f"^max_blocks_per_call: expected int, got "
+                                              f"'{flag}'$"):
+            load_config(overrides={"max_blocks_per_call": flag})
+
+
+def test_a_server_key_that_is_not_a_table_is_one_line(tmp_path: Path) -> None:
+    """`server = 1` raised AttributeError ('int' object has no attribute 'items')."""
+    f = _toml(tmp_path, "server = 1\n")
+    with pytest.raises(ConfigError, match=r"^config file .*kvstore\.toml: server: expected a "
+                                          r"table of options \(\[server\]\), got 1$"):
+        load_config(f)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    """It raised UnicodeDecodeError: a traceback, from `kvstore config check` too."""
+    f = tmp_path / "kvstore.toml"
+    f.write_bytes(b'log_level = "\xff"\n')
+    with pytest.raises(ConfigError, match=r"^config file .*kvstore\.toml: not UTF-8 text "
+                                          r"\(byte 13\)$"):
+        load_config(f)
+
+
+def test_the_daemon_and_config_check_report_bad_types_one_a_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    f = _toml(tmp_path, 'max_concurrent_rpcs = true\ndata_dir = "\\u0000x"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    daemon = subprocess.run([sys.executable, "-m", "kvstore.server", "--config", str(f),
+                             "--max-blocks-per-call", "inf", "--print-config"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert daemon.returncode == 2
+    assert daemon.stderr.splitlines() == [
+        "kvstore-server: invalid configuration: 3 problems:",
+        "  max_concurrent_rpcs: expected int, got true",
+        "  data_dir: contains a NUL character",
+        "  max_blocks_per_call: expected int, got 'inf'"]
+    f.write_text("max_blocks_per_call = 1e400\n")
+    check = subprocess.run([sys.executable, "-m", "kvstore.client.cli", "config", "check",
+                            str(f)], env=env, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 2
+    assert check.stderr.splitlines() == [
+        f"{f}: invalid: max_blocks_per_call: expected int, got inf"]
