@@ -372,13 +372,7 @@ class Daemon:
         """A start that failed (a port in use): release what `__init__` and `start` took, the
         arena and the socket above all, as a clean stop would."""
         await asyncio.gather(*(s.stop(None) for s in self.servers), return_exceptions=True)
-        if self.store.events is not None:
-            self.store.events.close(host_gone=True)
-            self.store.events.publisher.close()
-        self.store.close()
-        with contextlib.suppress(OSError):
-            self.config.socket_path.unlink(missing_ok=True)
-        os.close(self._lock_fd)
+        self._release()
 
     def _token_table(self) -> TokenTable:
         """`token_file` and `tenant_tokens_file` read and checked (at start, and in a thread of
@@ -488,16 +482,21 @@ class Daemon:
             log.exception("shutdown flush failed; closing anyway")
         finally:
             save_rates(self._rates_file, self.store.read_bandwidth())
-            if self.store.events is not None:  # host blocks go with the arena: say so
-                self.store.events.close(host_gone=True)
-                self.store.events.publisher.close()
-            self.store.close()  # removes the arena file, or leaves it (`_leave_arena`)
-            if self.store.host.hand_over:
-                self._start_keeper()
-            with contextlib.suppress(OSError):  # a read-only directory keeps a dead socket
-                self.config.socket_path.unlink(missing_ok=True)
-            os.close(self._lock_fd)
+            self._release()
         log.info("stopped")
+
+    def _release(self) -> None:
+        """The end of a stop, clean or a failed start: the KV events, the store (the arena
+        removed, or left to the next daemon: `_leave_arena`), the socket, the directory lock."""
+        if self.store.events is not None:  # host blocks go with the arena: say so
+            self.store.events.close(host_gone=True)
+            self.store.events.publisher.close()
+        self.store.close()
+        if self.store.host.hand_over:
+            self._start_keeper()
+        with contextlib.suppress(OSError):  # a read-only directory keeps a dead socket
+            self.config.socket_path.unlink(missing_ok=True)
+        os.close(self._lock_fd)
 
     def _leave_arena(self, writers: int) -> None:
         """Whether `store.close` leaves the host arena to the next daemon (`host_handover_s`):
