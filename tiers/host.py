@@ -60,6 +60,9 @@ class HostTier(SlabTier):
             with contextlib.suppress(OSError):
                 adopted = Arena.adopt(shm_dir, size)
         try:
+            # A directory of its own under /dev/shm (several daemons on one host) is made
+            # here, as the data directory is: the daemon user's only, as the arena is.
+            shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             stale = Arena.remove_stale(shm_dir)
             writer_lock.remove_stale(shm_dir)  # lock files of same-node writers that died
         except OSError as e:

@@ -309,3 +309,15 @@ def test_the_daemon_frees_its_arena_itself_when_no_keeper_starts(tmp_path):
         assert "did not start; arena freed now" in d.log.read_text()
     finally:
         d.kill()
+
+
+def test_a_missing_shm_dir_is_made_the_daemon_users_only(tmp_path: Path) -> None:
+    """OPERATIONS advises a `shm_dir` per daemon on a shared host: one that does not exist
+    yet is made (mode 0700, as the data directory), not a start-up error."""
+    shm = tmp_path / "shm" / "kvstore-gpu0"
+    host = HostTier(1 << 20, shm_dir=shm)
+    try:
+        assert shm.is_dir() and stat.S_IMODE(shm.stat().st_mode) == 0o700
+        assert host.arena.path.parent == shm
+    finally:
+        host.close()
