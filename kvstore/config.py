@@ -169,7 +169,8 @@ class ServerConfig:
                                  "first check, up to 32 periods. 0: it stays degraded until "
                                  "a restart.",
                                  unit="seconds", lo=0, hi=86400)
-    shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map.")
+    shm_dir: str = _opt("/dev/shm", "Directory holding the host arena file clients map (made, "
+                        "mode 0700, if missing). Several daemons on one host: one each.")
     host_prefault: str = _opt("background", "`background`: back the host arena's pages in a "
                               "thread at the lowest CPU priority after start-up, so the "
                               "kernel's first touch of each page (zeroing it) is not paid "
