@@ -526,6 +526,10 @@ def load_config(
         if not isinstance(server, dict):  # `server = 1`: as unusable as a file that won't parse
             raise ConfigError(f"config file {file}: server: expected a table of options "
                               f"([server]), got {_shown(server)}")
+        if server is not data:  # keys beside [server] would be ignored: say so
+            errors.extend(f"config file {file}: {k!r} is outside [server] (options go inside "
+                          "it, or the file has no [server] table at all)"
+                          for k in data if k != "server")
         for k, v in server.items():
             take(k.replace("-", "_"), v)
     for k, v in (env or {}).items():

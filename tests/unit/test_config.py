@@ -457,3 +457,14 @@ def test_the_daemon_and_config_check_report_bad_types_one_a_line(tmp_path: Path)
     assert check.returncode == 2
     assert check.stderr.splitlines() == [
         f"{f}: invalid: max_blocks_per_call: expected int, got inf"]
+
+
+def test_keys_beside_a_server_table_are_refused_not_ignored(tmp_path):
+    """A file with a [server] table and options outside it: those were silently ignored (a
+    `host_bytes` at the top of the file never took effect)."""
+    f = tmp_path / "kv.toml"
+    f.write_text('host_bytes = "1GiB"\n\n[server]\ndisk_bytes = "2GiB"\n')
+    with pytest.raises(ConfigError, match=r"'host_bytes' is outside \[server\]"):
+        load_config(f, env={})
+    f.write_text('[server]\nhost_bytes = "1GiB"\n')
+    assert load_config(f, env={}).host_bytes == 1 << 30
